@@ -1,0 +1,434 @@
+/* symkv: node-wide KV cache sharing and tensor-parallel collectives over GPU symmetric memory.
+ * The whole public C API; a plain C11 compiler accepts it (device API: symkv_device.cuh). */
+#ifndef SYMKV_H
+#define SYMKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(SKV_BUILDING_LIBRARY) && defined(__GNUC__)
+#define SKV_EXTERN __attribute__((visibility("default")))
+#else
+#define SKV_EXTERN
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Version                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+#define SKV_VERSION_MAJOR 0
+#define SKV_VERSION_MINOR 1
+#define SKV_VERSION_PATCH 0
+#define SKV_VERSION_HEX ((SKV_VERSION_MAJOR << 16) | (SKV_VERSION_MINOR << 8) | SKV_VERSION_PATCH)
+
+/* SKV_VERSION_HEX of the library actually loaded (compare with the header's to detect skew). */
+SKV_EXTERN unsigned int skv_version(void);
+/* "0.1.0" plus build details, e.g. "0.1.0 (cuda 13.0, nccl 2.28.9)". */
+SKV_EXTERN const char *skv_version_string(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Errors                                                                                     */
+/*                                                                                            */
+/* Every call returns 0 or a negative code. Codes from system calls are -errno (e.g. -ENOENT);  */
+/* symkv's own codes below start at -1000 so that they never collide with errno values.       */
+/* ------------------------------------------------------------------------------------------ */
+
+#define SKV_ERRNO_MAP(XX)                                                                        \
+  XX(EINVAL, -1001, "invalid argument")                                                        \
+  XX(ENOMEM, -1002, "out of memory")                                                           \
+  XX(ETIMEDOUT, -1003, "timed out waiting for a peer (raise SKV_TIMEOUT_MS or check the peers)") \
+  XX(EAUTH, -1004, "bootstrap token rejected (every PE must use the same SKV_TOKEN)")         \
+  XX(EPROTO, -1005, "malformed or oversized bootstrap message")                               \
+  XX(ECONN, -1006, "bootstrap connection failed or lost (is rank 0 running?)")               \
+  XX(EPEERDEAD, -1007, "a peer process exited")                                                \
+  XX(EMISMATCH, -1008, "PEs called collectives that do not match")                            \
+  XX(ENOTSUP, -1009, "not supported by this build, backend or device")                        \
+  XX(ECUDA, -1010, "CUDA call failed")                                                         \
+  XX(ENCCL, -1011, "NCCL call failed")                                                         \
+  XX(ENOTFOUND, -1012, "not found")                                                            \
+  XX(ESTALE, -1013, "stale page reference (the page was evicted or reused)")                  \
+  XX(ENOSPC, -1014, "no free page or index slot (every page is pinned or the index is full)") \
+  XX(EEXIST, -1015, "already exists")                                                          \
+  XX(ERANGE, -1016, "value out of range")                                                      \
+  XX(ESTATE, -1017, "call not valid in the current state")                                     \
+  XX(ECAPTURE, -1018, "not allowed while a CUDA graph is being captured")                      \
+  XX(EVERSION, -1019, "version mismatch between caller and library")                         \
+  XX(EINTERNAL, -1020, "internal error (please report it with the SKV_DEBUG=INFO log)")
+
+typedef enum skv_err {
+  SKV_OK = 0,
+#define SKV__ERR_ENUM(name, value, msg) SKV_##name = (value),
+  SKV_ERRNO_MAP(SKV__ERR_ENUM)
+#undef SKV__ERR_ENUM
+} skv_err_t;
+
+/* Message for any return code (symkv's own or -errno); never NULL. */
+SKV_EXTERN const char *skv_strerror(int err);
+/* Name for any return code: "SKV_ETIMEDOUT", "ENOENT", "SKV_OK"; never NULL. */
+SKV_EXTERN const char *skv_err_name(int err);
+/* The last detailed failure message of the calling thread ("" if none): what failed, where
+ * (file:line) and what to do next. Valid until the thread's next failing symkv call. */
+SKV_EXTERN const char *skv_last_error(void);
+/* Forget the calling thread's last error. */
+SKV_EXTERN void skv_clear_error(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Logging                                                                                    */
+/*                                                                                            */
+/* SKV_DEBUG=NONE|WARN|INFO|TRACE (default WARN), SKV_DEBUG_SUBSYS=INIT,BOOT,... or ALL, with  */
+/* ^NAME to exclude. Lines look like "host:pid:rank [WARN BOOT] message".                     */
+/* ------------------------------------------------------------------------------------------ */
+
+enum { SKV_LOG_NONE = 0, SKV_LOG_WARN = 1, SKV_LOG_INFO = 2, SKV_LOG_TRACE = 3 };
+
+#define SKV_SUBSYS_MAP(XX)                                                                       \
+  XX(INIT, 0x01)                                                                               \
+  XX(BOOT, 0x02)                                                                               \
+  XX(HEAP, 0x04)                                                                               \
+  XX(POOL, 0x08)                                                                               \
+  XX(INDEX, 0x10)                                                                              \
+  XX(KV, 0x20)                                                                                 \
+  XX(COMM, 0x40)                                                                               \
+  XX(BENCH, 0x80)
+
+enum {
+#define SKV__SUBSYS_ENUM(name, bit) SKV_SUBSYS_##name = (bit),
+  SKV_SUBSYS_MAP(SKV__SUBSYS_ENUM)
+#undef SKV__SUBSYS_ENUM
+  SKV_SUBSYS_ALL = 0xff
+};
+
+/* A log sink receives one formatted line (no trailing newline). It may be called from any
+ * thread, including symkv's background threads; it must not call back into symkv. */
+typedef void (*skv_log_cb)(void *arg, int level, unsigned int subsys, const char *line);
+
+/* Replace the sink (NULL restores the default: stderr). */
+SKV_EXTERN int skv_log_set_sink(skv_log_cb cb, void *arg);
+/* Override SKV_DEBUG / SKV_DEBUG_SUBSYS at run time. */
+SKV_EXTERN int skv_log_set_level(int level, unsigned int subsys_mask);
+/* Write one line through symkv's logger (used by the tools and bindings). */
+SKV_EXTERN void skv_log_message(int level, unsigned int subsys, const char *msg);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Configuration                                                                              */
+/* ------------------------------------------------------------------------------------------ */
+
+#define SKV_CONFIG_VERSION 1
+
+/* Fields left at their init value are taken from the environment (SKV_RANK, ...), then from
+ * defaults. Strings are borrowed: they must stay valid until skv_init returns. */
+typedef struct skv_config {
+  size_t size;           /* sizeof(skv_config_t), set by SKV_CONFIG_INIT */
+  uint32_t version;      /* SKV_CONFIG_VERSION, set by SKV_CONFIG_INIT */
+  int32_t rank;          /* -1: SKV_RANK */
+  int32_t world_size;    /* -1: SKV_WORLD_SIZE */
+  int32_t local_rank;    /* -1: SKV_LOCAL_RANK, else rank (all PEs on one node) */
+  int32_t local_size;    /* -1: SKV_LOCAL_SIZE, else world_size */
+  int32_t timeout_ms;    /* -1: SKV_TIMEOUT_MS, else 60000; bounds every wait */
+  int32_t device;        /* -1: SKV_DEVICE, else local_rank modulo the number of GPUs */
+  uint32_t flags;        /* reserved, must be 0 */
+  const char *bootstrap; /* NULL: SKV_BOOTSTRAP, "tcp://HOST:PORT" of rank 0's store */
+  const char *token;     /* NULL: SKV_TOKEN, shared secret every PE presents (8-128 chars) */
+  const char *bind_addr; /* NULL: SKV_BIND_ADDR, else the host of `bootstrap` (loopback) */
+} skv_config_t;
+
+#define SKV_CONFIG_INIT                                                                          \
+  { sizeof(skv_config_t), SKV_CONFIG_VERSION, -1, -1, -1, -1, -1, -1, 0u, NULL, NULL, NULL }
+
+/* Same as assigning SKV_CONFIG_INIT (for bindings that cannot use the macro). */
+SKV_EXTERN int skv_config_init(skv_config_t *cfg);
+/* Set one field by name from a string ("rank", "world_size", "timeout_ms", "bootstrap", ...).
+ * Unknown names and unparsable values fail with SKV_EINVAL naming them. `value` is borrowed. */
+SKV_EXTERN int skv_config_set(skv_config_t *cfg, const char *name, const char *value);
+/* Check every field as given (without the environment); the error names the first bad one. */
+SKV_EXTERN int skv_config_validate(const skv_config_t *cfg);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Context and bootstrap                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct skv_ctx skv_ctx_t;
+
+/* Join the job: rank 0 starts the bootstrap store, every PE connects to it and presents the
+ * token. `cfg` may be NULL (everything from the environment). Collective. */
+SKV_EXTERN int skv_init(const skv_config_t *cfg, skv_ctx_t **ctx);
+/* Leave the job: a final barrier (bounded by the timeout; a dead peer does not make it hang),
+ * then rank 0 stops serving once every PE has left. Frees `ctx` even when it returns an error. */
+SKV_EXTERN int skv_finalize(skv_ctx_t *ctx);
+
+SKV_EXTERN int skv_ctx_rank(const skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_world_size(const skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_local_rank(const skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_local_size(const skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_timeout_ms(const skv_ctx_t *ctx);
+/* Change the timeout of this PE's later waits (collective calls assume equal values). */
+SKV_EXTERN int skv_ctx_set_timeout_ms(skv_ctx_t *ctx, int timeout_ms);
+
+/* Host barrier through the bootstrap store. Collective. */
+SKV_EXTERN int skv_ctx_barrier(skv_ctx_t *ctx);
+/* Every PE contributes `bytes` bytes; `out` receives world_size * bytes in rank order. */
+SKV_EXTERN int skv_ctx_allgather(skv_ctx_t *ctx, const void *in, void *out, size_t bytes);
+/* Root's `bytes` bytes reach every PE's `buf`. Collective. */
+SKV_EXTERN int skv_ctx_broadcast(skv_ctx_t *ctx, void *buf, size_t bytes, int root);
+
+/* The bootstrap key-value store (point to point; keys up to SKV_STORE_MAX_KEY bytes,
+ * values up to SKV_STORE_MAX_VALUE bytes). Waits are bounded by the context's timeout. */
+#define SKV_STORE_MAX_KEY 256
+#define SKV_STORE_MAX_VALUE (16u << 20)
+SKV_EXTERN int skv_store_set(skv_ctx_t *ctx, const char *key, const void *value, size_t len);
+/* Wait until `key` exists, then copy up to `cap` bytes of it; `*len` gets its full length
+ * (SKV_ERANGE if it did not fit). */
+SKV_EXTERN int skv_store_get(skv_ctx_t *ctx, const char *key, void *value, size_t cap,
+                             size_t *len);
+/* Atomically add `delta` to the 64-bit counter `key` (created at 0); `*result` gets the sum. */
+SKV_EXTERN int skv_store_add(skv_ctx_t *ctx, const char *key, int64_t delta, int64_t *result);
+/* Wait until every one of the `n` keys exists. */
+SKV_EXTERN int skv_store_wait(skv_ctx_t *ctx, const char *const *keys, size_t n);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Symmetric heap                                                                             */
+/*                                                                                            */
+/* Layout, identical on every PE: [ signal pad | comm scratch | data ], 256-byte aligned, data */
+/* 4 KiB aligned. The address of byte `off` of PE `pe` is base + pe * stride + off.           */
+/* ------------------------------------------------------------------------------------------ */
+
+enum {
+  SKV_BACKEND_HOST = 1,      /* memfd mapped by every local PE (CPU load/store) */
+  SKV_BACKEND_CUDA = 2,      /* cuMemCreate device memory mapped by every local GPU */
+  SKV_BACKEND_CUDA_HOST = 3, /* host memory (memfd) registered with every local GPU */
+};
+
+typedef struct skv_heap skv_heap_t;
+
+#define SKV_HEAP_OPTS_VERSION 1
+typedef struct skv_heap_opts {
+  size_t size;            /* sizeof(skv_heap_opts_t) */
+  uint32_t version;       /* SKV_HEAP_OPTS_VERSION */
+  int32_t backend;        /* SKV_BACKEND_* */
+  uint64_t data_bytes;    /* size of the data area (> 0) */
+  uint64_t signal_bytes;  /* 0: default (64 KiB) */
+  uint64_t scratch_bytes; /* 0: none (host) / default (cuda: 8 MiB for the collectives) */
+} skv_heap_opts_t;
+
+#define SKV_HEAP_OPTS_INIT { sizeof(skv_heap_opts_t), SKV_HEAP_OPTS_VERSION, SKV_BACKEND_HOST, 0, 0, 0 }
+
+typedef struct skv_heap_info {
+  uint64_t segment_bytes; /* bytes of one PE's segment (signal + scratch + data) */
+  uint64_t stride;        /* distance between consecutive PEs' segments */
+  uint64_t signal_offset, signal_bytes;
+  uint64_t scratch_offset, scratch_bytes;
+  uint64_t data_offset, data_bytes;
+  int32_t backend;
+  int32_t npes;   /* PEs whose segments are mapped (the local PEs) */
+  int32_t my_pe;  /* this PE's index among them */
+  int32_t device; /* CUDA device (cuda backends), else -1 */
+  void *base;     /* address of PE 0's segment */
+} skv_heap_info_t;
+
+/* Collective: every PE gets a segment of the same size and maps every local peer's segment. */
+SKV_EXTERN int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, int backend,
+                               skv_heap_t **heap);
+SKV_EXTERN int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts,
+                                  skv_heap_t **heap);
+/* Address of byte `offset` of PE `pe`'s segment, or NULL (last error set) when `pe` or
+ * `offset` is out of range. Pure arithmetic; never blocks. */
+SKV_EXTERN void *skv_heap_ptr(const skv_heap_t *heap, int pe, uint64_t offset);
+SKV_EXTERN int skv_heap_get_info(const skv_heap_t *heap, skv_heap_info_t *info);
+/* Collective (bounded by the timeout): unmaps everything; nothing stays behind in /dev/shm. */
+SKV_EXTERN int skv_heap_destroy(skv_heap_t *heap);
+
+
+/* ------------------------------------------------------------------------------------------ */
+/* KV geometry, engine layouts, namespaces and keys                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+enum {
+  SKV_KV_SPLIT = 0, /* a K and a V vector per token, layer and KV head */
+  SKV_KV_MLA = 1,   /* one latent vector per token and layer (DeepSeek MLA); num_kv_heads = 1 */
+};
+
+#define SKV_GEOMETRY_VERSION 1
+/* The KV of `page_tokens` tokens for all layers of this PE's shard of the model. A page is
+ * stored as [layer][k|v][token][head][dim], contiguous, elem_bytes per element. */
+typedef struct skv_geometry {
+  size_t size;           /* sizeof(skv_geometry_t) */
+  uint32_t version;      /* SKV_GEOMETRY_VERSION */
+  uint32_t kv_kind;      /* SKV_KV_SPLIT or SKV_KV_MLA */
+  uint32_t num_layers;   /* 1..1024 */
+  uint32_t num_kv_heads; /* KV heads of this shard, 1..1024 (MLA: 1) */
+  uint32_t head_dim;     /* elements per head vector, 1..65536 (MLA: latent width, e.g. 576) */
+  uint32_t elem_bytes;   /* 1 (fp8), 2 (bf16/fp16) or 4 (fp32) */
+  uint32_t page_tokens;  /* tokens per page, 1..65536 */
+} skv_geometry_t;
+
+#define SKV_GEOMETRY_INIT { sizeof(skv_geometry_t), SKV_GEOMETRY_VERSION, SKV_KV_SPLIT, 0, 0, 0, 0, 0 }
+
+/* Validate a geometry (the error names the bad field) and give the bytes of one page. */
+SKV_EXTERN int skv_geometry_page_bytes(const skv_geometry_t *geom, uint64_t *page_bytes);
+
+/* Engine layout presets. Strides are in elements; the head_dim elements of one vector are
+ * contiguous. `layer_ptrs[l]` is layer l's tensor:
+ *   VLLM_FLASH_NHD  (2, num_blocks, block_tokens, heads, dim)   vLLM FlashAttention
+ *   VLLM_FLASH_HND  (2, num_blocks, heads, block_tokens, dim)
+ *   FLASHINFER_NHD  (num_blocks, 2, block_tokens, heads, dim)   FlashInfer
+ *   FLASHINFER_HND  (num_blocks, 2, heads, block_tokens, dim)
+ *   MLA             (num_blocks, block_tokens, dim)              vLLM MLA (kv_kind MLA)
+ *   CONTIGUOUS      layer_ptrs[0] only: blocks stored exactly as pages, block b at
+ *                   base + b * page_bytes * block_tokens / page_tokens                   */
+enum {
+  SKV_LAYOUT_CUSTOM = 0,
+  SKV_LAYOUT_VLLM_FLASH_NHD = 1,
+  SKV_LAYOUT_VLLM_FLASH_HND = 2,
+  SKV_LAYOUT_FLASHINFER_NHD = 3,
+  SKV_LAYOUT_FLASHINFER_HND = 4,
+  SKV_LAYOUT_MLA = 5,
+  SKV_LAYOUT_CONTIGUOUS = 6,
+};
+
+#define SKV_LAYOUT_DESC_VERSION 1
+/* A custom description of an engine's paged KV cache. */
+typedef struct skv_layout_desc {
+  size_t size;          /* sizeof(skv_layout_desc_t) */
+  uint32_t version;     /* SKV_LAYOUT_DESC_VERSION */
+  uint32_t block_tokens; /* tokens per engine block; must divide the geometry's page_tokens */
+  uint64_t num_blocks;  /* engine blocks (block ids are checked against it) */
+  void *const *k_base;  /* [num_layers]: address of block 0, token 0, head 0 of K (MLA: the latent) */
+  void *const *v_base;  /* [num_layers]: same for V; NULL for MLA */
+  int64_t stride_block; /* elements between consecutive blocks */
+  int64_t stride_token; /* elements between consecutive tokens of a block */
+  int64_t stride_head;  /* elements between consecutive heads */
+  int32_t device;       /* -1: host memory; >= 0: memory of that CUDA device */
+} skv_layout_desc_t;
+
+#define SKV_LAYOUT_DESC_INIT { sizeof(skv_layout_desc_t), SKV_LAYOUT_DESC_VERSION, 0, 0, NULL, NULL, 0, 0, 0, -1 }
+
+typedef struct skv_layout skv_layout_t;
+
+/* A layout for `geom` (copied: the pointer arrays need not outlive the call). Every block
+ * is checked to lie inside the address ranges the strides imply; bad strides, overlapping
+ * K/V, misaligned pointers are rejected. */
+SKV_EXTERN int skv_layout_create(const skv_geometry_t *geom, const skv_layout_desc_t *desc,
+                                 skv_layout_t **layout);
+SKV_EXTERN int skv_layout_create_preset(const skv_geometry_t *geom, int preset,
+                                        uint32_t block_tokens, uint64_t num_blocks,
+                                        void *const *layer_ptrs, int device,
+                                        skv_layout_t **layout);
+/* Bytes a preset's tensor for one layer occupies (to allocate engine caches in tests). */
+SKV_EXTERN int skv_layout_preset_layer_bytes(const skv_geometry_t *geom, int preset,
+                                             uint32_t block_tokens, uint64_t num_blocks,
+                                             uint64_t *bytes);
+SKV_EXTERN int skv_layout_destroy(skv_layout_t *layout);
+
+/* A 128-bit page key. hi is never 0 (0 is reserved by the index). */
+typedef struct skv_key {
+  uint64_t hi;
+  uint64_t lo;
+} skv_key_t;
+
+typedef struct skv_namespace skv_namespace_t;
+
+/* Keys of different namespaces never meet: the namespace covers the model name, the KV
+ * geometry, a tenant salt and the deployment secret (NULL/0: SKV_HASH_SECRET, else none). The
+ * byte format is in docs/hashing.md. */
+SKV_EXTERN int skv_namespace_create(const char *model, const skv_geometry_t *geom,
+                                    const void *salt, size_t salt_len, const void *secret,
+                                    size_t secret_len, skv_namespace_t **ns);
+SKV_EXTERN int skv_namespace_id(const skv_namespace_t *ns, skv_key_t *id);
+SKV_EXTERN int skv_namespace_destroy(skv_namespace_t *ns);
+
+/* One key per full page of `tokens` (a chain: key i covers page i's tokens and key i-1).
+ * `parent`: the key of the page before tokens[0] when continuing a sequence, else NULL.
+ * Writes min(ntokens / page_tokens, cap) keys; *nkeys gets the count of full pages. */
+SKV_EXTERN int skv_hash_tokens(const skv_namespace_t *ns, const uint32_t *tokens, size_t ntokens,
+                               const skv_key_t *parent, skv_key_t *keys, size_t cap,
+                               size_t *nkeys);
+/* Fold an engine's own block hash (any bytes) into a key of this namespace. */
+SKV_EXTERN int skv_key_from_bytes(const skv_namespace_t *ns, const void *bytes, size_t len,
+                                  skv_key_t *key);
+
+/* ------------------------------------------------------------------------------------------ */
+/* The node-wide KV cache: page pool, index, publish, lookup, fetch, evict                    */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct skv_kv skv_kv_t;
+
+#define SKV_KV_OPTS_VERSION 1
+typedef struct skv_kv_opts {
+  size_t size;          /* sizeof(skv_kv_opts_t) */
+  uint32_t version;     /* SKV_KV_OPTS_VERSION */
+  int32_t backend;      /* where pages live: SKV_BACKEND_HOST, _CUDA or _CUDA_HOST */
+  uint64_t pages_per_pe; /* capacity of each PE, >= 1 */
+  uint64_t index_slots; /* 0: 4 per page of the node (rounded up to a power of 2 per PE) */
+} skv_kv_opts_t;
+
+#define SKV_KV_OPTS_INIT { sizeof(skv_kv_opts_t), SKV_KV_OPTS_VERSION, SKV_BACKEND_HOST, 0, 0 }
+
+/* Where a page is: PE (local index), page number, generation at lookup time. */
+typedef struct skv_page_ref {
+  uint32_t pe;
+  uint32_t page;
+  uint32_t gen;
+  uint32_t reserved;
+} skv_page_ref_t;
+
+typedef struct skv_kv_stats {
+  uint64_t page_bytes;     /* bytes of one page */
+  uint64_t pages_per_pe;   /* capacity of each PE */
+  uint64_t pages_used;     /* this PE's pages holding data */
+  uint64_t pages_pinned;   /* this PE's pages pinned by some PE */
+  uint64_t index_slots;    /* slots of the node-wide index */
+  uint64_t index_entries;  /* keys in the index (all PEs) */
+  uint64_t lookups, lookup_hits; /* keys asked / found by this PE */
+  uint64_t published, deduplicated, evicted, stale; /* this PE's counters */
+  uint64_t index_full;     /* keys this PE could not cache: no free slot near their home */
+} skv_kv_stats_t;
+
+/* Collective: every local PE gets `pages_per_pe` pages of `geom` in a heap of `backend`; page
+ * metadata and the index live in node-shared host memory. */
+SKV_EXTERN int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_t *opts,
+                             skv_kv_t **kv);
+/* Collective. Pages pinned by peers are released with the heap. */
+SKV_EXTERN int skv_kv_destroy(skv_kv_t *kv);
+SKV_EXTERN int skv_kv_get_stats(const skv_kv_t *kv, skv_kv_stats_t *stats);
+SKV_EXTERN skv_heap_t *skv_kv_heap(const skv_kv_t *kv);
+
+enum { SKV_LOOKUP_PIN = 1u }; /* pin every hit (release with skv_unpin) */
+
+/* How many leading keys of the chain are cached anywhere on the node (stops at the first
+ * miss); refs[0..*nhit) say where. `ns` must be the namespace the keys were made in. */
+SKV_EXTERN int skv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
+                          uint32_t flags, skv_page_ref_t *refs, size_t *nhit);
+/* Release pins taken by skv_lookup(SKV_LOOKUP_PIN). */
+SKV_EXTERN int skv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n);
+
+enum { SKV_FETCH_UNPIN = 1u }; /* also release the caller's lookup pins once copied */
+
+/* Copy pages refs[0..n) into the engine's blocks: page i fills blocks
+ * block_ids[i*m .. i*m+m) with m = page_tokens / block_tokens. Each page is pinned (its
+ * generation checked) for the copy: a stale reference fails with SKV_ESTALE before any byte
+ * is written. `stream`: a cudaStream_t for GPU layouts (the copy is stream-ordered and pins
+ * are released by a host callback once it completes), NULL for host (synchronous). */
+SKV_EXTERN int skv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
+                         const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
+                         void *stream);
+/* Copy engine blocks into new pages of this PE and insert keys[0..n) once the copy is
+ * complete. A key already cached (by any PE) is skipped; one that another PE inserts first
+ * is deduplicated and its page freed. Least recently used unpinned pages of this PE are
+ * evicted to make room. *ninserted (optional) counts keys this call inserted. */
+SKV_EXTERN int skv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
+                           const skv_layout_t *src, const uint64_t *block_ids, void *stream,
+                           size_t *ninserted);
+/* Evict up to `npages` of this PE's least recently used unpinned pages. */
+SKV_EXTERN int skv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted);
+/* Wait until this PE's stream-ordered publishes and fetches have completed their host-side
+ * steps (index inserts, pin releases); bounded by the timeout. */
+SKV_EXTERN int skv_kv_sync(skv_kv_t *kv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SYMKV_H */

@@ -1,0 +1,183 @@
+/* Internal declarations of the core layer: errors, logging, environment parameters, time.
+ * Grouped by the file that defines them. Every other layer includes this. */
+#ifndef SKV_CORE_H
+#define SKV_CORE_H
+
+#include "symkv.h"
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#define SKV_UNUSED(x) ((void)(x))
+#define SKV_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define SKV_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define SKV_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define SKV_ALIGN_UP(x, a) ((((x) + (a) - 1) / (a)) * (a))
+
+#if defined(__GNUC__)
+#define SKV_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#define SKV_LIKELY(x) __builtin_expect(!!(x), 1)
+#define SKV_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define SKV_PRINTF(f, a)
+#define SKV_LIKELY(x) (x)
+#define SKV_UNLIKELY(x) (x)
+#endif
+
+/* Spin-wait hint. */
+#if defined(__x86_64__) || defined(__i386__)
+#define SKV_CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define SKV_CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define SKV_CPU_RELAX() ((void)0)
+#endif
+
+/* ---- error.c ------------------------------------------------------------------------------ */
+
+/* Record `err` with a formatted message as the thread's last error, log it at WARN (subsys),
+ * and return `err`. */
+int skv__set_error(int err, unsigned subsys, const char *file, int line, const char *fmt, ...)
+    SKV_PRINTF(5, 6);
+/* Breadcrumb for a propagated failure: logged at INFO as "file:line <- call: SKV_EX". */
+void skv__error_trace(int err, const char *file, int line, const char *expr);
+
+/* Fail with `err` and a message (say what failed and what to do next). */
+#define SKV_FAIL(err, subsys, ...) skv__set_error((err), (subsys), __FILE__, __LINE__, __VA_ARGS__)
+
+/* Propagate a failing symkv call, leaving a breadcrumb. */
+#define SKV_CHECK(call)                                                                          \
+  do {                                                                                         \
+    int skv_r_ = (call);                                                                       \
+    if (SKV_UNLIKELY(skv_r_ < 0)) {                                                            \
+      skv__error_trace(skv_r_, __FILE__, __LINE__, #call);                                     \
+      return skv_r_;                                                                           \
+    }                                                                                          \
+  } while (0)
+
+/* Same, but store the code in `rc` and jump to `label` for single-exit cleanup. */
+#define SKV_CHECK_GOTO(call, rc, label)                                                          \
+  do {                                                                                         \
+    (rc) = (call);                                                                             \
+    if (SKV_UNLIKELY((rc) < 0)) {                                                              \
+      skv__error_trace((rc), __FILE__, __LINE__, #call);                                       \
+      goto label;                                                                              \
+    }                                                                                          \
+  } while (0)
+
+/* Always-on argument check: fail with SKV_EINVAL naming the condition. */
+#define SKV_ARG_CHECK(cond, subsys, ...)                                                         \
+  do {                                                                                         \
+    if (SKV_UNLIKELY(!(cond))) return SKV_FAIL(SKV_EINVAL, (subsys), __VA_ARGS__);             \
+  } while (0)
+
+/* Debug invariants (SKV_DEBUG_LEVEL >= 1) and expensive walkers (>= 2), checked at run time so
+ * that one build serves all tiers. A failed invariant aborts: memory may already be wrong. */
+extern int skv__debug_level;
+void skv__assert_fail(const char *expr, const char *file, int line);
+#define SKV_ASSERT(cond)                                                                         \
+  do {                                                                                         \
+    if (SKV_UNLIKELY(skv__debug_level >= 1) && !(cond)) skv__assert_fail(#cond, __FILE__, __LINE__); \
+  } while (0)
+
+/* ---- log.c -------------------------------------------------------------------------------- */
+
+extern int skv__log_level;         /* -1 until SKV_DEBUG was read */
+extern unsigned skv__log_subsys;   /* mask of enabled subsystems */
+extern int skv__log_rank;          /* -1 until skv_init knows it */
+void skv__log_init(void);
+void skv__log(int level, unsigned subsys, const char *file, int line, const char *fmt, ...)
+    SKV_PRINTF(5, 6);
+void skv__vlog(int level, unsigned subsys, const char *file, int line, const char *fmt,
+               va_list ap);
+
+static inline bool skv__log_on(int level, unsigned subsys) {
+  if (SKV_UNLIKELY(skv__log_level < 0)) skv__log_init();
+  return level <= skv__log_level && (subsys & skv__log_subsys) != 0;
+}
+
+/* The level check happens before any argument is evaluated or formatted. */
+#define SKV_LOG(level, subsys, ...)                                                              \
+  do {                                                                                         \
+    if (skv__log_on((level), (subsys)))                                                        \
+      skv__log((level), (subsys), __FILE__, __LINE__, __VA_ARGS__);                            \
+  } while (0)
+#define SKV_WARN(subsys, ...) SKV_LOG(SKV_LOG_WARN, subsys, __VA_ARGS__)
+#define SKV_INFO(subsys, ...) SKV_LOG(SKV_LOG_INFO, subsys, __VA_ARGS__)
+#define SKV_TRACE(subsys, ...) SKV_LOG(SKV_LOG_TRACE, subsys, __VA_ARGS__)
+
+/* ---- env.c -------------------------------------------------------------------------------- */
+
+/* Every SKV_* environment variable symkv reads: name, meaning. Read once, on first use; the
+ * ones that are set are logged (INIT, INFO) and unknown SKV_* names are warned about. */
+#define SKV_ENV_MAP(XX)                                                                          \
+  XX(DEBUG, "log level: NONE, WARN (default), INFO or TRACE")                                  \
+  XX(DEBUG_SUBSYS, "comma list of INIT,BOOT,HEAP,POOL,INDEX,KV,COMM,BENCH or ALL; ^X excludes") \
+  XX(DEBUG_FILE, "write log lines to this file instead of stderr (%h host, %p pid)")          \
+  XX(DEBUG_LEVEL, "0: argument checks only, 1: + invariants, 2: + expensive walkers")         \
+  XX(RANK, "this PE's rank in [0, SKV_WORLD_SIZE)")                                             \
+  XX(WORLD_SIZE, "number of PEs")                                                               \
+  XX(LOCAL_RANK, "rank among the PEs of this node")                                             \
+  XX(LOCAL_SIZE, "number of PEs on this node")                                                  \
+  XX(BOOTSTRAP, "tcp://HOST:PORT of rank 0's bootstrap store")                                  \
+  XX(TOKEN, "shared secret every PE presents to the store (set by symkv-run)")                 \
+  XX(BIND_ADDR, "address rank 0's store listens on (default: the host of SKV_BOOTSTRAP)")      \
+  XX(TIMEOUT_MS, "bound on every wait, in milliseconds (default 60000)")                       \
+  XX(DEVICE, "CUDA device of this PE (default: local rank modulo the device count)")          \
+  XX(HEAP_BACKEND, "default heap backend for tools: host, cuda or cuda_host")                 \
+  XX(NCCL_ALLREDUCE, "0 disables the NCCL all-reduce fallback")                               \
+  XX(LIBRARY, "path of libsymkv.so for the Python bindings")                                   \
+  XX(HASH_SECRET, "deployment secret mixed into every key (when the caller passes none)")
+
+typedef enum skv_env_id {
+#define SKV__ENV_ENUM(name, doc) SKV_ENV_##name,
+  SKV_ENV_MAP(SKV__ENV_ENUM)
+#undef SKV__ENV_ENUM
+  SKV_ENV_COUNT
+} skv_env_id_t;
+
+/* Value of SKV_<name> as read at first use, or NULL when unset or empty. */
+const char *skv__env(skv_env_id_t id);
+/* Parse an integer parameter; `def` when unset. Bad values fail naming the variable. */
+int skv__env_int(skv_env_id_t id, long long lo, long long hi, long long def, long long *out);
+const char *skv__env_name(skv_env_id_t id);
+/* Log the SKV_* variables that are set (INFO) and warn about unknown SKV_* names; the first
+ * call of the process does it, later calls nothing. skv_init calls it. */
+void skv__env_report(void);
+/* Re-read the environment (tests only). */
+void skv__env_reload(void);
+
+/* ---- config.c ----------------------------------------------------------------------------- */
+
+/* A configuration with the environment and defaults applied, every field checked. */
+typedef struct skv_cfg_resolved {
+  int rank, world_size, local_rank, local_size, timeout_ms, device;
+  char host[256];      /* bootstrap host (rank 0's store) */
+  int port;            /* bootstrap port */
+  char token[129];     /* shared token */
+  char bind_addr[256]; /* where rank 0 listens */
+} skv_cfg_resolved_t;
+
+int skv__config_resolve(const skv_config_t *cfg, skv_cfg_resolved_t *out);
+/* Parse "tcp://HOST:PORT" (HOST may be [IPv6]); `what` names the source in errors. */
+int skv__parse_bootstrap(const char *addr, const char *what, char *host, size_t hcap, int *port);
+
+/* ---- util.c ------------------------------------------------------------------------------- */
+
+/* Monotonic clock in nanoseconds / milliseconds. */
+uint64_t skv__now_ns(void);
+static inline uint64_t skv__now_ms(void) { return skv__now_ns() / 1000000u; }
+/* Parse a decimal integer in [lo, hi] with an optional K/M/G/T (binary) suffix when
+ * `allow_suffix`; returns false on junk or overflow. */
+bool skv__parse_int(const char *s, long long lo, long long hi, bool allow_suffix, long long *out);
+/* Fill `buf` with `n` bytes from the kernel's random source. */
+int skv__random_bytes(void *buf, size_t n);
+/* Constant-time comparison of two byte strings (lengths compared too). */
+bool skv__consttime_eq(const void *a, size_t alen, const void *b, size_t blen);
+/* Human-readable bytes ("64 KiB") into buf. */
+const char *skv__fmt_bytes(uint64_t bytes, char *buf, size_t cap);
+/* Host name (cached). */
+const char *skv__hostname(void);
+
+#endif /* SKV_CORE_H */
