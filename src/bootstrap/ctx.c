@@ -1,0 +1,321 @@
+/* Context: joining and leaving the job through the bootstrap store, the node's PEs, host
+ * barrier/allgather/broadcast, the public store calls and the collective check. */
+#define _GNU_SOURCE
+#include "ctx.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#define SKV_CTX_CHECK(ctx, fn)                                                                   \
+  do {                                                                                         \
+    if (!(ctx)) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, fn ": ctx is NULL");              \
+  } while (0)
+
+/* What identifies this node: host name and boot id (two hosts may share a name). */
+typedef struct node_rec {
+  char host[64];
+  char boot_id[40];
+  int32_t rank;
+  int32_t pid;
+} node_rec_t;
+
+static void node_id(node_rec_t *r, int rank) {
+  memset(r, 0, sizeof *r);
+  snprintf(r->host, sizeof r->host, "%s", skv__hostname());
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f) {
+    if (!fgets(r->boot_id, sizeof r->boot_id, f)) r->boot_id[0] = '\0';
+    fclose(f);
+  }
+  r->rank = rank;
+  r->pid = (int32_t)getpid();
+}
+
+static int find_local_pes(skv_ctx_t *ctx) {
+  int n = ctx->cfg.world_size;
+  node_rec_t me, *all = calloc((size_t)n, sizeof *all);
+  if (!all) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "out of memory for %d node records", n);
+  node_id(&me, ctx->cfg.rank);
+  int rc = skv__store_allgather(ctx->store, "init/node", &me, all, sizeof me, ctx->cfg.timeout_ms);
+  if (rc < 0) {
+    free(all);
+    return rc;
+  }
+  ctx->nlocal = 0;
+  for (int r = 0; r < n; r++) {
+    if (strcmp(all[r].host, me.host) != 0 || strcmp(all[r].boot_id, me.boot_id) != 0) continue;
+    if (ctx->nlocal == SKV_MAX_LOCAL_PES) {
+      free(all);
+      return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_INIT, "more than %d PEs on node %s", SKV_MAX_LOCAL_PES, me.host);
+    }
+    if (r == ctx->cfg.rank) ctx->local_index = ctx->nlocal;
+    ctx->local_ranks[ctx->nlocal++] = r;
+  }
+  free(all);
+  if (ctx->nlocal != ctx->cfg.local_size)
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
+                    "local size is %d (config or SKV_LOCAL_SIZE) but %d PEs of the job run on node %s: "
+                    "unset SKV_LOCAL_SIZE or make it match",
+                    ctx->cfg.local_size, ctx->nlocal, me.host);
+  if (ctx->local_index != ctx->cfg.local_rank)
+    SKV_INFO(SKV_SUBSYS_INIT, "local rank %d (configured) differs from position %d among this node's PEs; using %d",
+             ctx->cfg.local_rank, ctx->local_index, ctx->local_index);
+  ctx->cfg.local_rank = ctx->local_index;
+  return 0;
+}
+
+int skv_init(const skv_config_t *cfg, skv_ctx_t **out) {
+  if (!out) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "skv_init: ctx output pointer is NULL");
+  *out = NULL;
+  skv_ctx_t *ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "skv_init: out of memory");
+  pthread_mutex_init(&ctx->mu, NULL);
+  ctx->device = -1;
+  int rc;
+  SKV_CHECK_GOTO(skv__config_resolve(cfg, &ctx->cfg), rc, fail);
+  skv__log_rank = ctx->cfg.rank;
+  skv__env_report();
+  SKV_INFO(SKV_SUBSYS_INIT, "symkv %s: rank %d of %d, store %s:%d, timeout %d ms", skv_version_string(),
+           ctx->cfg.rank, ctx->cfg.world_size, ctx->cfg.host, ctx->cfg.port, ctx->cfg.timeout_ms);
+  if (ctx->cfg.rank == 0)
+    SKV_CHECK_GOTO(skv__store_server_start(ctx->cfg.bind_addr, ctx->cfg.port, ctx->cfg.token,
+                                           ctx->cfg.world_size, &ctx->server),
+                   rc, fail);
+  SKV_CHECK_GOTO(skv__store_connect(ctx->cfg.host, ctx->cfg.port, ctx->cfg.token, ctx->cfg.rank,
+                                    ctx->cfg.world_size, ctx->cfg.timeout_ms, &ctx->store),
+                 rc, fail);
+  SKV_CHECK_GOTO(find_local_pes(ctx), rc, fail);
+  uint64_t job = 0;
+  if (ctx->cfg.rank == 0) SKV_CHECK_GOTO(skv__random_bytes(&job, sizeof job), rc, fail);
+  SKV_CHECK_GOTO(skv_ctx_broadcast(ctx, &job, sizeof job, 0), rc, fail);
+  ctx->job_id = job;
+  SKV_CHECK_GOTO(skv__coll_check(ctx, NULL, "skv_init(world_size=%d, local_size=%d, timeout_ms=%d)",
+                                 ctx->cfg.world_size, ctx->cfg.local_size, ctx->cfg.timeout_ms),
+                 rc, fail);
+  *out = ctx;
+  return 0;
+fail:
+  if (ctx->store) skv__store_close(ctx->store);
+  if (ctx->server) skv__store_server_stop(ctx->server, 0);
+  pthread_mutex_destroy(&ctx->mu);
+  free(ctx);
+  return rc;
+}
+
+int skv_finalize(skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_finalize");
+  int rc = skv__coll_check(ctx, NULL, "skv_finalize()");
+  if (rc == 0) {
+    char name[64];
+    snprintf(name, sizeof name, "fini/%" PRIu64, ctx->coll_seq);
+    rc = skv__store_barrier(ctx->store, name, ctx->cfg.timeout_ms);
+  }
+  int rc2 = skv__store_close(ctx->store);
+  if (ctx->server) {
+    int rc3 = skv__store_server_stop(ctx->server, rc == 0 ? ctx->cfg.timeout_ms : 1000);
+    if (rc2 == 0) rc2 = rc3;
+  }
+  pthread_mutex_destroy(&ctx->mu);
+  free(ctx);
+  return rc ? rc : rc2;
+}
+
+int skv_ctx_rank(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_rank");
+  return ctx->cfg.rank;
+}
+int skv_ctx_world_size(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_world_size");
+  return ctx->cfg.world_size;
+}
+int skv_ctx_local_rank(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_local_rank");
+  return ctx->local_index;
+}
+int skv_ctx_local_size(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_local_size");
+  return ctx->nlocal;
+}
+int skv_ctx_timeout_ms(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_timeout_ms");
+  return ctx->cfg.timeout_ms;
+}
+int skv_ctx_set_timeout_ms(skv_ctx_t *ctx, int timeout_ms) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_set_timeout_ms");
+  SKV_ARG_CHECK(timeout_ms >= 1 && timeout_ms <= 86400000, SKV_SUBSYS_INIT,
+                "skv_ctx_set_timeout_ms: %d ms is not in 1..86400000", timeout_ms);
+  ctx->cfg.timeout_ms = timeout_ms;
+  return 0;
+}
+
+/* ---- collective check ------------------------------------------------------------------ */
+
+typedef struct coll_rec {
+  uint64_t seq;
+  uint64_t digest;
+  char desc[240];
+} coll_rec_t;
+
+void skv__coll_name(const skv_ctx_t *ctx, uint64_t seq, const char *what, char *buf, size_t cap) {
+  snprintf(buf, cap, "%s/%016" PRIx64 "/%" PRIu64, what, ctx->job_id, seq);
+}
+
+int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, ...) {
+  coll_rec_t me;
+  memset(&me, 0, sizeof me);
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(me.desc, sizeof me.desc, fmt, ap);
+  va_end(ap);
+  pthread_mutex_lock(&ctx->mu);
+  uint64_t seq = ++ctx->coll_seq;
+  pthread_mutex_unlock(&ctx->mu);
+  me.seq = seq;
+  me.digest = XXH3_64bits(me.desc, strlen(me.desc));
+  int n = ctx->cfg.world_size;
+  coll_rec_t *all = calloc((size_t)n, sizeof *all);
+  if (!all) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "out of memory for the collective check");
+  char name[48];
+  snprintf(name, sizeof name, "coll/%" PRIu64, seq);
+  SKV_TRACE(SKV_SUBSYS_INIT, "collective #%" PRIu64 ": %s", seq, me.desc);
+  int rc = skv__store_allgather(ctx->store, name, &me, all, sizeof me, ctx->cfg.timeout_ms);
+  if (rc < 0) {
+    free(all);
+    char what[300];
+    snprintf(what, sizeof what, "%s", skv_last_error());
+    return SKV_FAIL(rc, SKV_SUBSYS_INIT, "%s: collective call #%" PRIu64 " did not complete on every PE: %s",
+                    me.desc, seq, what);
+  }
+  for (int r = 0; r < n; r++) {
+    if (all[r].seq == seq && all[r].digest == me.digest && strcmp(all[r].desc, me.desc) == 0) continue;
+    all[r].desc[sizeof all[r].desc - 1] = '\0';
+    rc = SKV_FAIL(SKV_EMISMATCH, SKV_SUBSYS_INIT,
+                  "collective call #%" PRIu64 " does not match across PEs: rank %d called %s but rank %d "
+                  "called %s; every PE must make the same collective calls in the same order with the "
+                  "same arguments",
+                  seq, ctx->cfg.rank, me.desc, r, all[r].desc);
+    break;
+  }
+  free(all);
+  /* Every PE that contributed to this check had finished reading the keys of its earlier
+   * collectives, so this PE's keys of those can go (docs/bootstrap.md, "Key lifetime"). */
+  if (rc == 0) {
+    for (int i = 0; i < 2; i++)
+      if (ctx->stale_key[i][0]) (void)skv__store_del(ctx->store, ctx->stale_key[i]);
+    memset(ctx->stale_key, 0, sizeof ctx->stale_key);
+    snprintf(ctx->stale_key[0], sizeof ctx->stale_key[0], "%s/%d", name, ctx->cfg.rank);
+  }
+  if (rc == 0 && seq_out) *seq_out = seq;
+  return rc;
+}
+
+/* Remember a key this PE wrote for collective `seq`, to delete after the next check. */
+static void forget_later(skv_ctx_t *ctx, const char *key) {
+  snprintf(ctx->stale_key[1], sizeof ctx->stale_key[1], "%s", key);
+}
+
+/* ---- host collectives and the public store -------------------------------------------- */
+
+int skv_ctx_barrier(skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_barrier");
+  uint64_t seq;
+  SKV_CHECK(skv__coll_check(ctx, &seq, "skv_ctx_barrier()"));
+  /* The collective check is itself an allgather: when it returns every PE has arrived. */
+  return 0;
+}
+
+int skv_ctx_allgather(skv_ctx_t *ctx, const void *in, void *out, size_t bytes) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_allgather");
+  SKV_ARG_CHECK(in && out && bytes > 0 && bytes <= SKV_STORE_MAX_VALUE, SKV_SUBSYS_BOOT,
+                "skv_ctx_allgather: need non-NULL in/out and 1..%u bytes (got %zu)", SKV_STORE_MAX_VALUE, bytes);
+  uint64_t seq;
+  SKV_CHECK(skv__coll_check(ctx, &seq, "skv_ctx_allgather(bytes=%zu)", bytes));
+  char name[64];
+  snprintf(name, sizeof name, "ag/%" PRIu64, seq);
+  SKV_CHECK(skv__store_allgather(ctx->store, name, in, out, bytes, ctx->cfg.timeout_ms));
+  snprintf(name, sizeof name, "ag/%" PRIu64 "/%d", seq, ctx->cfg.rank);
+  forget_later(ctx, name);
+  return 0;
+}
+
+int skv_ctx_broadcast(skv_ctx_t *ctx, void *buf, size_t bytes, int root) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_broadcast");
+  SKV_ARG_CHECK(buf && bytes > 0 && bytes <= SKV_STORE_MAX_VALUE, SKV_SUBSYS_BOOT,
+                "skv_ctx_broadcast: need a buffer and 1..%u bytes (got %zu)", SKV_STORE_MAX_VALUE, bytes);
+  SKV_ARG_CHECK(root >= 0 && root < ctx->cfg.world_size, SKV_SUBSYS_BOOT,
+                "skv_ctx_broadcast: root %d is not a rank of this %d-PE job", root, ctx->cfg.world_size);
+  uint64_t seq;
+  SKV_CHECK(skv__coll_check(ctx, &seq, "skv_ctx_broadcast(bytes=%zu, root=%d)", bytes, root));
+  char name[64];
+  snprintf(name, sizeof name, "bc/%" PRIu64, seq);
+  if (ctx->cfg.rank == root) {
+    SKV_CHECK(skv__store_set(ctx->store, name, buf, bytes));
+    forget_later(ctx, name);
+    return 0;
+  }
+  void *val = NULL;
+  size_t len = 0;
+  SKV_CHECK(skv__store_get(ctx->store, name, &val, &len, ctx->cfg.timeout_ms));
+  int rc = 0;
+  if (len != bytes)
+    rc = SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_BOOT, "broadcast from rank %d carried %zu bytes, expected %zu", root, len, bytes);
+  else
+    memcpy(buf, val, bytes);
+  free(val);
+  return rc;
+}
+
+static int check_key(const char *fn, const char *key) {
+  if (!key) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT, "%s: key is NULL", fn);
+  size_t n = strlen(key);
+  if (n == 0 || n > SKV_STORE_MAX_KEY)
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT, "%s: key length %zu is not in 1..%d", fn, n, SKV_STORE_MAX_KEY);
+  return 0;
+}
+
+int skv_store_set(skv_ctx_t *ctx, const char *key, const void *value, size_t len) {
+  SKV_CTX_CHECK(ctx, "skv_store_set");
+  SKV_CHECK(check_key("skv_store_set", key));
+  SKV_ARG_CHECK(len <= SKV_STORE_MAX_VALUE && (value || len == 0), SKV_SUBSYS_BOOT,
+                "skv_store_set(\"%s\"): value of %zu bytes is NULL or over the %u-byte limit", key, len,
+                SKV_STORE_MAX_VALUE);
+  return skv__store_set(ctx->store, key, value, len);
+}
+
+int skv_store_get(skv_ctx_t *ctx, const char *key, void *value, size_t cap, size_t *len) {
+  SKV_CTX_CHECK(ctx, "skv_store_get");
+  SKV_CHECK(check_key("skv_store_get", key));
+  SKV_ARG_CHECK(value || cap == 0, SKV_SUBSYS_BOOT, "skv_store_get(\"%s\"): value buffer is NULL", key);
+  void *v = NULL;
+  size_t n = 0;
+  SKV_CHECK(skv__store_get(ctx->store, key, &v, &n, ctx->cfg.timeout_ms));
+  if (len) *len = n;
+  int rc = 0;
+  if (n > cap)
+    rc = SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_BOOT, "skv_store_get(\"%s\"): value has %zu bytes, buffer %zu", key, n, cap);
+  else if (n)
+    memcpy(value, v, n);
+  free(v);
+  return rc;
+}
+
+int skv_store_add(skv_ctx_t *ctx, const char *key, int64_t delta, int64_t *result) {
+  SKV_CTX_CHECK(ctx, "skv_store_add");
+  SKV_CHECK(check_key("skv_store_add", key));
+  int64_t r = 0;
+  SKV_CHECK(skv__store_add(ctx->store, key, delta, &r));
+  if (result) *result = r;
+  return 0;
+}
+
+int skv_store_wait(skv_ctx_t *ctx, const char *const *keys, size_t n) {
+  SKV_CTX_CHECK(ctx, "skv_store_wait");
+  SKV_ARG_CHECK(keys || n == 0, SKV_SUBSYS_BOOT, "skv_store_wait: keys is NULL");
+  for (size_t i = 0; i < n; i++) SKV_CHECK(check_key("skv_store_wait", keys[i]));
+  return skv__store_wait(ctx->store, keys, n, ctx->cfg.timeout_ms);
+}

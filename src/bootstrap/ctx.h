@@ -1,0 +1,38 @@
+/* Internal view of a context (skv_ctx_t): the resolved configuration, the bootstrap store,
+ * the node's PEs, and the collective check every collective call goes through. */
+#ifndef SKV_CTX_H
+#define SKV_CTX_H
+
+#include "bootstrap.h"
+#include "core.h"
+
+#include <pthread.h>
+
+#define SKV_MAX_LOCAL_PES 64
+
+struct skv_ctx {
+  skv_cfg_resolved_t cfg;
+  skv_store_t *store;
+  skv_store_server_t *server; /* rank 0 only */
+  pthread_mutex_t mu;
+  uint64_t coll_seq; /* collective calls made so far (same on every PE when in step) */
+  int nlocal;        /* PEs on this node */
+  int local_index;   /* this PE among them (ordered by rank) */
+  int local_ranks[SKV_MAX_LOCAL_PES]; /* global rank of each local PE */
+  uint64_t job_id;   /* random, equal on every PE: names node-wide objects */
+  int device;        /* CUDA device once chosen, else -1 */
+  void *cuda;        /* backend state of the CUDA layer (src/heap/heap_cuda.c) */
+  char stale_key[2][96]; /* this PE's store keys of the last collectives, deleted once the
+                            next collective check proves every PE has read them */
+};
+
+/* Collective check: every PE describes the collective it is entering ("skv_heap_create(backend
+ * =host, data_bytes=4096)"); descriptions are allgathered under a per-context sequence number
+ * and must be identical everywhere. A mismatch fails on every PE with SKV_EMISMATCH naming both
+ * sides; a PE that never arrives makes the others time out. Returns the sequence number used
+ * (>= 1) through *seq when not NULL. */
+int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq, const char *fmt, ...) SKV_PRINTF(3, 4);
+/* A unique name for the collective object created under sequence number `seq`. */
+void skv__coll_name(const skv_ctx_t *ctx, uint64_t seq, const char *what, char *buf, size_t cap);
+
+#endif

@@ -1,0 +1,342 @@
+/* File-descriptor exchange between the PEs of one node: abstract unix sockets named from a
+ * random nonce shared through the store, SCM_RIGHTS, same-user and nonce checks on every fd. */
+#define _GNU_SOURCE
+#include "bootstrap.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+/* How it works
+ *
+ * Local PE 0 publishes a random 128-bit nonce under "<tag>/nonce/<rank of local PE 0>" (the
+ * rank makes the key unique per node). Every PE listens on the abstract socket
+ * "\0symkv/<hash of the nonce>/<local index>", then the node's PEs meet at a counter barrier
+ * ("<tag>/ready/<rank of local PE 0>"). Each PE then connects to every peer and sends one
+ * header {magic, version, nonce, local index, rank} with its fd attached (SCM_RIGHTS), and
+ * finally accepts nlocal-1 connections. connect() to a listening unix socket completes before
+ * accept(), so sending to everyone first cannot deadlock (the backlog holds nlocal).
+ *
+ * What can go wrong: anyone on the host can see the socket names (/proc/net/unix) and
+ * connect. The name carries only a hash of the nonce; a connection from another user
+ * (SO_PEERCRED) or without the nonce is logged and dropped, and the exchange goes on. A peer
+ * that dies makes the others time out; every descriptor is closed on every error path. */
+
+#define FD_MAGIC   0x464b5653u /* "SVKF" */
+#define FD_VERSION 1u
+
+typedef struct fd_hdr {
+  uint32_t magic;
+  uint32_t version;
+  uint8_t nonce[16];
+  int32_t local_index;
+  int32_t rank;
+} fd_hdr_t;
+
+static int remaining_ms(uint64_t deadline) {
+  uint64_t now = skv__now_ms();
+  if (now >= deadline) return 0;
+  uint64_t d = deadline - now;
+  return d > INT32_MAX ? INT32_MAX : (int)d;
+}
+
+static int wait_fd(int fd, short ev, uint64_t deadline) {
+  for (;;) {
+    struct pollfd p = {.fd = fd, .events = ev};
+    int rc = poll(&p, 1, remaining_ms(deadline));
+    if (rc > 0) return 0;
+    if (rc == 0) return SKV_ETIMEDOUT;
+    if (errno != EINTR) return -errno;
+  }
+}
+
+static socklen_t sock_name(struct sockaddr_un *a, const uint8_t nonce[16], int index) {
+  XXH128_hash_t h = XXH3_128bits(nonce, 16);
+  memset(a, 0, sizeof *a);
+  a->sun_family = AF_UNIX;
+  int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "symkv/%016llx%016llx/%d",
+                   (unsigned long long)h.high64, (unsigned long long)h.low64, index);
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+/* Connect to local PE `peer` and send it `fd` with the header. */
+static int send_fd(const uint8_t nonce[16], int peer, int peer_rank, const fd_hdr_t *h, int fd,
+                   uint64_t deadline, int timeout_ms, const char *tag) {
+  struct sockaddr_un a;
+  socklen_t alen = sock_name(&a, nonce, peer);
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (s < 0)
+    return SKV_FAIL(-errno, SKV_SUBSYS_BOOT, "fd exchange \"%s\": socket failed: %s", tag,
+                    strerror(errno));
+  int rc;
+  for (;;) {
+    if (connect(s, (struct sockaddr *)&a, alen) == 0) break;
+    int e = errno;
+    if (e == EINTR) continue;
+    if (e == EINPROGRESS) {
+      rc = wait_fd(s, POLLOUT, deadline);
+      if (rc == 0) break;
+    } else if (e != EAGAIN && e != ECONNREFUSED && e != ENOENT) {
+      close(s);
+      return SKV_FAIL(-e, SKV_SUBSYS_BOOT,
+                      "fd exchange \"%s\": connecting to local PE %d (rank %d) failed: %s", tag,
+                      peer, peer_rank, strerror(e));
+    }
+    if (remaining_ms(deadline) == 0) {
+      close(s);
+      return SKV_FAIL(
+          SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
+          "fd exchange \"%s\": could not connect to local PE %d (rank %d) within %d ms (%s); "
+          "is it alive?",
+          tag, peer, peer_rank, timeout_ms, strerror(e));
+    }
+    struct timespec ts = {0, 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } u;
+  memset(&u, 0, sizeof u);
+  struct iovec iov = {.iov_base = (void *)h, .iov_len = sizeof *h};
+  struct msghdr m = {
+      .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+  struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(sizeof(int));
+  memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+  size_t sent = 0;
+  while (sent < sizeof *h) {
+    ssize_t w = sendmsg(s, &m, MSG_NOSIGNAL);
+    if (w > 0) {
+      sent += (size_t)w;
+      iov.iov_base = (uint8_t *)h + sent; /* the fd went with the first bytes */
+      iov.iov_len = sizeof *h - sent;
+      m.msg_control = NULL;
+      m.msg_controllen = 0;
+      continue;
+    }
+    int e = w < 0 ? errno : EPIPE;
+    if (e == EINTR) continue;
+    if (e == EAGAIN && (rc = wait_fd(s, POLLOUT, deadline)) == 0) continue;
+    close(s);
+    return SKV_FAIL(e == EAGAIN ? SKV_ETIMEDOUT : -e, SKV_SUBSYS_BOOT,
+                    "fd exchange \"%s\": sending to local PE %d (rank %d) failed: %s", tag, peer,
+                    peer_rank, e == EAGAIN ? "timed out" : strerror(e));
+  }
+  close(s);
+  return 0;
+}
+
+/* Read one header (and its fd) from an accepted connection. 0 with *fd_out set, or a negative
+ * code; a connection that is not a peer of this exchange gives SKV_EAUTH (the caller drops it). */
+static int recv_fd(int c, fd_hdr_t *h, int *fd_out, uint64_t deadline) {
+  *fd_out = -1;
+  size_t got = 0;
+  while (got < sizeof *h) {
+    union {
+      char buf[CMSG_SPACE(sizeof(int) * 8)];
+      struct cmsghdr align;
+    } u;
+    struct iovec iov = {.iov_base = (uint8_t *)h + got, .iov_len = sizeof *h - got};
+    struct msghdr m = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    ssize_t r = recvmsg(c, &m, MSG_CMSG_CLOEXEC);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && errno == EAGAIN) {
+      int rc = wait_fd(c, POLLIN, deadline);
+      if (rc < 0) return rc;
+      continue;
+    }
+    if (r <= 0) return SKV_EAUTH; /* closed early or failed: not a peer we can use */
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&m); cm; cm = CMSG_NXTHDR(&m, cm)) {
+      if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
+      size_t nfd = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < nfd; i++) {
+        int fd;
+        memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof fd);
+        if (*fd_out < 0)
+          *fd_out = fd;
+        else
+          close(fd); /* more than one: keep the first, drop the rest */
+      }
+    }
+    if (m.msg_flags & MSG_CTRUNC) {
+      if (*fd_out >= 0) close(*fd_out);
+      *fd_out = -1;
+      return SKV_EAUTH;
+    }
+    got += (size_t)r;
+  }
+  return 0;
+}
+
+int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlocal, int me,
+                     int my_fd, int *peer_fds, int timeout_ms) {
+  SKV_ARG_CHECK(st && tag && ranks && peer_fds, SKV_SUBSYS_BOOT,
+                "skv__fd_exchange: store, tag, ranks and peer_fds must not be NULL");
+  SKV_ARG_CHECK(nlocal >= 1 && nlocal <= 4096 && me >= 0 && me < nlocal, SKV_SUBSYS_BOOT,
+                "skv__fd_exchange(\"%s\"): local index %d of %d PEs is out of range", tag, me,
+                nlocal);
+  SKV_ARG_CHECK(my_fd >= 0 && timeout_ms >= 0, SKV_SUBSYS_BOOT,
+                "skv__fd_exchange(\"%s\"): fd %d or timeout %d ms is negative", tag, my_fd,
+                timeout_ms);
+  SKV_ARG_CHECK(strlen(tag) >= 1 && strlen(tag) + 24 <= SKV_BOOT_MAX_KEY, SKV_SUBSYS_BOOT,
+                "skv__fd_exchange: tag \"%.40s\" must have 1..%d bytes", tag,
+                SKV_BOOT_MAX_KEY - 24);
+  for (int i = 0; i < nlocal; i++) peer_fds[i] = -1;
+  uint64_t deadline = skv__now_ms() + (uint64_t)timeout_ms;
+  int rc = 0, lfd = -1;
+  char nonce_key[SKV_BOOT_MAX_KEY + 1], ready_key[SKV_BOOT_MAX_KEY + 1];
+  snprintf(nonce_key, sizeof nonce_key, "%s/nonce/%d", tag, ranks[0]);
+  snprintf(ready_key, sizeof ready_key, "%s/ready/%d", tag, ranks[0]);
+
+  if (nlocal > 1) {
+    /* 1. the nonce */
+    uint8_t nonce[16];
+    if (me == 0) {
+      SKV_CHECK_GOTO(skv__random_bytes(nonce, sizeof nonce), rc, fail);
+      SKV_CHECK_GOTO(skv__store_set(st, nonce_key, nonce, sizeof nonce), rc, fail);
+    } else {
+      void *v = NULL;
+      size_t n = 0;
+      SKV_CHECK_GOTO(skv__store_get(st, nonce_key, &v, &n, remaining_ms(deadline)), rc, fail);
+      if (n != sizeof nonce) {
+        free(v);
+        rc = SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_BOOT,
+                      "fd exchange \"%s\": the nonce has %zu bytes, not 16; "
+                      "is the tag unique?",
+                      tag, n);
+        goto fail;
+      }
+      memcpy(nonce, v, sizeof nonce);
+      free(v);
+    }
+    /* 2. listen */
+    struct sockaddr_un a;
+    socklen_t alen = sock_name(&a, nonce, me);
+    lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&a, alen) != 0 || listen(lfd, nlocal + 8) != 0) {
+      rc = SKV_FAIL(-errno, SKV_SUBSYS_BOOT,
+                    "fd exchange \"%s\": listening on a unix socket failed: %s", tag,
+                    strerror(errno));
+      goto fail;
+    }
+    /* 3. every local PE listens */
+    SKV_CHECK_GOTO(skv__store_add(st, ready_key, 1, NULL), rc, fail);
+    SKV_CHECK_GOTO(skv__store_wait_ge(st, ready_key, nlocal, remaining_ms(deadline)), rc, fail);
+    /* 4. send to everyone */
+    fd_hdr_t h;
+    memset(&h, 0, sizeof h);
+    h.magic = FD_MAGIC;
+    h.version = FD_VERSION;
+    memcpy(h.nonce, nonce, sizeof nonce);
+    h.local_index = me;
+    h.rank = ranks[me];
+    for (int k = 1; k < nlocal; k++) {
+      int peer = (me + k) % nlocal; /* start at different peers to spread the load */
+      SKV_CHECK_GOTO(send_fd(nonce, peer, ranks[peer], &h, my_fd, deadline, timeout_ms, tag), rc,
+                     fail);
+    }
+    /* 5. accept from everyone */
+    int got = 0;
+    while (got < nlocal - 1) {
+      int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (c < 0) {
+        int e = errno;
+        if (e == EINTR || e == ECONNABORTED) continue;
+        if (e == EAGAIN) {
+          rc = wait_fd(lfd, POLLIN, deadline);
+          if (rc == SKV_ETIMEDOUT) {
+            char missing[256];
+            size_t o = 0;
+            for (int i = 0; i < nlocal && o + 16 < sizeof missing; i++)
+              if (i != me && peer_fds[i] < 0)
+                o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", ranks[i]);
+            rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
+                          "fd exchange \"%s\": after %d ms no descriptor came from rank(s)%s; are "
+                          "they alive?",
+                          tag, timeout_ms, missing);
+            goto fail;
+          }
+          if (rc < 0) {
+            rc = SKV_FAIL(rc, SKV_SUBSYS_BOOT, "fd exchange \"%s\": poll failed: %s", tag,
+                          strerror(-rc));
+            goto fail;
+          }
+          continue;
+        }
+        rc = SKV_FAIL(-e, SKV_SUBSYS_BOOT, "fd exchange \"%s\": accept failed: %s", tag,
+                      strerror(e));
+        goto fail;
+      }
+      struct ucred cred = {0, 0, 0};
+      socklen_t cl = sizeof cred;
+      if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0 || cred.uid != getuid()) {
+        SKV_WARN(SKV_SUBSYS_BOOT,
+                 "fd exchange \"%s\": dropped a connection from pid %d of uid %d (not this user)",
+                 tag, (int)cred.pid, (int)cred.uid);
+        close(c);
+        continue;
+      }
+      fd_hdr_t in;
+      int fd = -1;
+      rc = recv_fd(c, &in, &fd, deadline);
+      close(c);
+      if (rc == SKV_ETIMEDOUT) {
+        if (fd >= 0) close(fd);
+        rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
+                      "fd exchange \"%s\": pid %d connected but sent nothing within %d ms", tag,
+                      (int)cred.pid, timeout_ms);
+        goto fail;
+      }
+      bool ok = rc == 0 && fd >= 0 && in.magic == FD_MAGIC && in.version == FD_VERSION &&
+                skv__consttime_eq(in.nonce, 16, nonce, 16) && in.local_index >= 0 &&
+                in.local_index < nlocal && in.local_index != me && peer_fds[in.local_index] < 0 &&
+                in.rank == ranks[in.local_index];
+      rc = 0;
+      if (!ok) {
+        SKV_WARN(SKV_SUBSYS_BOOT,
+                 "fd exchange \"%s\": dropped a connection from pid %d that is not a peer of "
+                 "this exchange (bad header, nonce or fd)",
+                 tag, (int)cred.pid);
+        if (fd >= 0) close(fd);
+        continue;
+      }
+      peer_fds[in.local_index] = fd;
+      got++;
+    }
+    close(lfd);
+    lfd = -1;
+    /* Every peer has connected to this PE, so every peer is past the nonce and the barrier. */
+    if (me == 0) {
+      (void)skv__store_del(st, nonce_key);
+      (void)skv__store_del(st, ready_key);
+    }
+  }
+  peer_fds[me] = fcntl(my_fd, F_DUPFD_CLOEXEC, 0);
+  if (peer_fds[me] < 0) {
+    rc = SKV_FAIL(-errno, SKV_SUBSYS_BOOT, "fd exchange \"%s\": dup of the local fd failed: %s",
+                  tag, strerror(errno));
+    goto fail;
+  }
+  SKV_TRACE(SKV_SUBSYS_BOOT, "fd exchange \"%s\": %d descriptors exchanged", tag, nlocal);
+  return 0;
+fail:
+  if (lfd >= 0) close(lfd);
+  for (int i = 0; i < nlocal; i++) {
+    if (peer_fds[i] >= 0) close(peer_fds[i]);
+    peer_fds[i] = -1;
+  }
+  return rc;
+}

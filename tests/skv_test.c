@@ -1,0 +1,151 @@
+/* Test helpers: forked PEs through the real bootstrap, timeouts, fresh random inputs. */
+#define _GNU_SOURCE
+#include "skv_test.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+int skv_test_free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
+    close(fd);
+    return -1;
+  }
+  int port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+void skv_test_config(const skv_test_job_t *job, int rank, skv_config_t *cfg) {
+  skv_config_init(cfg);
+  cfg->rank = rank;
+  cfg->world_size = job->npes;
+  cfg->bootstrap = job->bootstrap;
+  cfg->token = job->token;
+}
+
+uint64_t skv_test_seed(void) {
+  uint64_t s;
+  if (skv__random_bytes(&s, sizeof s) != 0) s = (uint64_t)time(NULL) ^ (uint64_t)getpid();
+  return s;
+}
+
+void skv_test_fill_random(void *buf, size_t n, uint64_t *state) {
+  uint8_t *p = buf;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t r = skv_test_rand(state);
+    memcpy(p + i, &r, 8);
+  }
+  if (i < n) {
+    uint64_t r = skv_test_rand(state);
+    memcpy(p + i, &r, n - i);
+  }
+}
+
+int skv_test_spawn(skv_test_job_t *job, int npes, skv_test_pe_fn fn, void *arg) {
+  if (npes < 1 || npes > SKV_TEST_MAX_PES) return SKV_EINVAL;
+  memset(job, 0, sizeof *job);
+  job->npes = npes;
+  job->port = skv_test_free_port();
+  if (job->port <= 0) return SKV_ECONN;
+  uint8_t rnd[16];
+  skv__random_bytes(rnd, sizeof rnd);
+  for (int i = 0; i < 16; i++) snprintf(job->token + 2 * i, 3, "%02x", rnd[i]);
+  snprintf(job->bootstrap, sizeof job->bootstrap, "tcp://127.0.0.1:%d", job->port);
+  fflush(stdout);
+  fflush(stderr);
+  for (int r = 0; r < npes; r++) {
+    pid_t pid = fork();
+    if (pid < 0) return -errno;
+    if (pid == 0) {
+      char buf[32];
+      snprintf(buf, sizeof buf, "%d", r);
+      setenv("SKV_RANK", buf, 1);
+      snprintf(buf, sizeof buf, "%d", npes);
+      setenv("SKV_WORLD_SIZE", buf, 1);
+      setenv("SKV_BOOTSTRAP", job->bootstrap, 1);
+      setenv("SKV_TOKEN", job->token, 1);
+      unsetenv("SKV_LOCAL_RANK");
+      unsetenv("SKV_LOCAL_SIZE");
+      skv__env_reload();
+      int rc = fn(r, npes, arg);
+      fflush(stdout);
+      fflush(stderr);
+      _exit(rc & 0xff);
+    }
+    job->pids[r] = pid;
+    job->status[r] = -2;
+  }
+  return 0;
+}
+
+int skv_test_wait(skv_test_job_t *job, int timeout_ms) {
+  uint64_t deadline = skv__now_ms() + (uint64_t)timeout_ms;
+  int left = job->npes;
+  while (left > 0) {
+    for (int r = 0; r < job->npes; r++) {
+      if (job->status[r] != -2) continue;
+      int st;
+      pid_t p = waitpid(job->pids[r], &st, WNOHANG);
+      if (p == job->pids[r]) {
+        job->status[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        left--;
+      }
+    }
+    if (left == 0) break;
+    if (skv__now_ms() > deadline) {
+      for (int r = 0; r < job->npes; r++)
+        if (job->status[r] == -2) {
+          kill(job->pids[r], SIGKILL);
+          waitpid(job->pids[r], NULL, 0);
+          job->status[r] = -1;
+        }
+      break;
+    }
+    usleep(2000);
+  }
+  int bad = 0;
+  for (int r = 0; r < job->npes; r++) bad += job->status[r] != 0;
+  return bad;
+}
+
+int skv_test_run(skv_test_job_t *job, int npes, skv_test_pe_fn fn, void *arg, int timeout_ms) {
+  int rc = skv_test_spawn(job, npes, fn, arg);
+  if (rc) return npes;
+  return skv_test_wait(job, timeout_ms);
+}
+
+const char *skv_test_statuses(const skv_test_job_t *job) {
+  static char buf[512];
+  size_t o = 0;
+  buf[0] = '\0';
+  for (int r = 0; r < job->npes && o < sizeof buf - 32; r++) {
+    int s = job->status[r];
+    if (s == -1)
+      o += (size_t)snprintf(buf + o, sizeof buf - o, "rank%d=timeout ", r);
+    else if (s >= 128)
+      o += (size_t)snprintf(buf + o, sizeof buf - o, "rank%d=sig%d ", r, s - 128);
+    else
+      o += (size_t)snprintf(buf + o, sizeof buf - o, "rank%d=%d ", r, s);
+  }
+  return buf;
+}
+
+int skv_test_init(skv_ctx_t **ctx, int timeout_ms) {
+  skv_config_t cfg = SKV_CONFIG_INIT;
+  cfg.timeout_ms = timeout_ms;
+  return skv_init(&cfg, ctx);
+}

@@ -1,0 +1,283 @@
+/* Unit tests of the core layer: error table and names, thread-local last error, config
+ * validation by field, environment resolution, logging levels, subsystems, sink, prefix. */
+#define _GNU_SOURCE
+#include "skv_test.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+TestSuite(core, .timeout = 30);
+
+/* ---- errors ---- */
+
+static const int all_codes[] = {
+#define X(name, value, msg) SKV_##name,
+    SKV_ERRNO_MAP(X)
+#undef X
+};
+
+Test(core, error_table_has_distinct_names_and_messages) {
+  size_t n = sizeof all_codes / sizeof all_codes[0];
+  cr_assert_geq(n, 20);
+  for (size_t i = 0; i < n; i++) {
+    cr_assert_lt(all_codes[i], -1000, "code %d collides with errno space", all_codes[i]);
+    const char *name = skv_err_name(all_codes[i]);
+    cr_assert(strncmp(name, "SKV_E", 5) == 0, "name %s", name);
+    cr_assert_gt(strlen(skv_strerror(all_codes[i])), 5);
+    for (size_t j = 0; j < i; j++) {
+      cr_assert_neq(all_codes[i], all_codes[j]);
+      cr_assert_str_neq(name, skv_err_name(all_codes[j]));
+    }
+  }
+  cr_assert_str_eq(skv_err_name(SKV_ETIMEDOUT), "SKV_ETIMEDOUT");
+  cr_assert_str_eq(skv_err_name(0), "SKV_OK");
+}
+
+Test(core, errno_codes_pass_through) {
+  cr_assert_str_eq(skv_err_name(-ENOENT), "ENOENT");
+  cr_assert_str_eq(skv_strerror(-ENOENT), strerror(ENOENT));
+  cr_assert(strstr(skv_err_name(-999999), "UNKNOWN") != NULL);
+  cr_assert(strstr(skv_strerror(12345), "unknown") != NULL);
+}
+
+static void *other_thread(void *arg) {
+  SKV_FAIL(SKV_ENOSPC, SKV_SUBSYS_POOL, "from the other thread");
+  snprintf(arg, 256, "%s", skv_last_error());
+  return NULL;
+}
+
+Test(core, last_error_is_thread_local_with_location) {
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  skv_clear_error();
+  cr_assert_str_eq(skv_last_error(), "");
+  int rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "bad thing %d", 42);
+  cr_assert_eq(rc, SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "bad thing 42") != NULL, "%s", skv_last_error());
+  cr_assert(strstr(skv_last_error(), "SKV_EINVAL") != NULL);
+  cr_assert(strstr(skv_last_error(), "test_core.c:") != NULL, "%s", skv_last_error());
+  char buf[256];
+  pthread_t t;
+  pthread_create(&t, NULL, other_thread, buf);
+  pthread_join(t, NULL);
+  cr_assert(strstr(buf, "other thread") != NULL);
+  cr_assert(strstr(skv_last_error(), "bad thing 42") != NULL, "overwritten by another thread: %s", skv_last_error());
+}
+
+Test(core, version_matches_header) {
+  cr_assert_eq(skv_version(), (unsigned)SKV_VERSION_HEX);
+  char want[32];
+  snprintf(want, sizeof want, "%d.%d.%d", SKV_VERSION_MAJOR, SKV_VERSION_MINOR, SKV_VERSION_PATCH);
+  cr_assert(strncmp(skv_version_string(), want, strlen(want)) == 0, "%s", skv_version_string());
+}
+
+/* ---- config ---- */
+
+Test(core, config_init_and_validate) {
+  skv_config_t c = SKV_CONFIG_INIT;
+  cr_assert_eq(skv_config_validate(&c), 0);
+  skv_config_t d;
+  memset(&d, 0x5a, sizeof d);
+  cr_assert_eq(skv_config_init(&d), 0);
+  cr_assert_eq(memcmp(&c, &d, sizeof c), 0);
+  cr_assert_eq(c.rank, -1);
+  cr_assert_eq(c.size, sizeof(skv_config_t));
+}
+
+static void expect_invalid(skv_config_t *c, const char *field) {
+  int rc = skv_config_validate(c);
+  cr_assert_lt(rc, 0, "field %s accepted", field);
+  cr_assert(strstr(skv_last_error(), field) != NULL, "error does not name %s: %s", field, skv_last_error());
+}
+
+Test(core, config_rejects_bad_fields_by_name) {
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  skv_config_t c = SKV_CONFIG_INIT;
+  c.world_size = 0;
+  expect_invalid(&c, "config.world_size");
+  c = (skv_config_t)SKV_CONFIG_INIT;
+  c.rank = -2;
+  expect_invalid(&c, "config.rank");
+  c = (skv_config_t)SKV_CONFIG_INIT;
+  c.rank = 4;
+  c.world_size = 4;
+  expect_invalid(&c, "config.rank");
+  c = (skv_config_t)SKV_CONFIG_INIT;
+  c.timeout_ms = 0;
+  expect_invalid(&c, "config.timeout_ms");
+  c = (skv_config_t)SKV_CONFIG_INIT;
+  c.flags = 1;
+  expect_invalid(&c, "config.flags");
+  c = (skv_config_t)SKV_CONFIG_INIT;
+  c.bootstrap = "tcp://127.0.0.1";
+  expect_invalid(&c, "config.bootstrap");
+  c.bootstrap = "tcp://127.0.0.1:70000";
+  expect_invalid(&c, "config.bootstrap");
+  c = (skv_config_t)SKV_CONFIG_INIT;
+  c.token = "short";
+  expect_invalid(&c, "config.token");
+  c.token = "has a space in it";
+  expect_invalid(&c, "config.token");
+  c = (skv_config_t)SKV_CONFIG_INIT;
+  c.local_size = 3;
+  c.world_size = 2;
+  expect_invalid(&c, "config.local_size");
+}
+
+Test(core, config_header_checks) {
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  skv_config_t c = SKV_CONFIG_INIT;
+  c.version = 99;
+  cr_assert_eq(skv_config_validate(&c), SKV_EVERSION);
+  c = (skv_config_t)SKV_CONFIG_INIT;
+  c.size = 4;
+  cr_assert_eq(skv_config_validate(&c), SKV_EVERSION);
+  /* A struct from a "newer" header: unknown trailing fields that are set are rejected. */
+  struct {
+    skv_config_t c;
+    uint64_t future;
+  } big = {SKV_CONFIG_INIT, 0};
+  big.c.size = sizeof big;
+  cr_assert_eq(skv_config_validate(&big.c), 0);
+  big.future = 7;
+  cr_assert_eq(skv_config_validate(&big.c), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "unknown fields") != NULL, "%s", skv_last_error());
+  cr_assert_eq(skv_config_validate(NULL), SKV_EINVAL);
+}
+
+Test(core, config_set_by_name) {
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  skv_config_t c = SKV_CONFIG_INIT;
+  cr_assert_eq(skv_config_set(&c, "rank", "3"), 0);
+  cr_assert_eq(c.rank, 3);
+  cr_assert_eq(skv_config_set(&c, "timeout_ms", "1500"), 0);
+  cr_assert_eq(c.timeout_ms, 1500);
+  cr_assert_eq(skv_config_set(&c, "bootstrap", "tcp://[::1]:1234"), 0);
+  cr_assert_str_eq(c.bootstrap, "tcp://[::1]:1234");
+  cr_assert_eq(skv_config_set(&c, "rnak", "3"), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "\"rnak\"") != NULL, "%s", skv_last_error());
+  cr_assert_eq(skv_config_set(&c, "rank", "three"), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "config.rank") != NULL, "%s", skv_last_error());
+  cr_assert_eq(skv_config_set(&c, "world_size", "-5"), SKV_EINVAL);
+  cr_assert_eq(skv_config_set(&c, "token", "x"), SKV_EINVAL);
+  cr_assert_eq(c.rank, 3, "a failed set must not change the config");
+}
+
+Test(core, config_resolves_environment_and_names_bad_variables) {
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  setenv("SKV_RANK", "1", 1);
+  setenv("SKV_WORLD_SIZE", "2", 1);
+  setenv("SKV_BOOTSTRAP", "tcp://127.0.0.1:4567", 1);
+  setenv("SKV_TOKEN", "0123456789abcdef", 1);
+  setenv("SKV_TIMEOUT_MS", "2500", 1);
+  skv__env_reload();
+  skv_cfg_resolved_t r;
+  cr_assert_eq(skv__config_resolve(NULL, &r), 0, "%s", skv_last_error());
+  cr_assert_eq(r.rank, 1);
+  cr_assert_eq(r.world_size, 2);
+  cr_assert_eq(r.local_rank, 1);
+  cr_assert_eq(r.local_size, 2);
+  cr_assert_eq(r.port, 4567);
+  cr_assert_str_eq(r.host, "127.0.0.1");
+  cr_assert_str_eq(r.bind_addr, "127.0.0.1");
+  cr_assert_eq(r.timeout_ms, 2500);
+  /* The config wins over the environment. */
+  skv_config_t c = SKV_CONFIG_INIT;
+  c.rank = 0;
+  c.timeout_ms = 99;
+  cr_assert_eq(skv__config_resolve(&c, &r), 0);
+  cr_assert_eq(r.rank, 0);
+  cr_assert_eq(r.timeout_ms, 99);
+  setenv("SKV_TIMEOUT_MS", "soon", 1);
+  skv__env_reload();
+  cr_assert_eq(skv__config_resolve(NULL, &r), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "SKV_TIMEOUT_MS") != NULL, "%s", skv_last_error());
+  setenv("SKV_TIMEOUT_MS", "100", 1);
+  unsetenv("SKV_TOKEN");
+  skv__env_reload();
+  cr_assert_eq(skv__config_resolve(NULL, &r), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "SKV_TOKEN") != NULL, "%s", skv_last_error());
+  unsetenv("SKV_WORLD_SIZE");
+  skv__env_reload();
+  cr_assert_eq(skv__config_resolve(NULL, &r), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "SKV_WORLD_SIZE") != NULL, "%s", skv_last_error());
+}
+
+Test(core, parse_int_with_suffixes) {
+  long long v;
+  cr_assert(skv__parse_int("64K", 0, 1LL << 40, true, &v));
+  cr_assert_eq(v, 65536);
+  cr_assert(skv__parse_int("2MiB", 0, 1LL << 40, true, &v));
+  cr_assert_eq(v, 2 << 20);
+  cr_assert(!skv__parse_int("2X", 0, 1LL << 40, true, &v));
+  cr_assert(!skv__parse_int("64K", 0, 1LL << 40, false, &v));
+  cr_assert(!skv__parse_int("99999999999999999999", 0, 1LL << 40, false, &v));
+  cr_assert(!skv__parse_int("5", 6, 7, false, &v));
+  cr_assert(skv__consttime_eq("abc", 3, "abc", 3));
+  cr_assert(!skv__consttime_eq("abc", 3, "abd", 3));
+  cr_assert(!skv__consttime_eq("abc", 3, "abcd", 4));
+}
+
+/* ---- logging ---- */
+
+typedef struct captured {
+  int n;
+  char lines[16][512];
+  int levels[16];
+} captured_t;
+
+static void capture_sink(void *arg, int level, unsigned subsys, const char *line) {
+  captured_t *c = arg;
+  if (c->n < 16) {
+    snprintf(c->lines[c->n], sizeof c->lines[0], "%s", line);
+    c->levels[c->n] = level;
+  }
+  c->n++;
+}
+
+static int side_effects;
+static int count_me(void) { return ++side_effects; }
+
+Test(core, logging_levels_subsystems_sink_and_prefix) {
+  captured_t cap = {0};
+  skv_log_set_sink(capture_sink, &cap);
+  skv_log_set_level(SKV_LOG_INFO, SKV_SUBSYS_BOOT | SKV_SUBSYS_KV);
+  SKV_INFO(SKV_SUBSYS_BOOT, "hello %d", 7);
+  SKV_TRACE(SKV_SUBSYS_BOOT, "not shown %d", count_me());
+  SKV_INFO(SKV_SUBSYS_HEAP, "not shown either %d", count_me());
+  SKV_WARN(SKV_SUBSYS_KV, "warned");
+  cr_assert_eq(side_effects, 0, "arguments were evaluated for a disabled level");
+  cr_assert_eq(cap.n, 2);
+  char want[128];
+  snprintf(want, sizeof want, "%s:%d:", skv__hostname(), (int)getpid());
+  cr_assert(strncmp(cap.lines[0], want, strlen(want)) == 0, "prefix: %s", cap.lines[0]);
+  cr_assert(strstr(cap.lines[0], "[INFO BOOT] hello 7") != NULL, "%s", cap.lines[0]);
+  cr_assert(strstr(cap.lines[1], "[WARN KV] warned") != NULL, "%s", cap.lines[1]);
+  skv__log_rank = 5;
+  SKV_INFO(SKV_SUBSYS_BOOT, "with rank");
+  snprintf(want, sizeof want, "%s:%d:5 [INFO", skv__hostname(), (int)getpid());
+  cr_assert(strstr(cap.lines[2], want) != NULL, "%s", cap.lines[2]);
+  skv_log_message(SKV_LOG_WARN, SKV_SUBSYS_KV, "from a binding");
+  cr_assert(strstr(cap.lines[3], "from a binding") != NULL);
+  cr_assert_eq(skv_log_set_level(9, 0), SKV_EINVAL);
+  skv_log_set_sink(NULL, NULL);
+}
+
+Test(core, logging_from_environment) {
+  setenv("SKV_DEBUG", "TRACE", 1);
+  setenv("SKV_DEBUG_SUBSYS", "ALL,^HEAP", 1);
+  skv__env_reload();
+  captured_t cap = {0};
+  skv_log_set_sink(capture_sink, &cap);
+  /* First use reads the environment. */
+  SKV_TRACE(SKV_SUBSYS_POOL, "trace pool");
+  SKV_WARN(SKV_SUBSYS_HEAP, "heap excluded");
+  cr_assert_eq(cap.n, 1, "got %d lines", cap.n);
+  cr_assert(strstr(cap.lines[0], "trace pool") != NULL);
+  cr_assert(strstr(cap.lines[0], "test_core.c:") != NULL, "TRACE lines carry file:line: %s", cap.lines[0]);
+  skv_log_set_sink(NULL, NULL);
+}
