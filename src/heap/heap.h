@@ -1,0 +1,44 @@
+/* Internal view of a symmetric heap: layout, the backend that maps the segments, and the
+ * hooks the CUDA backend plugs in. Every PE's segment is mapped at base + pe * stride. */
+#ifndef SKV_HEAP_H
+#define SKV_HEAP_H
+
+#include "bootstrap/ctx.h"
+#include "core.h"
+
+typedef struct skv_heap_backend skv_heap_backend_t;
+
+struct skv_heap {
+  skv_ctx_t *ctx;
+  const skv_heap_backend_t *be;
+  skv_heap_info_t info; /* layout, base, stride, npes, my_pe */
+  uint64_t seq;         /* collective sequence number it was created under */
+  char name[96];        /* unique name (store keys, fd exchange tag) */
+  void *impl;           /* backend state */
+};
+
+struct skv_heap_backend {
+  const char *name;
+  /* Alignment of segments and of the stride. */
+  uint64_t (*granularity)(skv_heap_t *heap);
+  /* Allocate this PE's segment, exchange handles with the local PEs and map every segment at
+   * info.base + pe * info.stride (sets info.base and impl). Called by every PE together. */
+  int (*create)(skv_heap_t *heap);
+  /* Unmap and release everything; tolerate peers that died. */
+  int (*destroy)(skv_heap_t *heap);
+};
+
+extern const skv_heap_backend_t skv__heap_host;
+#ifdef SKV_WITH_CUDA
+extern const skv_heap_backend_t skv__heap_cuda;
+extern const skv_heap_backend_t skv__heap_cuda_host;
+#endif
+
+const char *skv__backend_name(int backend);
+
+/* Address of byte `off` of PE `pe` without checks (hot paths that checked already). */
+static inline void *skv__heap_addr(const skv_heap_t *h, int pe, uint64_t off) {
+  return (char *)h->info.base + (uint64_t)pe * h->info.stride + off;
+}
+
+#endif

@@ -1,0 +1,117 @@
+/* Host heap backend: each PE's segment is a memfd, passed to the local peers over a unix
+ * socket (SCM_RIGHTS) and mapped by every PE into one reserved range at base + pe * stride. */
+#define _GNU_SOURCE
+#include "heap.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef struct host_impl {
+  void *reserved;       /* the whole range: npes * stride bytes */
+  size_t reserved_bytes;
+} host_impl_t;
+
+static uint64_t host_granularity(skv_heap_t *heap) {
+  long pg = sysconf(_SC_PAGESIZE);
+  uint64_t g = pg > 0 ? (uint64_t)pg : 4096;
+  /* Large segments on 2 MiB boundaries so that huge pages can back them. */
+  if (heap->info.data_bytes >= (64ull << 20)) g = SKV_MAX(g, 2ull << 20);
+  return g;
+}
+
+/* Create and size this PE's memfd. */
+static int make_segment(skv_heap_t *heap, int *fd_out) {
+  char name[64];
+  snprintf(name, sizeof name, "symkv-heap-%d", heap->ctx->cfg.rank);
+  int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0)
+    return SKV_FAIL(-errno, SKV_SUBSYS_HEAP, "memfd_create failed: %s (too many open files? ulimit -n)",
+                    strerror(errno));
+  if (ftruncate(fd, (off_t)heap->info.segment_bytes) != 0) {
+    int e = errno;
+    close(fd);
+    char b[32];
+    return SKV_FAIL(-e, SKV_SUBSYS_HEAP, "sizing the %s heap segment failed: %s",
+                    skv__fmt_bytes(heap->info.segment_bytes, b, sizeof b), strerror(e));
+  }
+  *fd_out = fd;
+  return 0;
+}
+
+/* Map every PE's memfd into one reserved range; on failure nothing stays mapped. */
+int skv__heap_host_map(skv_heap_t *heap, const int *fds, void **base_out, size_t *bytes_out);
+int skv__heap_host_map(skv_heap_t *heap, const int *fds, void **base_out, size_t *bytes_out) {
+  skv_heap_info_t *in = &heap->info;
+  size_t total = (size_t)in->stride * (size_t)in->npes;
+  void *base = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) {
+    char b[32];
+    return SKV_FAIL(-errno, SKV_SUBSYS_HEAP, "reserving %s of address space failed: %s",
+                    skv__fmt_bytes(total, b, sizeof b), strerror(errno));
+  }
+  for (int pe = 0; pe < in->npes; pe++) {
+    void *want = (char *)base + (size_t)pe * in->stride;
+    void *p = mmap(want, in->segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fds[pe], 0);
+    if (p == MAP_FAILED) {
+      int e = errno;
+      munmap(base, total);
+      return SKV_FAIL(-e, SKV_SUBSYS_HEAP, "mapping PE %d's heap segment failed: %s", pe, strerror(e));
+    }
+  }
+  *base_out = base;
+  *bytes_out = total;
+  return 0;
+}
+
+static int host_create(skv_heap_t *heap) {
+  skv_ctx_t *ctx = heap->ctx;
+  int n = heap->info.npes;
+  int my_fd = -1, rc;
+  int *fds = malloc(sizeof(int) * (size_t)n);
+  host_impl_t *impl = calloc(1, sizeof *impl);
+  if (!fds || !impl) {
+    free(fds);
+    free(impl);
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
+  }
+  for (int i = 0; i < n; i++) fds[i] = -1;
+  SKV_CHECK_GOTO(make_segment(heap, &my_fd), rc, out);
+  SKV_CHECK_GOTO(skv__fd_exchange(ctx->store, heap->name, ctx->local_ranks, n, ctx->local_index, my_fd, fds,
+                                  ctx->cfg.timeout_ms),
+                 rc, out);
+  SKV_CHECK_GOTO(skv__heap_host_map(heap, fds, &impl->reserved, &impl->reserved_bytes), rc, out);
+  heap->info.base = impl->reserved;
+  heap->impl = impl;
+  impl = NULL;
+out:
+  /* The mappings keep the memfds alive; nothing is left to name or unlink. */
+  for (int i = 0; i < n; i++)
+    if (fds[i] >= 0) close(fds[i]);
+  if (my_fd >= 0) close(my_fd);
+  free(fds);
+  free(impl);
+  return rc;
+}
+
+static int host_destroy(skv_heap_t *heap) {
+  host_impl_t *impl = heap->impl;
+  if (!impl) return 0;
+  int rc = 0;
+  if (munmap(impl->reserved, impl->reserved_bytes) != 0)
+    rc = SKV_FAIL(-errno, SKV_SUBSYS_HEAP, "unmapping the heap failed: %s", strerror(errno));
+  free(impl);
+  heap->impl = NULL;
+  return rc;
+}
+
+const skv_heap_backend_t skv__heap_host = {
+    .name = "host",
+    .granularity = host_granularity,
+    .create = host_create,
+    .destroy = host_destroy,
+};

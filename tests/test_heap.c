@@ -1,0 +1,176 @@
+/* Multi-PE tests of the host symmetric heap: layout, peer writes and reads through symmetric
+ * addresses, collective checks, bad input, and nothing left behind (also after a PE dies). */
+#define _GNU_SOURCE
+#include "skv_test.h"
+
+#include "heap/heap.h"
+
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <dirent.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+TestSuite(heap, .timeout = 120);
+
+static int count_dir(const char *path) {
+  DIR *d = opendir(path);
+  if (!d) return -1;
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d))) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+static int pe_peer_rw(int rank, int npes, void *arg) {
+  uint64_t bytes = *(uint64_t *)arg;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
+  int fds_before = count_dir("/proc/self/fd");
+  skv_heap_t *heap;
+  PE_CHECK(skv_heap_create(ctx, bytes, SKV_BACKEND_HOST, &heap) == 0, "create");
+  skv_heap_info_t in;
+  PE_CHECK(skv_heap_get_info(heap, &in) == 0, "info");
+  PE_CHECK(in.npes == npes && in.my_pe == rank && in.data_bytes == bytes, "info fields");
+  PE_CHECK(in.signal_offset == 0 && in.scratch_offset >= in.signal_bytes && in.data_offset % 4096 == 0 &&
+               in.data_offset >= in.scratch_offset + in.scratch_bytes && in.segment_bytes >= in.data_offset + bytes,
+           "layout");
+  for (int pe = 0; pe < npes; pe++)
+    PE_CHECK(skv_heap_ptr(heap, pe, 0) == (char *)in.base + (uint64_t)pe * in.stride, "symmetric address of %d", pe);
+  /* identical layout everywhere */
+  skv_heap_info_t all[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(ctx, &in, all, sizeof in) == 0, "allgather info");
+  for (int r = 0; r < npes; r++)
+    PE_CHECK(all[r].data_offset == in.data_offset && all[r].segment_bytes == in.segment_bytes &&
+                 all[r].signal_bytes == in.signal_bytes,
+             "layout of rank %d differs", r);
+  /* freshly created memory is zero */
+  const uint8_t *mine = skv_heap_ptr(heap, rank, in.data_offset);
+  for (uint64_t i = 0; i < bytes; i += 4093) PE_CHECK(mine[i] == 0, "byte %llu not zero", (unsigned long long)i);
+  /* each PE writes a random pattern into the next PE's data area */
+  uint64_t seed = skv_test_seed(), all_seeds[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(ctx, &seed, all_seeds, sizeof seed) == 0, "seeds");
+  int to = (rank + 1) % npes, from = (rank + npes - 1) % npes;
+  uint8_t *dst = skv_heap_ptr(heap, to, in.data_offset);
+  uint64_t s = seed;
+  skv_test_fill_random(dst, bytes, &s);
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  uint8_t *want = malloc(bytes);
+  s = all_seeds[from];
+  skv_test_fill_random(want, bytes, &s);
+  PE_CHECK(memcmp(mine, want, bytes) == 0, "my data area does not hold what rank %d wrote", from);
+  /* and every PE sees every segment the same way */
+  s = all_seeds[(rank + 2 * npes - 2) % npes];
+  skv_test_fill_random(want, bytes, &s);
+  PE_CHECK(memcmp(skv_heap_ptr(heap, from, in.data_offset), want, bytes) == 0, "peer segment content");
+  free(want);
+  PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
+  PE_CHECK(count_dir("/proc/self/fd") == fds_before, "fds leaked: %d -> %d", fds_before, count_dir("/proc/self/fd"));
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+typedef struct { int npes; uint64_t bytes; } rw_param_t;
+
+ParameterizedTestParameters(heap, peers_read_what_peers_wrote) {
+  static rw_param_t p[] = {{1, 4096}, {2, 1}, {2, 1 << 20}, {3, 12345}, {4, 4 << 20}, {8, 256 << 10}};
+  return cr_make_param_array(rw_param_t, p, sizeof p / sizeof p[0]);
+}
+
+ParameterizedTest(rw_param_t *p, heap, peers_read_what_peers_wrote) {
+  int shm_before = count_dir("/dev/shm");
+  skv_test_job_t job;
+  uint64_t bytes = p->bytes;
+  int bad = skv_test_run(&job, p->npes, pe_peer_rw, &bytes, 90000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+  cr_assert_eq(count_dir("/dev/shm"), shm_before, "objects left in /dev/shm");
+}
+
+static int pe_mismatch(int rank, int npes, void *arg) {
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 10000) == 0, "init");
+  skv_heap_t *heap = NULL;
+  int rc = skv_heap_create(ctx, rank == 0 ? 4096 : 8192, SKV_BACKEND_HOST, &heap);
+  PE_CHECK(rc == SKV_EMISMATCH && heap == NULL, "got %s", skv_err_name(rc));
+  PE_CHECK(strstr(skv_last_error(), "data_bytes=4096") && strstr(skv_last_error(), "data_bytes=8192"),
+           "message names both sides: %s", skv_last_error());
+  /* the job is still usable afterwards */
+  PE_CHECK(skv_heap_create(ctx, 4096, SKV_BACKEND_HOST, &heap) == 0, "create after mismatch");
+  PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(heap, mismatched_sizes_fail_on_every_pe) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 3, pe_mismatch, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+static int pe_bad_input(int rank, int npes, void *arg) {
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 10000) == 0, "init");
+  skv_heap_t *heap = NULL;
+  PE_CHECK(skv_heap_create(ctx, 0, SKV_BACKEND_HOST, &heap) == SKV_EINVAL, "zero bytes");
+  PE_CHECK(skv_heap_create(ctx, 1ull << 62, SKV_BACKEND_HOST, &heap) == SKV_EINVAL, "huge");
+  PE_CHECK(skv_heap_create(ctx, 4096, 77, &heap) == SKV_EINVAL, "bad backend");
+  PE_CHECK(skv_heap_create(NULL, 4096, SKV_BACKEND_HOST, &heap) == SKV_EINVAL, "NULL ctx");
+  PE_CHECK(skv_heap_create(ctx, 4096, SKV_BACKEND_HOST, NULL) == SKV_EINVAL, "NULL out");
+#ifndef SKV_WITH_CUDA
+  PE_CHECK(skv_heap_create(ctx, 4096, SKV_BACKEND_CUDA, &heap) == SKV_ENOTSUP, "cuda without CUDA");
+#endif
+  skv_heap_opts_t o = SKV_HEAP_OPTS_INIT;
+  o.data_bytes = 4096;
+  o.size = 8;
+  PE_CHECK(skv_heap_create_ex(ctx, &o, &heap) == SKV_EINVAL, "bad opts size");
+  PE_CHECK(skv_heap_create(ctx, 4096, SKV_BACKEND_HOST, &heap) == 0, "good create");
+  skv_heap_info_t in;
+  skv_heap_get_info(heap, &in);
+  PE_CHECK(skv_heap_ptr(heap, npes, 0) == NULL && strstr(skv_last_error(), "PE"), "pe out of range");
+  PE_CHECK(skv_heap_ptr(heap, -1, 0) == NULL, "negative pe");
+  PE_CHECK(skv_heap_ptr(heap, 0, in.segment_bytes) == NULL, "offset out of range");
+  PE_CHECK(skv_heap_ptr(heap, 0, in.segment_bytes - 1) != NULL, "last byte in range");
+  PE_CHECK(skv_heap_ptr(NULL, 0, 0) == NULL, "NULL heap");
+  PE_CHECK(skv_heap_get_info(heap, NULL) == SKV_EINVAL, "NULL info");
+  PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
+  PE_CHECK(skv_heap_destroy(NULL) == 0, "destroy NULL");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(heap, bad_input_gives_clear_errors) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_bad_input, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+static int pe_dies_with_heap(int rank, int npes, void *arg) {
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 3000) == 0, "init");
+  skv_heap_t *heap;
+  PE_CHECK(skv_heap_create(ctx, 1 << 20, SKV_BACKEND_HOST, &heap) == 0, "create");
+  memset(skv_heap_ptr(heap, rank, heap->info.data_offset), 0x40 + rank, 1 << 20);
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  if (rank == 1) raise(SIGKILL);
+  /* The dead PE's segment stays readable for the survivors until they unmap it. */
+  const uint8_t *dead = skv_heap_ptr(heap, 1, heap->info.data_offset);
+  PE_CHECK(dead[0] == 0x41 && dead[(1 << 20) - 1] == 0x41, "dead PE's data");
+  int rc = skv_heap_destroy(heap);
+  PE_CHECK(rc == SKV_EPEERDEAD || rc == SKV_ETIMEDOUT, "destroy with a dead peer: %s", skv_err_name(rc));
+  skv_finalize(ctx);
+  return 0;
+}
+
+Test(heap, destroy_after_a_pe_died_leaves_nothing_behind) {
+  int shm_before = count_dir("/dev/shm");
+  skv_test_job_t job;
+  skv_test_spawn(&job, 3, pe_dies_with_heap, NULL);
+  skv_test_wait(&job, 60000);
+  cr_assert_eq(job.status[1], 128 + SIGKILL);
+  cr_assert(job.status[0] == 0 && job.status[2] == 0, "survivors: %s", skv_test_statuses(&job));
+  cr_assert_eq(count_dir("/dev/shm"), shm_before, "objects left in /dev/shm");
+}
