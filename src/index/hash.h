@@ -1,0 +1,24 @@
+/* Internal view of namespaces and key hashing (XXH3-128 chains keyed with the namespace and
+ * the deployment secret); the byte format is docs/hashing.md. */
+#ifndef SKV_HASH_H
+#define SKV_HASH_H
+
+#include "core.h"
+
+struct skv_namespace {
+  skv_key_t id;          /* 128-bit namespace id (secret, model, geometry, salt) */
+  uint64_t seed;         /* XXH3 seed derived from id */
+  skv_geometry_t geom;   /* the geometry the namespace was made for */
+  uint64_t page_bytes;
+};
+
+/* Keys with hi == 0 are reserved by the index; hashing maps them to hi = 1. */
+static inline skv_key_t skv__key_fix(skv_key_t k) {
+  if (k.hi == 0) k.hi = 1;
+  return k;
+}
+
+/* Same geometry (every field)? */
+bool skv__geometry_equal(const skv_geometry_t *a, const skv_geometry_t *b);
+
+#endif

@@ -1,0 +1,259 @@
+/* The node-shared lock-free index: claim by 128-bit CAS, first-writer-wins by tickets,
+ * seqlock-free lookups. The protocol and its failure cases are described in index.h. */
+#include "index.h"
+
+#include <sched.h>
+#include <string.h>
+
+#define EMPTY_HI 0u
+#define TOMB_LO 1u
+
+static inline unsigned __int128 k128(skv_key_t k) {
+  return ((unsigned __int128)k.hi << 64) | k.lo;
+}
+static const unsigned __int128 K_EMPTY = 0;
+static const unsigned __int128 K_TOMB = 1;
+
+static inline bool cas_key(skv_index_slot_t *s, unsigned __int128 old, unsigned __int128 new_) {
+  return __sync_bool_compare_and_swap(&s->key.w, old, new_);
+}
+
+static inline uint64_t ld_acq(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline uint64_t ld_rlx(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+static inline void st_rel(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+uint64_t skv__index_shard_bytes(uint64_t slots_per_shard) {
+  return sizeof(skv_index_shard_hdr_t) + slots_per_shard * sizeof(skv_index_slot_t);
+}
+
+void skv__index_bind(skv_index_t *ix, int nshards, uint64_t slots_per_shard, void *const *shard_mem,
+                     skv_index_alive_fn alive, void *alive_arg) {
+  ix->nshards = nshards;
+  ix->slots_per_shard = slots_per_shard;
+  ix->alive = alive;
+  ix->alive_arg = alive_arg;
+  for (int i = 0; i < nshards; i++) {
+    ix->hdr[i] = shard_mem[i];
+    ix->slots[i] = (skv_index_slot_t *)((char *)shard_mem[i] + sizeof(skv_index_shard_hdr_t));
+  }
+}
+
+/* The shard comes from the high bits of hi, the home slot from lo: independent bits. */
+static inline int shard_of(const skv_index_t *ix, skv_key_t k) {
+  return (int)((k.hi >> 32) % (uint64_t)ix->nshards);
+}
+
+/* Read a slot's key; a torn read of a slot being claimed can only show hi == 0 (treated as
+ * free) or the new key in full, since hi of a real key is never 0 and is read first. */
+static inline void read_key(const skv_index_slot_t *s, uint64_t *hi, uint64_t *lo) {
+  *hi = ld_acq(&s->key.p.hi);
+  *lo = ld_acq(&s->key.p.lo);
+}
+
+int skv__index_lookup(const skv_index_t *ix, skv_key_t key, uint64_t *val) {
+  int sh = shard_of(ix, key);
+  skv_index_slot_t *slots = ix->slots[sh];
+  uint64_t mask = ix->slots_per_shard - 1;
+  uint64_t h = key.lo & mask;
+  for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
+    skv_index_slot_t *s = &slots[(h + i) & mask];
+    for (int tries = 0; tries < 4; tries++) {
+      uint64_t v1 = ld_acq(&s->val);
+      uint64_t hi, lo;
+      read_key(s, &hi, &lo);
+      if (hi == EMPTY_HI) {
+        if (lo != TOMB_LO) return SKV_ENOTFOUND; /* EMPTY: the key is nowhere further */
+        break;
+      }
+      if (hi != key.hi || lo != key.lo || !(v1 & SKV_VAL_VALID)) break;
+      uint64_t v2 = ld_acq(&s->val);
+      if (v1 == v2) {
+        *val = v1;
+        return 0;
+      }
+      /* The slot changed under us: read it again. */
+    }
+  }
+  return SKV_ENOTFOUND;
+}
+
+void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size_t n, uint64_t *vals,
+                              size_t *nhit) {
+  enum { AHEAD = 4 };
+  uint64_t mask = ix->slots_per_shard - 1;
+  for (size_t j = 0; j < n && j < AHEAD; j++)
+    __builtin_prefetch(&ix->slots[shard_of(ix, keys[j])][keys[j].lo & mask]);
+  size_t i = 0;
+  for (; i < n; i++) {
+    if (i + AHEAD < n) {
+      skv_key_t k = keys[i + AHEAD];
+      __builtin_prefetch(&ix->slots[shard_of(ix, k)][k.lo & mask]);
+    }
+    if (skv__index_lookup(ix, keys[i], &vals[i]) != 0) break;
+  }
+  *nhit = i;
+}
+
+/* Turn our own (or a dead owner's) claimed slot back into a tombstone. */
+static void release_slot(skv_index_slot_t *s, unsigned __int128 k) {
+  __atomic_store_n(&s->val, SKV_VAL_ERASING, __ATOMIC_RELEASE);
+  __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE);
+  cas_key(s, k, K_TOMB);
+}
+
+/* Wait for the ticket of a copy claimed by another inserter (it stores it a few instructions
+ * after its claim). Returns the ticket, or 0 when the copy went away or its owner died (then
+ * it is cleared and *cleared set). */
+static uint64_t copy_ticket(skv_index_t *ix, skv_index_slot_t *s, skv_key_t key, int *cleared) {
+  for (uint64_t spin = 0;; spin++) {
+    uint64_t t = ld_acq(&s->ticket);
+    uint64_t v = ld_acq(&s->val), hi, lo;
+    read_key(s, &hi, &lo);
+    if (hi != key.hi || lo != key.lo || (v & SKV_VAL_ERASING)) return 0;
+    if (t != 0) return t;
+    if (spin > 0 && spin % 4096 == 0) {
+      int owner = (int)skv__val_pe(v);
+      if (ix->alive && !ix->alive(ix->alive_arg, owner)) {
+        release_slot(s, k128(key));
+        *cleared = 1;
+        return 0;
+      }
+      sched_yield();
+    }
+    SKV_CPU_RELAX();
+  }
+}
+
+/* Scan the window for copies of `key` other than our slot `mine` (ticket my_ticket). Returns 1
+ * when a VALID copy or an older PENDING copy of a live PE exists (we lose), else 0. PENDING
+ * copies of dead PEs met on the way are cleared. */
+static int scan_copies(skv_index_t *ix, skv_key_t key, skv_index_slot_t *mine, uint64_t my_ticket) {
+  int sh = shard_of(ix, key);
+  skv_index_slot_t *slots = ix->slots[sh];
+  uint64_t mask = ix->slots_per_shard - 1;
+  uint64_t h = key.lo & mask;
+  for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
+    skv_index_slot_t *s = &slots[(h + i) & mask];
+    uint64_t hi, lo;
+    read_key(s, &hi, &lo);
+    if (hi == EMPTY_HI && lo != TOMB_LO) break;
+    if (s == mine || hi != key.hi || lo != key.lo) continue;
+    uint64_t v = ld_acq(&s->val);
+    if (v & SKV_VAL_ERASING) continue;
+    if (v & SKV_VAL_VALID) return 1;
+    int cleared = 0;
+    uint64_t t = copy_ticket(ix, s, key, &cleared);
+    if (t == 0 || t > my_ticket) continue; /* gone, or newer than us: it will lose */
+    /* Older: it wins, unless its owner died before publishing. */
+    v = ld_acq(&s->val);
+    if (v & SKV_VAL_VALID) return 1;
+    if (ix->alive && !ix->alive(ix->alive_arg, (int)skv__val_pe(v))) {
+      release_slot(s, k128(key));
+      continue;
+    }
+    return 1;
+  }
+  return 0;
+}
+
+int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
+  SKV_ASSERT(key.hi != 0 && (val & SKV_VAL_VALID));
+  int sh = shard_of(ix, key);
+  skv_index_slot_t *slots = ix->slots[sh];
+  uint64_t mask = ix->slots_per_shard - 1;
+  uint64_t h = key.lo & mask;
+  unsigned __int128 kw = k128(key);
+  {
+    /* 1. claim the first free slot, unless the key is already VALID on the way. */
+    skv_index_slot_t *mine = NULL;
+    for (unsigned i = 0; i < SKV_INDEX_WINDOW && !mine; i++) {
+      skv_index_slot_t *s = &slots[(h + i) & mask];
+      uint64_t hi, lo;
+      read_key(s, &hi, &lo);
+      if (hi == key.hi && lo == key.lo) {
+        uint64_t v = ld_acq(&s->val);
+        if (v & SKV_VAL_VALID) return SKV_EEXIST;
+        continue;
+      }
+      if (hi != EMPTY_HI) continue;
+      unsigned __int128 old = lo == TOMB_LO ? K_TOMB : K_EMPTY;
+      if (cas_key(s, old, kw)) mine = s;
+      else i--; /* the slot changed: look at it again */
+    }
+    if (!mine) return SKV_ENOSPC;
+    /* 2. PENDING with our PE, then a ticket. */
+    __atomic_store_n(&mine->val, (uint64_t)my_pe << SKV_VAL_PE_SHIFT, __ATOMIC_RELEASE);
+    uint64_t t = __atomic_add_fetch(&ix->hdr[0]->ticket, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&mine->ticket, t, __ATOMIC_SEQ_CST);
+    /* 3. any older copy wins. */
+    if (scan_copies(ix, key, mine, t)) {
+      release_slot(mine, kw);
+      return SKV_EEXIST;
+    }
+    /* 4. publish. */
+    st_rel(&mine->val, val);
+    __atomic_add_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
+    return 0;
+  }
+}
+
+int skv__index_erase(skv_index_t *ix, skv_key_t key, uint64_t val) {
+  int sh = shard_of(ix, key);
+  skv_index_slot_t *slots = ix->slots[sh];
+  uint64_t mask = ix->slots_per_shard - 1;
+  uint64_t h = key.lo & mask;
+  for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
+    skv_index_slot_t *s = &slots[(h + i) & mask];
+    uint64_t hi, lo;
+    read_key(s, &hi, &lo);
+    if (hi == EMPTY_HI && lo != TOMB_LO) break;
+    if (hi != key.hi || lo != key.lo) continue;
+    uint64_t expect = val;
+    if (!__atomic_compare_exchange_n(&s->val, &expect, SKV_VAL_ERASING, false, __ATOMIC_SEQ_CST,
+                                     __ATOMIC_RELAXED))
+      continue;
+    __atomic_store_n(&s->ticket, 0, __ATOMIC_SEQ_CST);
+    cas_key(s, k128(key), K_TOMB);
+    __atomic_sub_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
+    return 0;
+  }
+  return SKV_ENOTFOUND;
+}
+
+uint64_t skv__index_entries(const skv_index_t *ix) {
+  uint64_t n = 0;
+  for (int i = 0; i < ix->nshards; i++) n += ld_rlx(&ix->hdr[i]->entries);
+  return n;
+}
+
+int64_t skv__index_check(const skv_index_t *ix) {
+  int64_t count = 0;
+  uint64_t mask = ix->slots_per_shard - 1;
+  for (int sh = 0; sh < ix->nshards; sh++) {
+    for (uint64_t i = 0; i < ix->slots_per_shard; i++) {
+      skv_index_slot_t *s = &ix->slots[sh][i];
+      uint64_t v = ld_acq(&s->val), hi, lo;
+      read_key(s, &hi, &lo);
+      if (hi == EMPTY_HI || !(v & SKV_VAL_VALID)) continue;
+      count++;
+      skv_key_t k = {hi, lo};
+      if (shard_of(ix, k) != sh)
+        return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX, "index: key in shard %d belongs to shard %d", sh,
+                        shard_of(ix, k));
+      uint64_t home = lo & mask, dist = (i - home) & mask;
+      if (dist >= SKV_INDEX_WINDOW)
+        return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX, "index: slot %llu is %llu slots from its home",
+                        (unsigned long long)i, (unsigned long long)dist);
+      for (unsigned j = 0; j < SKV_INDEX_WINDOW; j++) {
+        skv_index_slot_t *o = &ix->slots[sh][(home + j) & mask];
+        if (o == s) continue;
+        uint64_t ov = ld_acq(&o->val), ohi, olo;
+        read_key(o, &ohi, &olo);
+        if (ohi == hi && olo == lo && (ov & SKV_VAL_VALID))
+          return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX, "index: key %016llx%016llx is VALID twice",
+                          (unsigned long long)hi, (unsigned long long)lo);
+      }
+    }
+  }
+  return count;
+}

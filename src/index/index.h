@@ -1,0 +1,123 @@
+/* Internal API of the node-shared, lock-free index: 128-bit key -> (pe, page, generation),
+ * sharded by key over the PEs' metadata segments, every shard mapped by every local PE. */
+#ifndef SKV_INDEX_H
+#define SKV_INDEX_H
+
+#include "core.h"
+
+/* How it works
+ * ------------
+ * The table is open addressing with linear probing inside a window of SKV_INDEX_WINDOW slots
+ * from the key's home slot (the window wraps inside the key's shard). A slot is 32 bytes:
+ *
+ *   key    128 bits, changed only by a 128-bit compare-and-swap. (0, 0) is EMPTY, (0, 1) a
+ *          TOMBstone; real keys have hi != 0.
+ *   val    64 bits: VALID flag, ERASING flag, pe, page, generation. A slot whose key is set
+ *          but whose val is not VALID is being inserted (PENDING, owner pe in val) or erased.
+ *   ticket 64 bits: a node-wide insertion order number (0: not taken yet).
+ *
+ * Insert (only by the PE that owns the page):
+ *   1. claim the first EMPTY or TOMB slot of the window by CAS of the key (ENOSPC if none);
+ *   2. write val = PENDING(pe), take a ticket from the node-wide counter, store it;
+ *   3. rescan the window up to the first EMPTY slot for other slots holding the same key. A
+ *      copy that is VALID, or PENDING with a smaller ticket, wins over us: we clear our slot
+ *      (val ERASING, ticket 0, key TOMB) and report EEXIST (the caller frees its page). A copy
+ *      that is ERASING or has a larger ticket will lose. A copy whose ticket is not stored yet
+ *      is waited for (its owner stores it right after claiming): deciding without it could
+ *      let both copies win;
+ *   4. otherwise store val = VALID(pe, page, gen) with release order.
+ *   Every copy agrees on the winner (the smallest ticket), so a key is VALID in at most one
+ *   slot and "first writer wins" holds. Copies never lie beyond the first EMPTY slot: claims
+ *   stop at the first free slot and EMPTY slots never come back.
+ * Lookup (any PE, any thread): walk the window until the key or an EMPTY slot; a hit needs the
+ *   val read before and after the key to be equal and VALID (a seqlock without a counter:
+ *   erase changes val before it changes the key, and (pe, page, gen) never repeats).
+ * Erase (owner, on eviction): CAS val from the exact VALID value to ERASING, clear the ticket,
+ *   CAS the key to TOMB. Tombstones are reused by later inserts; the bounded window keeps
+ *   lookups short even when a long-running table is full of tombstones.
+ *
+ * What can go wrong
+ * -----------------
+ * - A PE dies between claim and publish: its slot stays PENDING. Inserters that meet a
+ *   PENDING copy whose owner is dead turn it into a tombstone and retry.
+ * - Two inserters race on a slot that is being erased: the claim CAS decides, tickets decide
+ *   between copies; the loser reports EEXIST while the winner may still be PENDING, which is
+ *   fine (the key becomes VALID as soon as the winner publishes).
+ * - A reader races with erase and reuse of the slot: the val double-read catches it.
+ * - A window with no free slot: insert fails with ENOSPC and the caller does not cache the key
+ *   (the default table has 4 slots per page, at most 25% load, where a full 32-slot window
+ *   is vanishingly rare); lookups are unaffected.
+ */
+
+#define SKV_INDEX_WINDOW 32
+
+typedef struct skv_index_slot {
+  union {
+    unsigned __int128 w;
+    struct {
+      uint64_t lo, hi;
+    } p;
+  } key;
+  uint64_t val;
+  uint64_t ticket;
+} __attribute__((aligned(32))) skv_index_slot_t;
+
+/* Shared per-shard header (one per PE segment, 64 bytes). */
+typedef struct skv_index_shard_hdr {
+  uint64_t entries; /* VALID keys of this shard (approximate under races) */
+  uint64_t ticket;  /* node-wide insertion counter (used in shard 0 only) */
+  uint64_t pad[6];
+} skv_index_shard_hdr_t;
+
+/* Liveness of a PE, for the PENDING-with-dead-owner case; supplied by the pool. */
+typedef bool (*skv_index_alive_fn)(void *arg, int pe);
+
+typedef struct skv_index {
+  int nshards;
+  uint64_t slots_per_shard;           /* power of two, >= SKV_INDEX_WINDOW */
+  skv_index_shard_hdr_t **hdr;        /* [nshards] */
+  skv_index_slot_t **slots;           /* [nshards] */
+  skv_index_alive_fn alive;
+  void *alive_arg;
+} skv_index_t;
+
+/* Packed value of a VALID entry. */
+#define SKV_VAL_VALID (1ull << 63)
+#define SKV_VAL_ERASING (1ull << 62)
+#define SKV_VAL_PE_SHIFT 56
+#define SKV_VAL_PE_MASK 0x3full
+#define SKV_VAL_PAGE_SHIFT 32
+#define SKV_VAL_PAGE_MASK 0xffffffull
+#define SKV_INDEX_MAX_PES 64
+#define SKV_INDEX_MAX_PAGES (1u << 24)
+
+static inline uint64_t skv__val_pack(uint32_t pe, uint32_t page, uint32_t gen) {
+  return SKV_VAL_VALID | ((uint64_t)pe << SKV_VAL_PE_SHIFT) | ((uint64_t)page << SKV_VAL_PAGE_SHIFT) | gen;
+}
+static inline uint32_t skv__val_pe(uint64_t v) { return (uint32_t)((v >> SKV_VAL_PE_SHIFT) & SKV_VAL_PE_MASK); }
+static inline uint32_t skv__val_page(uint64_t v) { return (uint32_t)((v >> SKV_VAL_PAGE_SHIFT) & SKV_VAL_PAGE_MASK); }
+static inline uint32_t skv__val_gen(uint64_t v) { return (uint32_t)v; }
+
+/* Bytes of one shard (header + slots) for `slots_per_shard` slots. */
+uint64_t skv__index_shard_bytes(uint64_t slots_per_shard);
+/* Bind the shards (already zeroed shared memory, shard i at shard_mem[i]). */
+void skv__index_bind(skv_index_t *ix, int nshards, uint64_t slots_per_shard, void *const *shard_mem,
+                     skv_index_alive_fn alive, void *alive_arg);
+
+/* 0 and *val on a hit, SKV_ENOTFOUND on a miss. */
+int skv__index_lookup(const skv_index_t *ix, skv_key_t key, uint64_t *val);
+/* Batched prefix lookup: vals[0..*nhit) of the leading keys found (prefetches ahead). */
+void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size_t n, uint64_t *vals,
+                              size_t *nhit);
+/* Insert key -> val (VALID value of the caller's page). 0: inserted; SKV_EEXIST: the key is
+ * present or another PE won the race (the caller frees its page); SKV_ENOSPC: window full. */
+int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe);
+/* Erase key if it maps to exactly `val`; SKV_ENOTFOUND otherwise. */
+int skv__index_erase(skv_index_t *ix, skv_key_t key, uint64_t val);
+/* VALID entries in all shards (sum of the shard counters). */
+uint64_t skv__index_entries(const skv_index_t *ix);
+/* Expensive walker (tests, SKV_DEBUG_LEVEL=2): count VALID slots, check no key is VALID twice
+ * within its window; returns the count or a negative error. */
+int64_t skv__index_check(const skv_index_t *ix);
+
+#endif

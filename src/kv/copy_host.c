@@ -1,0 +1,116 @@
+/* Host copy between a page ([layer][k|v][token][head][dim], contiguous) and the engine blocks a
+ * layout describes: whole blocks, whole tokens or head_dim rows, whichever the strides allow. */
+#include "kv/layout.h"
+
+#include <inttypes.h>
+#include <string.h>
+
+#if defined(__GNUC__)
+#define SKV_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define SKV_ALWAYS_INLINE inline
+#endif
+
+/* n rows of `bytes` each, `dstep` / `sstep` bytes apart. Common row sizes get a fixed-size
+ * memcpy, which the compiler turns into a few vector moves instead of a library call. */
+static SKV_ALWAYS_INLINE void copy_rows(char *restrict d, int64_t dstep, const char *restrict s,
+                                        int64_t sstep, uint64_t n, size_t bytes) {
+  // clang-format off
+#define ROWS(B)                                                                                  \
+  case B:                                                                                        \
+    for (uint64_t i = 0; i < n; i++, d += dstep, s += sstep) memcpy(d, s, B);                   \
+    return;
+  switch (bytes) {
+    ROWS(16) ROWS(32) ROWS(64) ROWS(128) ROWS(256)
+  default:
+    for (uint64_t i = 0; i < n; i++, d += dstep, s += sstep) memcpy(d, s, bytes);
+  }
+#undef ROWS
+  // clang-format on
+}
+
+/* How it works: page tensor i (layer i / kvn, k|v i % kvn) is a slab of page_tokens x heads x
+ * head_dim elements; its part for block j of the page is the j-th run of block_tokens tokens.
+ * That part is copied as one memcpy when the block is dense NHD (run_bytes = the whole part),
+ * as one memcpy per token when a token's heads are dense, else as head_dim rows, walking the
+ * engine side in address order (tokens inside heads for HND). `to_blocks` is a constant in
+ * each caller, so each direction gets its own inlined copy. */
+static SKV_ALWAYS_INLINE void copy_page(const skv_layout_t *lay, char *page,
+                                        const uint64_t *block_ids, bool to_blocks) {
+  const skv_geometry_t *g = &lay->geom;
+  const uint64_t e = g->elem_bytes;
+  const uint64_t T = lay->block_tokens, H = g->num_kv_heads;
+  const uint64_t row = (uint64_t)g->head_dim * e, tok = H * row, blk = T * tok;
+  const uint64_t slab = skv__geometry_slab_bytes(g);
+  const int64_t sb = lay->stride_block * (int64_t)e, st = lay->stride_token * (int64_t)e,
+                sh = lay->stride_head * (int64_t)e;
+  const uint32_t m = lay->blocks_per_page, ntensors = lay->num_layers * lay->kvn;
+  const uint64_t run = lay->run_bytes;
+  SKV_ASSERT(lay->device < 0);
+  for (uint32_t i = 0; i < ntensors; i++) {
+    char *eng = lay->base[i];
+    char *pg = page + (uint64_t)i * slab;
+    for (uint32_t j = 0; j < m; j++, pg += blk) {
+      char *b = eng + (int64_t)block_ids[j] * sb;
+      if (run == blk) {
+        if (to_blocks)
+          memcpy(b, pg, blk);
+        else
+          memcpy(pg, b, blk);
+      } else if (run == tok) {
+        if (to_blocks)
+          copy_rows(b, st, pg, (int64_t)tok, T, tok);
+        else
+          copy_rows(pg, (int64_t)tok, b, st, T, tok);
+      } else if (st <= sh) { /* HND-like: for each head, its tokens */
+        for (uint64_t h = 0; h < H; h++) {
+          char *bh = b + (int64_t)h * sh, *ph = pg + h * row;
+          if (to_blocks)
+            copy_rows(bh, st, ph, (int64_t)tok, T, row);
+          else
+            copy_rows(ph, (int64_t)tok, bh, st, T, row);
+        }
+      } else { /* NHD with padded heads: for each token, its heads */
+        for (uint64_t t = 0; t < T; t++) {
+          char *bt = b + (int64_t)t * st, *pt = pg + t * tok;
+          if (to_blocks)
+            copy_rows(bt, sh, pt, (int64_t)row, H, row);
+          else
+            copy_rows(pt, (int64_t)row, bt, sh, H, row);
+        }
+      }
+    }
+  }
+}
+
+void skv__copy_page_to_blocks(const skv_layout_t *lay, const void *page,
+                              const uint64_t *block_ids) {
+  copy_page(lay, (char *)page, block_ids, true);
+}
+
+void skv__copy_blocks_to_page(const skv_layout_t *lay, void *page, const uint64_t *block_ids) {
+  copy_page(lay, page, block_ids, false);
+}
+
+int skv__check_block_ids(const skv_layout_t *lay, const uint64_t *block_ids, size_t npages,
+                         const char *fn) {
+  if (!fn) fn = "skv__check_block_ids";
+  SKV_ARG_CHECK(lay, SKV_SUBSYS_KV, "%s: layout is NULL", fn);
+  if (npages == 0) return 0;
+  const uint32_t m = lay->blocks_per_page;
+  size_t n;
+  SKV_ARG_CHECK(!__builtin_mul_overflow(npages, (size_t)m, &n), SKV_SUBSYS_KV,
+                "%s: %zu pages x %u blocks per page overflow", fn, npages, m);
+  SKV_ARG_CHECK(block_ids, SKV_SUBSYS_KV,
+                "%s: block_ids is NULL: pass %zu block ids (%u per page: page_tokens / "
+                "block_tokens)",
+                fn, n, m);
+  for (size_t i = 0; i < n; i++)
+    if (SKV_UNLIKELY(block_ids[i] >= lay->num_blocks))
+      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                      "%s: block_ids[%zu]=%" PRIu64 " (page %zu, its block %zu) is not below the "
+                      "layout's num_blocks=%" PRIu64 ": nothing was copied; pass ids of the "
+                      "engine's blocks",
+                      fn, i, block_ids[i], i / m, i % m, lay->num_blocks);
+  return 0;
+}

@@ -1,0 +1,52 @@
+/* Internal view of KV geometries and engine layouts, and the host copy between a page
+ * ([layer][k|v][token][head][dim]) and the engine blocks a layout describes. */
+#ifndef SKV_LAYOUT_H
+#define SKV_LAYOUT_H
+
+#include "core.h"
+
+/* ---- geometry.c ----------------------------------------------------------------------- */
+
+/* Validate (errors name the field, prefixed by `what`) and compute derived sizes. */
+int skv__geometry_check(const skv_geometry_t *g, const char *what, uint64_t *page_bytes);
+/* K and V (2) or the MLA latent (1). */
+static inline uint32_t skv__geometry_kvn(const skv_geometry_t *g) {
+  return g->kv_kind == SKV_KV_MLA ? 1u : 2u;
+}
+/* Bytes of one [token][head][dim] slab of one layer and one of k/v within a page. */
+static inline uint64_t skv__geometry_slab_bytes(const skv_geometry_t *g) {
+  return (uint64_t)g->page_tokens * g->num_kv_heads * g->head_dim * g->elem_bytes;
+}
+
+/* ---- layout.c ------------------------------------------------------------------------- */
+
+struct skv_layout {
+  skv_geometry_t geom;
+  int preset;            /* SKV_LAYOUT_* */
+  uint32_t block_tokens;
+  uint32_t blocks_per_page; /* page_tokens / block_tokens */
+  uint64_t num_blocks;
+  int64_t stride_block, stride_token, stride_head; /* elements */
+  int device;            /* -1 host, else CUDA device */
+  uint32_t num_layers;
+  uint32_t kvn;          /* 2 or 1 (MLA) */
+  char **base;           /* [num_layers * kvn]: base of layer l, k (0) / v (1) at [l*kvn + kv] */
+  void *dev_base;        /* device copy of `base` for the kernels (CUDA layouts), else NULL */
+  /* Contiguity the copy exploits: bytes of the longest run that is contiguous both in the
+   * page and in a block (head_dim elements at least; a whole block's [token][head][dim] when
+   * the engine stores NHD densely). */
+  uint64_t run_bytes;
+};
+
+/* ---- copy_host.c ---------------------------------------------------------------------- */
+
+/* Copy one page at `page` into the m = blocks_per_page engine blocks block_ids[0..m). Block ids
+ * must have been checked against num_blocks. */
+void skv__copy_page_to_blocks(const skv_layout_t *lay, const void *page, const uint64_t *block_ids);
+/* The reverse: engine blocks into the page. */
+void skv__copy_blocks_to_page(const skv_layout_t *lay, void *page, const uint64_t *block_ids);
+/* Check n * blocks_per_page block ids against num_blocks; the error names the first bad one. */
+int skv__check_block_ids(const skv_layout_t *lay, const uint64_t *block_ids, size_t npages,
+                         const char *fn);
+
+#endif

@@ -1,0 +1,332 @@
+/* Page pool: shared page metadata, the pin protocol against the owner's eviction, an exact
+ * LRU by lazy min-heap, and liveness of peers. The protocol is described in pool.h. */
+#define _GNU_SOURCE
+#include "pool.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define PE_MAGIC 0x766b6d7973ull /* "symkv" */
+#define ALIVE_RECHECK_MS 20
+
+uint64_t skv__pool_meta_bytes(uint64_t pages) {
+  return sizeof(skv_pe_hdr_t) + pages * sizeof(skv_page_meta_t);
+}
+
+/* Start time of a process (clock ticks since boot), or 0 when it does not exist or is a
+ * zombie. Together with the pid it identifies a process even if the pid is reused. */
+static uint64_t proc_start_time(int64_t pid) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  char *p = strrchr(buf, ')'); /* the command name may contain spaces */
+  if (!p || p[1] != ' ') return 0;
+  char state = p[2];
+  if (state == 'Z' || state == 'X' || state == 'x') return 0;
+  /* fields after ")": state is field 3; start time is field 22 */
+  int field = 3;
+  for (char *q = p + 2; *q; q++) {
+    if (*q == ' ') {
+      field++;
+      if (field == 22) return strtoull(q + 1, NULL, 10);
+    }
+  }
+  return 0;
+}
+
+int skv__pool_init(skv_pool_t *p, int npes, int me, uint64_t pages, void *const *seg) {
+  memset(p, 0, sizeof *p);
+  p->npes = npes;
+  p->me = me;
+  p->pages = pages;
+  p->hdr = calloc((size_t)npes, sizeof *p->hdr);
+  p->meta = calloc((size_t)npes, sizeof *p->meta);
+  p->free_stack = malloc(pages * sizeof *p->free_stack);
+  p->lru = malloc(pages * sizeof *p->lru);
+  p->pins = calloc((size_t)npes * pages, sizeof *p->pins); /* untouched pages cost nothing */
+  p->dead = calloc((size_t)npes, sizeof *p->dead);
+  p->alive_checked_ms = calloc((size_t)npes, sizeof *p->alive_checked_ms);
+  if (!p->hdr || !p->meta || !p->free_stack || !p->lru || !p->pins || !p->dead || !p->alive_checked_ms) {
+    skv__pool_fini(p);
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_POOL, "page pool: out of memory for %llu pages",
+                    (unsigned long long)pages);
+  }
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_mutex_init(&p->pin_mu, NULL);
+  for (int i = 0; i < npes; i++) {
+    p->hdr[i] = seg[i];
+    p->meta[i] = (skv_page_meta_t *)((char *)seg[i] + sizeof(skv_pe_hdr_t));
+  }
+  /* Our own records: every page FREE with generation 1 (0 never names a live page). */
+  skv_pe_hdr_t *h = p->hdr[me];
+  for (uint64_t i = 0; i < pages; i++) {
+    skv_page_meta_t *m = &p->meta[me][i];
+    memset(m, 0, sizeof *m);
+    __atomic_store_n(&m->state, skv__st_make(1, SKV_PAGE_FREE), __ATOMIC_RELAXED);
+    p->free_stack[pages - 1 - i] = (uint32_t)i;
+  }
+  p->nfree = pages;
+  h->pid = getpid();
+  h->start_time = proc_start_time(h->pid);
+  h->pages = pages;
+  __atomic_store_n(&h->magic, PE_MAGIC, __ATOMIC_RELEASE);
+  return 0;
+}
+
+void skv__pool_fini(skv_pool_t *p) {
+  if (p->hdr && p->hdr[p->me]) __atomic_store_n(&p->hdr[p->me]->pid, 0, __ATOMIC_RELEASE);
+  free(p->hdr);
+  free(p->meta);
+  free(p->free_stack);
+  free(p->lru);
+  free(p->pins);
+  free(p->dead);
+  free(p->alive_checked_ms);
+  if (p->hdr) {
+    pthread_mutex_destroy(&p->mu);
+    pthread_mutex_destroy(&p->pin_mu);
+  }
+  memset(p, 0, sizeof *p);
+}
+
+bool skv__pool_alive(skv_pool_t *p, int pe) {
+  if (pe == p->me) return true;
+  if (pe < 0 || pe >= p->npes) return false;
+  skv_pe_hdr_t *h = p->hdr[pe];
+  int64_t pid = __atomic_load_n(&h->pid, __ATOMIC_ACQUIRE);
+  if (pid <= 0) return false; /* left (finalised) */
+  if (__atomic_load_n(&p->dead[pe], __ATOMIC_RELAXED) == pid) return false;
+  uint64_t now = skv__now_ms();
+  if (now - __atomic_load_n(&p->alive_checked_ms[pe], __ATOMIC_RELAXED) < ALIVE_RECHECK_MS) return true;
+  bool alive = true;
+  if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) alive = false;
+  else {
+    uint64_t st = proc_start_time(pid);
+    if (st == 0 || (h->start_time && st != h->start_time)) alive = false;
+  }
+  if (!alive) {
+    __atomic_store_n(&p->dead[pe], pid, __ATOMIC_RELAXED);
+    SKV_WARN(SKV_SUBSYS_POOL, "PE %d (pid %lld) has died: its pins are released, its pages stay readable",
+             pe, (long long)pid);
+  } else {
+    __atomic_store_n(&p->alive_checked_ms[pe], now, __ATOMIC_RELAXED);
+  }
+  return alive;
+}
+
+/* ---- pins ---------------------------------------------------------------------------- */
+
+int skv__pool_pin(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
+  skv_page_meta_t *m = &p->meta[pe][page];
+  uint64_t bit = 1ull << p->me;
+  int rc = 0;
+  pthread_mutex_lock(&p->pin_mu);
+  uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
+  if (*c > 0) {
+    /* Our pin keeps the page from changing: its current generation is the pinned one. */
+    if (skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_ACQUIRE)) != gen) rc = SKV_ESTALE;
+    else (*c)++;
+  } else {
+    __atomic_fetch_or(&m->pinmask, bit, __ATOMIC_SEQ_CST);
+    uint64_t st = __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
+    if (skv__st_state(st) != SKV_PAGE_READY || skv__st_gen(st) != gen) {
+      __atomic_fetch_and(&m->pinmask, ~bit, __ATOMIC_SEQ_CST);
+      rc = SKV_ESTALE;
+    } else {
+      *c = 1;
+      p->pinned_pages++;
+    }
+  }
+  pthread_mutex_unlock(&p->pin_mu);
+  return rc;
+}
+
+int skv__pool_unpin(skv_pool_t *p, uint32_t pe, uint32_t page) {
+  pthread_mutex_lock(&p->pin_mu);
+  uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
+  if (*c == 0) {
+    pthread_mutex_unlock(&p->pin_mu);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_POOL,
+                    "unpin of page %u of PE %u, which this PE does not hold pinned (unbalanced unpin?)", page, pe);
+  }
+  if (--*c == 0) {
+    __atomic_fetch_and(&p->meta[pe][page].pinmask, ~(1ull << p->me), __ATOMIC_RELEASE);
+    p->pinned_pages--;
+  }
+  pthread_mutex_unlock(&p->pin_mu);
+  return 0;
+}
+
+/* ---- LRU heap (owner, under mu) ------------------------------------------------------ */
+
+static void lru_push(skv_pool_t *p, uint64_t stamp, uint32_t page, uint32_t gen) {
+  uint64_t i = p->nlru++;
+  skv_lru_ent_t e = {stamp, page, gen};
+  while (i > 0) {
+    uint64_t parent = (i - 1) / 2;
+    if (p->lru[parent].stamp <= stamp) break;
+    p->lru[i] = p->lru[parent];
+    i = parent;
+  }
+  p->lru[i] = e;
+}
+
+static skv_lru_ent_t lru_pop(skv_pool_t *p) {
+  skv_lru_ent_t top = p->lru[0];
+  skv_lru_ent_t last = p->lru[--p->nlru];
+  uint64_t i = 0, n = p->nlru;
+  for (;;) {
+    uint64_t l = 2 * i + 1, r = l + 1, m = i;
+    uint64_t ms = last.stamp;
+    if (l < n && p->lru[l].stamp < ms) {
+      m = l;
+      ms = p->lru[l].stamp;
+    }
+    if (r < n && p->lru[r].stamp < ms) m = r;
+    if (m == i) break;
+    p->lru[i] = p->lru[m];
+    i = m;
+  }
+  if (n > 0) p->lru[i] = last;
+  return top;
+}
+
+/* Try to evict one READY page (generation gen). Returns true when it became FREE. */
+static bool try_evict(skv_pool_t *p, uint32_t page, uint32_t gen, skv_pool_evict_cb evict, void *arg) {
+  skv_page_meta_t *m = &p->meta[p->me][page];
+  uint64_t ready = skv__st_make(gen, SKV_PAGE_READY);
+  uint64_t expect = ready;
+  if (!__atomic_compare_exchange_n(&m->state, &expect, skv__st_make(gen, SKV_PAGE_EVICTING), false,
+                                   __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    return false;
+  uint64_t pins = __atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST);
+  for (int pe = 0; pins && pe < p->npes; pe++) {
+    uint64_t bit = 1ull << pe;
+    if (!(pins & bit)) continue;
+    if (pe != p->me && !skv__pool_alive(p, pe)) {
+      __atomic_fetch_and(&m->pinmask, ~bit, __ATOMIC_SEQ_CST); /* a dead reader's lease */
+      pins &= ~bit;
+    }
+  }
+  if (pins) {
+    __atomic_store_n(&m->state, ready, __ATOMIC_SEQ_CST);
+    return false;
+  }
+  evict(arg, page, gen, m->key_hi, m->key_lo);
+  uint32_t ng = gen + 1 ? gen + 1 : 1;
+  __atomic_store_n(&m->state, skv__st_make(ng, SKV_PAGE_FREE), __ATOMIC_RELEASE);
+  return true;
+}
+
+/* Evict the LRU unpinned page into the free stack (under mu). */
+static bool evict_lru(skv_pool_t *p, skv_pool_evict_cb evict, void *arg) {
+  skv_lru_ent_t *pinned = NULL;
+  uint64_t npinned = 0;
+  bool done = false;
+  while (p->nlru > 0 && !done) {
+    skv_lru_ent_t e = lru_pop(p);
+    skv_page_meta_t *m = &p->meta[p->me][e.page];
+    uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
+    if (skv__st_state(st) != SKV_PAGE_READY || skv__st_gen(st) != e.gen) continue; /* stale entry */
+    uint64_t lu = __atomic_load_n(&m->last_use, __ATOMIC_RELAXED);
+    if (lu > e.stamp) {
+      lru_push(p, lu, e.page, e.gen);
+      continue;
+    }
+    if (try_evict(p, e.page, e.gen, evict, arg)) {
+      p->free_stack[p->nfree++] = e.page;
+      done = true;
+    } else {
+      if (!pinned) pinned = malloc(sizeof *pinned * (p->nlru + 1));
+      if (!pinned) {
+        lru_push(p, e.stamp, e.page, e.gen);
+        break;
+      }
+      pinned[npinned++] = e;
+    }
+  }
+  for (uint64_t i = 0; i < npinned; i++) lru_push(p, pinned[i].stamp, pinned[i].page, pinned[i].gen);
+  free(pinned);
+  return done;
+}
+
+int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t *page, uint32_t *gen,
+                    uint64_t *nevicted) {
+  pthread_mutex_lock(&p->mu);
+  if (p->nfree == 0 && evict_lru(p, evict, arg)) (*nevicted)++;
+  if (p->nfree == 0) {
+    pthread_mutex_unlock(&p->mu);
+    return SKV_FAIL(SKV_ENOSPC, SKV_SUBSYS_POOL,
+                    "no free page on PE %d: all %llu pages are pinned or being written; unpin pages "
+                    "(skv_unpin / SKV_FETCH_UNPIN) or create the cache with more pages_per_pe",
+                    p->me, (unsigned long long)p->pages);
+  }
+  uint32_t pg = p->free_stack[--p->nfree];
+  skv_page_meta_t *m = &p->meta[p->me][pg];
+  uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
+  SKV_ASSERT(skv__st_state(st) == SKV_PAGE_FREE);
+  __atomic_store_n(&m->state, skv__st_make(skv__st_gen(st), SKV_PAGE_WRITING), __ATOMIC_RELEASE);
+  pthread_mutex_unlock(&p->mu);
+  *page = pg;
+  *gen = skv__st_gen(st);
+  return 0;
+}
+
+void skv__pool_ready(skv_pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo) {
+  skv_page_meta_t *m = &p->meta[p->me][page];
+  uint64_t now = skv__now_ns();
+  m->key_hi = key_hi;
+  m->key_lo = key_lo;
+  __atomic_store_n(&m->last_use, now, __ATOMIC_RELAXED);
+  uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
+  __atomic_store_n(&m->state, skv__st_make(gen, SKV_PAGE_READY), __ATOMIC_SEQ_CST);
+}
+
+void skv__pool_commit(skv_pool_t *p, uint32_t page) {
+  skv_page_meta_t *m = &p->meta[p->me][page];
+  uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
+  uint64_t lu = __atomic_load_n(&m->last_use, __ATOMIC_RELAXED);
+  pthread_mutex_lock(&p->mu);
+  lru_push(p, lu, page, gen);
+  pthread_mutex_unlock(&p->mu);
+}
+
+void skv__pool_release(skv_pool_t *p, uint32_t page) {
+  skv_page_meta_t *m = &p->meta[p->me][page];
+  uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
+  uint32_t ng = gen + 1 ? gen + 1 : 1;
+  __atomic_store_n(&m->state, skv__st_make(ng, SKV_PAGE_FREE), __ATOMIC_RELEASE);
+  pthread_mutex_lock(&p->mu);
+  p->free_stack[p->nfree++] = page;
+  pthread_mutex_unlock(&p->mu);
+}
+
+uint64_t skv__pool_evict(skv_pool_t *p, uint64_t n, skv_pool_evict_cb evict, void *arg) {
+  uint64_t done = 0;
+  pthread_mutex_lock(&p->mu);
+  while (done < n && evict_lru(p, evict, arg)) done++;
+  pthread_mutex_unlock(&p->mu);
+  return done;
+}
+
+uint64_t skv__pool_used(skv_pool_t *p) {
+  pthread_mutex_lock(&p->mu);
+  uint64_t used = p->pages - p->nfree;
+  pthread_mutex_unlock(&p->mu);
+  return used;
+}
+
+uint64_t skv__pool_pinned_own(skv_pool_t *p) {
+  uint64_t n = 0;
+  for (uint64_t i = 0; i < p->pages; i++)
+    if (__atomic_load_n(&p->meta[p->me][i].pinmask, __ATOMIC_RELAXED)) n++;
+  return n;
+}

@@ -1,0 +1,126 @@
+/* Internal API of the page pool: per-page metadata in node-shared memory (state, generation,
+ * pins, last use), owner-only allocation and LRU eviction, pins as leases of live PEs. */
+#ifndef SKV_POOL_H
+#define SKV_POOL_H
+
+#include "core.h"
+
+#include <pthread.h>
+
+/* How it works
+ * ------------
+ * Every page has a 64-byte metadata record in its owner's node-shared segment:
+ *   state    (generation << 32) | state, state FREE, WRITING, READY or EVICTING;
+ *   pinmask  one bit per local PE that holds at least one pin on the page;
+ *   last_use monotonic nanoseconds of the last lookup hit or publish (the LRU position);
+ *   key      the page's index key while READY (for erasing it on eviction).
+ * A PE counts its own pins per page in private memory and keeps its bit set while the count
+ * is non-zero.
+ *
+ * Pin (any PE r, reference (pe, page, gen)): set bit r in pinmask, then read state (both
+ * sequentially consistent); the pin holds if the state is READY with generation gen, else the
+ * bit is cleared again and the reference is stale.
+ * Evict (owner only): CAS state READY(g) -> EVICTING(g), then read pinmask (sequentially
+ * consistent). Pinner and evictor each write, then read the other's word (Dekker): at least
+ * one of them sees the other, so a page is never evicted under a pin that succeeded. With
+ * pins of live PEs the page goes back to READY; otherwise the index entry is erased and the
+ * state becomes FREE(g + 1), so every earlier reference is stale.
+ * LRU: the owner keeps a private min-heap of (last_use snapshot, page); a popped page whose
+ * shared last_use moved on is pushed back with the new value, so the first page popped with
+ * an up-to-date snapshot is exactly the least recently used one.
+ *
+ * What can go wrong
+ * -----------------
+ * - A reader dies holding pins: its bit stays set. The evictor checks whether the PE of each
+ *   set bit is alive (pid and start time in the PE's header) and clears the bits of dead PEs.
+ * - An owner dies: its READY pages stay readable (their memory lives while peers map it) but
+ *   can no longer be evicted; the other PEs' capacity is unaffected.
+ * - Pins must balance: unpinning a page the PE does not hold fails with SKV_EINVAL.
+ */
+
+enum { SKV_PAGE_FREE = 0, SKV_PAGE_WRITING = 1, SKV_PAGE_READY = 2, SKV_PAGE_EVICTING = 3 };
+
+typedef struct skv_page_meta {
+  uint64_t state;   /* (gen << 32) | state */
+  uint64_t pinmask; /* bit per local PE */
+  uint64_t last_use;
+  uint64_t key_hi, key_lo;
+  uint64_t pad[3];
+} skv_page_meta_t;
+
+typedef struct skv_pe_hdr {
+  uint64_t magic;
+  int64_t pid;
+  uint64_t start_time; /* /proc/<pid>/stat field 22 */
+  uint64_t pages;
+  uint64_t pad[4];
+} skv_pe_hdr_t;
+
+static inline uint32_t skv__st_state(uint64_t st) { return (uint32_t)st & 0xff; }
+static inline uint32_t skv__st_gen(uint64_t st) { return (uint32_t)(st >> 32); }
+static inline uint64_t skv__st_make(uint32_t gen, uint32_t state) { return ((uint64_t)gen << 32) | state; }
+
+typedef struct skv_lru_ent {
+  uint64_t stamp;
+  uint32_t page;
+  uint32_t gen;
+} skv_lru_ent_t;
+
+typedef struct skv_pool {
+  int npes, me;
+  uint64_t pages; /* per PE */
+  skv_pe_hdr_t **hdr;    /* [npes] */
+  skv_page_meta_t **meta; /* [npes] */
+  /* owner-private, under mu */
+  pthread_mutex_t mu;
+  uint32_t *free_stack;
+  uint64_t nfree;
+  skv_lru_ent_t *lru;
+  uint64_t nlru;
+  /* this PE's pins, under pin_mu */
+  pthread_mutex_t pin_mu;
+  uint32_t *pins; /* [npes * pages] */
+  uint64_t pinned_pages; /* pages (any PE) this PE pins */
+  /* liveness cache */
+  int64_t *dead; /* [npes]: pid found dead, or 0 */
+  uint64_t *alive_checked_ms;
+} skv_pool_t;
+
+/* Bytes of one PE's metadata (header + page records). */
+uint64_t skv__pool_meta_bytes(uint64_t pages);
+/* Bind to the shared segments (seg[i]: PE i's metadata) and initialise this PE's part. */
+int skv__pool_init(skv_pool_t *p, int npes, int me, uint64_t pages, void *const *seg);
+void skv__pool_fini(skv_pool_t *p);
+
+/* Is local PE `pe` alive (cached for a few ms)? */
+bool skv__pool_alive(skv_pool_t *p, int pe);
+
+/* Pin / unpin a page of any PE with generation check. SKV_ESTALE when the page is no longer
+ * READY with that generation. */
+int skv__pool_pin(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
+int skv__pool_unpin(skv_pool_t *p, uint32_t pe, uint32_t page);
+
+/* Owner: take a page (evicting the LRU unpinned page if none is free; `evict` erases its index
+ * entry) into WRITING state. SKV_ENOSPC when every page is pinned or being written. */
+typedef void (*skv_pool_evict_cb)(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, uint64_t key_lo);
+int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t *page, uint32_t *gen,
+                    uint64_t *nevicted);
+/* Owner: WRITING -> READY with its key, so that pins can succeed once the key is indexed. */
+void skv__pool_ready(skv_pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo);
+/* Owner: the page's key is in the index: make it an eviction candidate (LRU). */
+void skv__pool_commit(skv_pool_t *p, uint32_t page);
+/* Owner: WRITING or READY-but-never-indexed -> FREE (a deduplicated or failed publish). */
+void skv__pool_release(skv_pool_t *p, uint32_t page);
+/* Owner: evict up to n LRU unpinned pages. */
+uint64_t skv__pool_evict(skv_pool_t *p, uint64_t n, skv_pool_evict_cb evict, void *arg);
+/* Record a use of a page (lookup hit). */
+static inline void skv__pool_touch(skv_pool_t *p, uint32_t pe, uint32_t page, uint64_t now) {
+  skv_page_meta_t *m = &p->meta[pe][page];
+  if (__atomic_load_n(&m->last_use, __ATOMIC_RELAXED) < now)
+    __atomic_store_n(&m->last_use, now, __ATOMIC_RELAXED);
+}
+/* Counts for stats. */
+uint64_t skv__pool_used(skv_pool_t *p);
+uint64_t skv__pool_pinned_own(skv_pool_t *p);
+
+#endif

@@ -1,0 +1,229 @@
+/* Tests of the lock-free index on its own: semantics against a reference, tombstone churn,
+ * full windows, dead owners' claims, and forked processes racing on shared memory. */
+#define _GNU_SOURCE
+#include "skv_test.h"
+
+#include "index/index.h"
+
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+TestSuite(index, .timeout = 120);
+
+typedef struct table {
+  skv_index_t ix;
+  skv_index_shard_hdr_t *hdr[8];
+  skv_index_slot_t *slots[8];
+  void *mem;
+  size_t bytes;
+  bool dead[64];
+  int go; /* start flag for racing children */
+} table_t;
+
+static bool alive_fn(void *arg, int pe) { return !((table_t *)arg)->dead[pe]; }
+
+/* A table in shared anonymous memory (so forked children share it). */
+static table_t *table_new(int nshards, uint64_t sps) {
+  table_t *t = mmap(NULL, sizeof *t, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  memset(t, 0, sizeof *t);
+  uint64_t sb = SKV_ALIGN_UP(skv__index_shard_bytes(sps), 64);
+  t->bytes = sb * (uint64_t)nshards;
+  t->mem = mmap(NULL, t->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  cr_assert_neq(t->mem, MAP_FAILED);
+  void *seg[8];
+  for (int i = 0; i < nshards; i++) seg[i] = (char *)t->mem + sb * (uint64_t)i;
+  t->ix.hdr = t->hdr;
+  t->ix.slots = t->slots;
+  skv__index_bind(&t->ix, nshards, sps, seg, alive_fn, t);
+  return t;
+}
+
+static skv_key_t rand_key(uint64_t *s) {
+  skv_key_t k = {skv_test_rand(s) | (1ull << 63), skv_test_rand(s)};
+  return k;
+}
+
+Test(index, insert_lookup_erase_semantics) {
+  table_t *t = table_new(2, 64);
+  uint64_t s = skv_test_seed(), v;
+  skv_key_t k = rand_key(&s), other = rand_key(&s);
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
+  uint64_t val = skv__val_pack(1, 77, 5);
+  cr_assert_eq(skv__index_insert(&t->ix, k, val, 1), 0);
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
+  cr_assert_eq(v, val);
+  cr_assert_eq(skv__val_pe(v), 1);
+  cr_assert_eq(skv__val_page(v), 77);
+  cr_assert_eq(skv__val_gen(v), 5);
+  cr_assert_eq(skv__index_insert(&t->ix, k, skv__val_pack(0, 3, 1), 0), SKV_EEXIST, "first writer wins");
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
+  cr_assert_eq(v, val);
+  cr_assert_eq(skv__index_entries(&t->ix), 1);
+  cr_assert_eq(skv__index_erase(&t->ix, k, skv__val_pack(1, 77, 4)), SKV_ENOTFOUND, "wrong generation");
+  cr_assert_eq(skv__index_erase(&t->ix, other, val), SKV_ENOTFOUND);
+  cr_assert_eq(skv__index_erase(&t->ix, k, val), 0);
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
+  cr_assert_eq(skv__index_entries(&t->ix), 0);
+  uint64_t val2 = skv__val_pack(0, 3, 6);
+  cr_assert_eq(skv__index_insert(&t->ix, k, val2, 0), 0, "re-insert after erase");
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
+  cr_assert_eq(v, val2);
+  cr_assert_eq(skv__index_check(&t->ix), 1);
+}
+
+Test(index, full_window_gives_enospc_and_lookups_still_work) {
+  table_t *t = table_new(1, 64);
+  uint64_t s = skv_test_seed(), v;
+  skv_key_t keys[SKV_INDEX_WINDOW + 1];
+  for (unsigned i = 0; i <= SKV_INDEX_WINDOW; i++) {
+    keys[i] = rand_key(&s);
+    keys[i].lo = (keys[i].lo & ~63ull) | 5; /* same home slot */
+  }
+  for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++)
+    cr_assert_eq(skv__index_insert(&t->ix, keys[i], skv__val_pack(0, i, 1), 0), 0);
+  cr_assert_eq(skv__index_insert(&t->ix, keys[SKV_INDEX_WINDOW], skv__val_pack(0, 99, 1), 0), SKV_ENOSPC);
+  for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
+    cr_assert_eq(skv__index_lookup(&t->ix, keys[i], &v), 0);
+    cr_assert_eq(skv__val_page(v), i);
+  }
+  cr_assert_eq(skv__index_lookup(&t->ix, keys[SKV_INDEX_WINDOW], &v), SKV_ENOTFOUND);
+  /* a tombstone makes room again */
+  cr_assert_eq(skv__index_erase(&t->ix, keys[7], skv__val_pack(0, 7, 1)), 0);
+  cr_assert_eq(skv__index_insert(&t->ix, keys[SKV_INDEX_WINDOW], skv__val_pack(0, 99, 1), 0), 0);
+  cr_assert_eq(skv__index_lookup(&t->ix, keys[SKV_INDEX_WINDOW], &v), 0);
+}
+
+Test(index, churn_matches_a_reference_model) {
+  enum { NKEYS = 3000, OPS = 400000 };
+  table_t *t = table_new(4, 2048); /* 8192 slots, at most 3000 live */
+  uint64_t s = skv_test_seed();
+  skv_key_t *keys = malloc(sizeof *keys * NKEYS);
+  uint64_t *model = calloc(NKEYS, sizeof *model); /* 0: absent, else val */
+  uint32_t gen = 1;
+  for (int i = 0; i < NKEYS; i++) keys[i] = rand_key(&s);
+  size_t live = 0;
+  for (int op = 0; op < OPS; op++) {
+    int i = (int)(skv_test_rand(&s) % NKEYS);
+    uint64_t v;
+    switch (skv_test_rand(&s) % 3) {
+    case 0: {
+      uint64_t val = skv__val_pack((uint32_t)(op % 4), (uint32_t)i, gen++);
+      int rc = skv__index_insert(&t->ix, keys[i], val, op % 4);
+      if (model[i]) cr_assert_eq(rc, SKV_EEXIST, "op %d", op);
+      else {
+        cr_assert_eq(rc, 0, "op %d: %s", op, skv_err_name(rc));
+        model[i] = val;
+        live++;
+      }
+      break;
+    }
+    case 1: {
+      int rc = skv__index_lookup(&t->ix, keys[i], &v);
+      if (model[i]) cr_assert(rc == 0 && v == model[i], "op %d lookup", op);
+      else cr_assert_eq(rc, SKV_ENOTFOUND, "op %d phantom", op);
+      break;
+    }
+    default:
+      if (model[i]) {
+        cr_assert_eq(skv__index_erase(&t->ix, keys[i], model[i]), 0);
+        model[i] = 0;
+        live--;
+      } else {
+        cr_assert_eq(skv__index_erase(&t->ix, keys[i], skv__val_pack(0, 0, 1)), SKV_ENOTFOUND);
+      }
+    }
+  }
+  cr_assert_eq(skv__index_check(&t->ix), (int64_t)live);
+  cr_assert_eq(skv__index_entries(&t->ix), live);
+  size_t nhit;
+  uint64_t vals[NKEYS];
+  skv__index_lookup_prefix(&t->ix, keys, NKEYS, vals, &nhit);
+  size_t want = 0;
+  while (want < NKEYS && model[want]) want++;
+  cr_assert_eq(nhit, want, "prefix lookup stops at the first miss");
+  free(keys);
+  free(model);
+}
+
+Test(index, pending_claim_of_a_dead_pe_is_cleared) {
+  table_t *t = table_new(1, 64);
+  uint64_t s = skv_test_seed(), v;
+  skv_key_t k = rand_key(&s);
+  /* Forge what a PE that died between claim and publish leaves: key set, PENDING, ticket. */
+  uint64_t home = k.lo & 63;
+  skv_index_slot_t *slot = &t->slots[0][home];
+  slot->key.p.hi = k.hi;
+  slot->key.p.lo = k.lo;
+  slot->val = 5ull << SKV_VAL_PE_SHIFT;
+  slot->ticket = 1;
+  t->hdr[0]->ticket = 1;
+  /* While PE 5 lives, its older claim wins. */
+  cr_assert_eq(skv__index_insert(&t->ix, k, skv__val_pack(2, 9, 1), 2), SKV_EEXIST);
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND, "PENDING is not a hit");
+  t->dead[5] = true;
+  cr_assert_eq(skv__index_insert(&t->ix, k, skv__val_pack(2, 9, 1), 2), 0);
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
+  cr_assert_eq(skv__val_pe(v), 2);
+  cr_assert_eq(skv__index_check(&t->ix), 1);
+}
+
+/* NPROC processes insert the same keys at once; exactly one wins each. */
+Test(index, racing_processes_agree_on_one_winner_per_key) {
+  enum { NPROC = 4, NKEYS = 20000, ROUNDS = 3 };
+  table_t *t = table_new(4, 16384);
+  uint64_t seed = skv_test_seed();
+  int *won = mmap(NULL, sizeof(int) * NPROC * NKEYS, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  for (int round = 0; round < ROUNDS; round++) {
+    memset(won, 0, sizeof(int) * NPROC * NKEYS);
+    volatile int *go = &t->go;
+    *go = 0;
+    pid_t pids[NPROC];
+    for (int p = 0; p < NPROC; p++) {
+      pids[p] = fork();
+      if (pids[p] == 0) {
+        uint64_t s = seed + (uint64_t)round;
+        while (!*go) SKV_CPU_RELAX();
+        /* every process walks the keys in a different order */
+        for (int j = 0; j < NKEYS; j++) {
+          int i = (p % 2) ? NKEYS - 1 - j : j;
+          uint64_t ks = s ^ ((uint64_t)i * 0x9e3779b97f4a7c15ull);
+          skv_key_t k = rand_key(&ks);
+          int rc = skv__index_insert(&t->ix, k, skv__val_pack((uint32_t)p, (uint32_t)i, (uint32_t)round + 1), p);
+          if (rc == 0) won[p * NKEYS + i] = 1;
+          else if (rc != SKV_EEXIST) {
+            fprintf(stderr, "child %d key %d: %s\n", p, i, skv_err_name(rc));
+            _exit(3);
+          }
+        }
+        _exit(0);
+      }
+    }
+    *go = 1;
+    for (int p = 0; p < NPROC; p++) {
+      int st;
+      waitpid(pids[p], &st, 0);
+      cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child %d failed", p);
+    }
+    for (int i = 0; i < NKEYS; i++) {
+      int winners = 0, who = -1;
+      for (int p = 0; p < NPROC; p++)
+        if (won[p * NKEYS + i]) winners++, who = p;
+      cr_assert_eq(winners, 1, "round %d key %d has %d winners", round, i, winners);
+      uint64_t ks = seed + (uint64_t)round;
+      ks ^= (uint64_t)i * 0x9e3779b97f4a7c15ull;
+      skv_key_t k = rand_key(&ks);
+      uint64_t v;
+      cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
+      cr_assert_eq((int)skv__val_pe(v), who, "the winner's value is the one indexed");
+      /* erase for the next round (tombstones everywhere) */
+      cr_assert_eq(skv__index_erase(&t->ix, k, v), 0);
+    }
+    cr_assert_eq(skv__index_check(&t->ix), 0);
+  }
+}

@@ -1,0 +1,669 @@
+/* Multi-PE tests of the KV core on the host backend: publish/lookup/fetch round trips for
+ * every layout preset and random geometries, deduplication, LRU eviction, pins (also of a PE
+ * that died), stale references, bad input, and a long concurrent stress with invariants. */
+#define _GNU_SOURCE
+#include "skv_test.h"
+
+#include "kv/kv.h"
+
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+TestSuite(kv, .timeout = 240);
+
+/* ---- an engine cache in host memory, and an independent reference of its layout ---- */
+
+typedef struct engine {
+  skv_geometry_t g;
+  int preset;
+  uint32_t bt;      /* block tokens */
+  uint64_t nb;      /* blocks */
+  uint64_t layer_bytes;
+  uint8_t **layers; /* [num_layers] (CONTIGUOUS: [0] only) */
+  skv_layout_t *lay;
+} engine_t;
+
+static skv_geometry_t geom_make(uint32_t kind, uint32_t layers, uint32_t heads, uint32_t dim, uint32_t eb,
+                                uint32_t pt) {
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.kv_kind = kind;
+  g.num_layers = layers;
+  g.num_kv_heads = heads;
+  g.head_dim = dim;
+  g.elem_bytes = eb;
+  g.page_tokens = pt;
+  return g;
+}
+
+static int engine_new(engine_t *e, const skv_geometry_t *g, int preset, uint32_t bt, uint64_t nb) {
+  memset(e, 0, sizeof *e);
+  e->g = *g;
+  e->preset = preset;
+  e->bt = bt;
+  e->nb = nb;
+  if (skv_layout_preset_layer_bytes(g, preset, bt, nb, &e->layer_bytes) != 0) return -1;
+  uint32_t nl = preset == SKV_LAYOUT_CONTIGUOUS ? 1 : g->num_layers;
+  e->layers = calloc(g->num_layers, sizeof *e->layers);
+  for (uint32_t l = 0; l < nl; l++) e->layers[l] = aligned_alloc(64, SKV_ALIGN_UP(e->layer_bytes, 64));
+  return skv_layout_create_preset(g, preset, bt, nb, (void *const *)e->layers, -1, &e->lay);
+}
+
+static void engine_free(engine_t *e) {
+  skv_layout_destroy(e->lay);
+  uint32_t nl = e->preset == SKV_LAYOUT_CONTIGUOUS ? 1 : e->g.num_layers;
+  for (uint32_t l = 0; l < nl; l++) free(e->layers[l]);
+  free(e->layers);
+}
+
+static void engine_fill(engine_t *e, uint64_t seed) {
+  uint32_t nl = e->preset == SKV_LAYOUT_CONTIGUOUS ? 1 : e->g.num_layers;
+  for (uint32_t l = 0; l < nl; l++) {
+    uint64_t s = seed + l;
+    skv_test_fill_random(e->layers[l], e->layer_bytes, &s);
+  }
+}
+
+static void engine_poison(engine_t *e) {
+  uint32_t nl = e->preset == SKV_LAYOUT_CONTIGUOUS ? 1 : e->g.num_layers;
+  for (uint32_t l = 0; l < nl; l++) memset(e->layers[l], 0xA5, e->layer_bytes);
+}
+
+/* Address of the vector (layer, kv, block, token, head) straight from the preset's shape. */
+static uint8_t *ref_vec(const engine_t *e, uint32_t l, uint32_t kv, uint64_t b, uint32_t t, uint32_t h) {
+  const skv_geometry_t *g = &e->g;
+  uint64_t H = g->num_kv_heads, D = g->head_dim, T = e->bt, NB = e->nb, eb = g->elem_bytes, idx;
+  switch (e->preset) {
+  case SKV_LAYOUT_VLLM_FLASH_NHD: idx = ((kv * NB + b) * T + t) * H + h; break;
+  case SKV_LAYOUT_VLLM_FLASH_HND: idx = ((kv * NB + b) * H + h) * T + t; break;
+  case SKV_LAYOUT_FLASHINFER_NHD: idx = ((b * 2 + kv) * T + t) * H + h; break;
+  case SKV_LAYOUT_FLASHINFER_HND: idx = ((b * 2 + kv) * H + h) * T + t; break;
+  case SKV_LAYOUT_MLA: idx = b * T + t; break;
+  default: { /* CONTIGUOUS: blocks stored as pages */
+    uint64_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
+    uint64_t block_vecs = g->num_layers * kvn * T * H;
+    idx = b * block_vecs + ((l * kvn + kv) * T + t) * H + h;
+    return e->layers[0] + idx * D * eb;
+  }
+  }
+  return e->layers[l] + idx * D * eb;
+}
+
+/* Do page i of `src` (blocks sb[]) and of `dst` (blocks db[]) hold the same vectors? */
+static int pages_equal(const engine_t *src, const uint64_t *sb, const engine_t *dst, const uint64_t *db) {
+  const skv_geometry_t *g = &src->g;
+  uint32_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
+  size_t vb = (size_t)g->head_dim * g->elem_bytes;
+  for (uint32_t l = 0; l < g->num_layers; l++)
+    for (uint32_t kv = 0; kv < kvn; kv++)
+      for (uint32_t t = 0; t < g->page_tokens; t++)
+        for (uint32_t h = 0; h < g->num_kv_heads; h++)
+          if (memcmp(ref_vec(src, l, kv, sb[t / src->bt], t % src->bt, h),
+                     ref_vec(dst, l, kv, db[t / dst->bt], t % dst->bt, h), vb) != 0)
+            return 0;
+  return 1;
+}
+
+/* Are all vectors of blocks not in `used` still poison? */
+static int untouched_outside(const engine_t *e, const uint8_t *used) {
+  const skv_geometry_t *g = &e->g;
+  uint32_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
+  size_t vb = (size_t)g->head_dim * g->elem_bytes;
+  for (uint64_t b = 0; b < e->nb; b++) {
+    if (used[b]) continue;
+    for (uint32_t l = 0; l < g->num_layers; l++)
+      for (uint32_t kv = 0; kv < kvn; kv++)
+        for (uint32_t t = 0; t < e->bt; t++)
+          for (uint32_t h = 0; h < g->num_kv_heads; h++) {
+            const uint8_t *v = ref_vec(e, l, kv, b, t, h);
+            for (size_t i = 0; i < vb; i++)
+              if (v[i] != 0xA5) return 0;
+          }
+  }
+  return 1;
+}
+
+static void pick_blocks(uint64_t nb, size_t n, uint64_t *out, uint64_t *s) {
+  /* n distinct random block ids in [0, nb) */
+  uint8_t *taken = calloc(nb, 1);
+  for (size_t i = 0; i < n; i++) {
+    uint64_t b;
+    do b = skv_test_rand(s) % nb;
+    while (taken[b]);
+    taken[b] = 1;
+    out[i] = b;
+  }
+  free(taken);
+}
+
+/* ---- round trips ---- */
+
+typedef struct rt_param {
+  int preset;
+  uint32_t kind, layers, heads, dim, eb, pt, bt;
+} rt_param_t;
+
+static int pe_round_trip(int rank, int npes, void *arg) {
+  rt_param_t *p = arg;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 30000) == 0, "init");
+  skv_geometry_t g = geom_make(p->kind, p->layers, p->heads, p->dim, p->eb, p->pt);
+  enum { NPAGES = 6 };
+  uint32_t m = p->pt / p->bt;
+  uint64_t nb = NPAGES * m * 3;
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.pages_per_pe = 16;
+  skv_kv_t *kv;
+  PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "kv create");
+  skv_namespace_t *ns;
+  PE_CHECK(skv_namespace_create("test-model", &g, "tenant", 6, "secret", 6, &ns) == 0, "ns");
+  engine_t src, dst;
+  PE_CHECK(engine_new(&src, &g, p->preset, p->bt, nb) == 0, "src engine: %s", skv_last_error());
+  PE_CHECK(engine_new(&dst, &g, p->preset, p->bt, nb) == 0, "dst engine");
+  uint64_t seed = skv_test_seed(), seeds[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(ctx, &seed, seeds, sizeof seed) == 0, "seeds");
+  engine_fill(&src, seed);
+  /* tokens: distinct per PE, so every PE publishes its own chain */
+  uint32_t tokens[NPAGES * 64];
+  uint32_t ntok = NPAGES * p->pt;
+  PE_CHECK(ntok <= sizeof tokens / sizeof tokens[0], "too many tokens");
+  for (uint32_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)(rank * 100000 + i);
+  skv_key_t keys[NPAGES];
+  size_t nk;
+  PE_CHECK(skv_hash_tokens(ns, tokens, ntok, NULL, keys, NPAGES, &nk) == 0 && nk == NPAGES, "hash");
+  uint64_t sblocks[NPAGES * 8];
+  uint64_t s = seed ^ 0x55;
+  pick_blocks(nb, NPAGES * m, sblocks, &s);
+  size_t ins;
+  PE_CHECK(skv_publish(kv, ns, keys, NPAGES, src.lay, sblocks, NULL, &ins) == 0 && ins == NPAGES, "publish");
+  uint64_t all_blocks[SKV_TEST_MAX_PES][NPAGES * 8];
+  PE_CHECK(skv_ctx_allgather(ctx, sblocks, all_blocks, sizeof sblocks) == 0, "blocks");
+  /* fetch every other PE's chain (and our own) */
+  for (int from = 0; from < npes; from++) {
+    for (uint32_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)(from * 100000 + i);
+    skv_key_t fk[NPAGES + 1];
+    PE_CHECK(skv_hash_tokens(ns, tokens, ntok, NULL, fk, NPAGES, &nk) == 0, "hash");
+    fk[NPAGES] = fk[0];
+    fk[NPAGES].lo ^= 1; /* a key nobody published ends the prefix */
+    skv_page_ref_t refs[NPAGES + 1];
+    size_t nhit;
+    PE_CHECK(skv_lookup(kv, ns, fk, NPAGES + 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NPAGES, "lookup hit %zu",
+             nhit);
+    for (int i = 0; i < NPAGES; i++) PE_CHECK(refs[i].pe == (uint32_t)from, "page %d is on PE %u", i, refs[i].pe);
+    engine_poison(&dst);
+    uint64_t dblocks[NPAGES * 8];
+    s = skv_test_seed();
+    pick_blocks(nb, NPAGES * m, dblocks, &s);
+    PE_CHECK(skv_fetch(kv, refs, NPAGES, dst.lay, dblocks, SKV_FETCH_UNPIN, NULL) == 0, "fetch");
+    engine_t ref;
+    PE_CHECK(engine_new(&ref, &g, p->preset, p->bt, nb) == 0, "ref engine");
+    engine_fill(&ref, seeds[from]);
+    for (int i = 0; i < NPAGES; i++)
+      PE_CHECK(pages_equal(&ref, &all_blocks[from][i * m], &dst, &dblocks[i * m]), "page %d from PE %d differs", i, from);
+    uint8_t *used = calloc(nb, 1);
+    for (uint32_t i = 0; i < NPAGES * m; i++) used[dblocks[i]] = 1;
+    PE_CHECK(untouched_outside(&dst, used), "fetch wrote outside its blocks");
+    free(used);
+    engine_free(&ref);
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  skv_kv_stats_t st;
+  PE_CHECK(skv_kv_get_stats(kv, &st) == 0, "stats");
+  PE_CHECK(st.pages_pinned == 0 && st.pages_used == NPAGES, "pinned %llu used %llu",
+           (unsigned long long)st.pages_pinned, (unsigned long long)st.pages_used);
+  PE_CHECK(st.index_entries == (uint64_t)npes * NPAGES, "entries %llu", (unsigned long long)st.index_entries);
+  engine_free(&src);
+  engine_free(&dst);
+  skv_namespace_destroy(ns);
+  PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+ParameterizedTestParameters(kv, round_trip_every_preset) {
+  static rt_param_t p[] = {
+      {SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 3, 4, 64, 2, 32, 16},
+      {SKV_LAYOUT_VLLM_FLASH_HND, SKV_KV_SPLIT, 2, 3, 128, 2, 16, 16},
+      {SKV_LAYOUT_FLASHINFER_NHD, SKV_KV_SPLIT, 2, 2, 32, 4, 32, 8},
+      {SKV_LAYOUT_FLASHINFER_HND, SKV_KV_SPLIT, 4, 1, 8, 1, 16, 4},
+      {SKV_LAYOUT_MLA, SKV_KV_MLA, 3, 1, 576, 2, 16, 16},
+      {SKV_LAYOUT_CONTIGUOUS, SKV_KV_SPLIT, 2, 2, 16, 2, 32, 32},
+      {SKV_LAYOUT_CONTIGUOUS, SKV_KV_MLA, 2, 1, 72, 2, 16, 8},
+  };
+  return cr_make_param_array(rt_param_t, p, sizeof p / sizeof p[0]);
+}
+
+ParameterizedTest(rt_param_t *p, kv, round_trip_every_preset) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 3, pe_round_trip, p, 120000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+Test(kv, round_trip_random_geometries) {
+  uint64_t s = skv_test_seed();
+  static const uint32_t dims[] = {1, 3, 8, 64, 128};
+  for (int iter = 0; iter < 6; iter++) {
+    rt_param_t p;
+    p.preset = 1 + (int)(skv_test_rand(&s) % 6);
+    p.kind = p.preset == SKV_LAYOUT_MLA ? SKV_KV_MLA
+             : (p.preset == SKV_LAYOUT_CONTIGUOUS && skv_test_rand(&s) % 2) ? SKV_KV_MLA : SKV_KV_SPLIT;
+    p.layers = 1 + (uint32_t)(skv_test_rand(&s) % 4);
+    p.heads = p.kind == SKV_KV_MLA ? 1 : 1 + (uint32_t)(skv_test_rand(&s) % 4);
+    p.dim = dims[skv_test_rand(&s) % 5];
+    p.eb = 1u << (skv_test_rand(&s) % 3);
+    p.bt = 1u << (skv_test_rand(&s) % 4);
+    p.pt = p.bt * (1 + (uint32_t)(skv_test_rand(&s) % 4));
+    skv_test_job_t job;
+    int bad = skv_test_run(&job, 2, pe_round_trip, &p, 120000);
+    cr_assert_eq(bad, 0, "preset %d kind %u L%u H%u D%u eb%u pt%u bt%u: %s", p.preset, p.kind, p.layers, p.heads,
+                 p.dim, p.eb, p.pt, p.bt, skv_test_statuses(&job));
+  }
+}
+
+/* ---- a small shared fixture for the behaviour tests: CONTIGUOUS layout, 1 block = 1 page ---- */
+
+typedef struct fix {
+  skv_ctx_t *ctx;
+  skv_kv_t *kv;
+  skv_namespace_t *ns;
+  skv_geometry_t g;
+  engine_t eng;
+  uint64_t page_bytes;
+} fix_t;
+
+static int fix_init(fix_t *f, uint64_t pages, uint64_t nb, int timeout_ms) {
+  memset(f, 0, sizeof *f);
+  if (skv_test_init(&f->ctx, timeout_ms)) return -1;
+  f->g = geom_make(SKV_KV_SPLIT, 2, 2, 64, 2, 16); /* 8 KiB pages */
+  skv_geometry_page_bytes(&f->g, &f->page_bytes);
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.pages_per_pe = pages;
+  if (skv_kv_create(f->ctx, &f->g, &o, &f->kv)) return -2;
+  if (skv_namespace_create("fixture", &f->g, NULL, 0, "s3cret", 6, &f->ns)) return -3;
+  return engine_new(&f->eng, &f->g, SKV_LAYOUT_CONTIGUOUS, 16, nb);
+}
+
+static void fix_fini(fix_t *f) {
+  engine_free(&f->eng);
+  skv_namespace_destroy(f->ns);
+  skv_kv_destroy(f->kv);
+  skv_finalize(f->ctx);
+}
+
+static skv_key_t key_of(const fix_t *f, uint64_t id) {
+  skv_key_t k;
+  skv_key_from_bytes(f->ns, &id, sizeof id, &k);
+  return k;
+}
+
+/* Block b holds a pattern derived from key id (so any reader can verify what it fetched). */
+static void fill_block(fix_t *f, uint64_t b, uint64_t id) {
+  uint64_t *w = (uint64_t *)(f->eng.layers[0] + b * f->page_bytes);
+  for (uint64_t i = 0; i < f->page_bytes / 8; i++) w[i] = id * 0x9e3779b97f4a7c15ull + i;
+}
+static int block_holds(fix_t *f, uint64_t b, uint64_t id) {
+  const uint64_t *w = (const uint64_t *)(f->eng.layers[0] + b * f->page_bytes);
+  for (uint64_t i = 0; i < f->page_bytes / 8; i++)
+    if (w[i] != id * 0x9e3779b97f4a7c15ull + i) return 0;
+  return 1;
+}
+
+static int publish_ids(fix_t *f, const uint64_t *ids, size_t n, size_t *ins) {
+  skv_key_t keys[64];
+  uint64_t blocks[64];
+  for (size_t i = 0; i < n; i++) {
+    keys[i] = key_of(f, ids[i]);
+    blocks[i] = i;
+    fill_block(f, i, ids[i]);
+  }
+  return skv_publish(f->kv, f->ns, keys, n, f->eng.lay, blocks, NULL, ins);
+}
+
+static int pe_dedup(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 64, 64, 30000) == 0, "fixture: %s", skv_last_error());
+  uint64_t ids[32];
+  for (int i = 0; i < 32; i++) ids[i] = 1000 + (uint64_t)i;
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  size_t ins = 0;
+  PE_CHECK(publish_ids(&f, ids, 32, &ins) == 0, "publish");
+  size_t all[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(f.ctx, &ins, all, sizeof ins) == 0, "ag");
+  size_t total = 0;
+  for (int r = 0; r < npes; r++) total += all[r];
+  PE_CHECK(total == 32, "every key inserted exactly once in all: %zu", total);
+  skv_kv_stats_t st;
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.pages_used == ins, "losers freed their pages: used %llu inserted %zu",
+           (unsigned long long)st.pages_used, ins);
+  PE_CHECK(st.index_entries == 32, "entries %llu", (unsigned long long)st.index_entries);
+  PE_CHECK(skv__index_check(&f.kv->index) == 32, "index walker");
+  /* and every key reads back its own data wherever it lives */
+  skv_key_t keys[32];
+  for (int i = 0; i < 32; i++) keys[i] = key_of(&f, ids[i]);
+  skv_page_ref_t refs[32];
+  size_t nhit;
+  PE_CHECK(skv_lookup(f.kv, f.ns, keys, 32, 0, refs, &nhit) == 0 && nhit == 32, "lookup");
+  uint64_t blocks[32];
+  for (int i = 0; i < 32; i++) blocks[i] = 32 + (uint64_t)i;
+  PE_CHECK(skv_fetch(f.kv, refs, 32, f.eng.lay, blocks, 0, NULL) == 0, "fetch");
+  for (int i = 0; i < 32; i++) PE_CHECK(block_holds(&f, blocks[i], ids[i]), "key %d content", i);
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, concurrent_publish_of_the_same_keys_is_deduplicated) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 4, pe_dedup, NULL, 120000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+static int pe_lru_and_pins(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 64, 30000) == 0, "fixture: %s", skv_last_error());
+  size_t ins;
+  skv_page_ref_t refs[8];
+  size_t nhit;
+  if (rank == 0) {
+    uint64_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    PE_CHECK(publish_ids(&f, ids, 8, &ins) == 0 && ins == 8, "fill");
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 1) {
+    /* touch key 1 (so 2 becomes the LRU) and pin key 3 */
+    skv_key_t k1 = key_of(&f, 1), k3 = key_of(&f, 3);
+    PE_CHECK(skv_lookup(f.kv, f.ns, &k1, 1, 0, refs, &nhit) == 0 && nhit == 1, "touch 1");
+    PE_CHECK(skv_lookup(f.kv, f.ns, &k3, 1, SKV_LOOKUP_PIN, &refs[3], &nhit) == 0 && nhit == 1, "pin 3");
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 0) {
+    /* publishing 3 more pages evicts the 3 least recently used unpinned ones: 2, 4, 5 */
+    uint64_t more[3] = {9, 10, 11};
+    PE_CHECK(publish_ids(&f, more, 3, &ins) == 0 && ins == 3, "publish beyond capacity: %s", skv_last_error());
+    skv_kv_stats_t st;
+    skv_kv_get_stats(f.kv, &st);
+    PE_CHECK(st.evicted == 3, "evicted %llu", (unsigned long long)st.evicted);
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  int want[12] = {0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1, 1};
+  for (uint64_t id = 1; id <= 11; id++) {
+    skv_key_t k = key_of(&f, id);
+    PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, refs, &nhit) == 0, "lookup");
+    PE_CHECK((int)nhit == want[id], "key %llu: hit %zu, expected %d", (unsigned long long)id, nhit, want[id]);
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 1) {
+    /* our pin kept page 3; fetch it, then release */
+    PE_CHECK(skv_fetch(f.kv, &refs[3], 1, f.eng.lay, (uint64_t[]){40}, SKV_FETCH_UNPIN, NULL) == 0, "fetch pinned");
+    PE_CHECK(block_holds(&f, 40, 3), "pinned page content");
+    PE_CHECK(skv_unpin(f.kv, &refs[3], 1) == SKV_EINVAL, "double unpin is refused");
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 0) {
+    uint64_t n;
+    PE_CHECK(skv_evict(f.kv, 100, &n) == 0 && n == 8, "all pages evictable once unpinned: %llu", (unsigned long long)n);
+    skv_kv_stats_t st;
+    skv_kv_get_stats(f.kv, &st);
+    PE_CHECK(st.pages_used == 0 && st.index_entries == 0, "empty after evicting all");
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, lru_eviction_respects_pins) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_lru_and_pins, NULL, 120000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+static int pe_stale(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16, 30000) == 0, "fixture: %s", skv_last_error());
+  skv_page_ref_t ref;
+  size_t nhit, ins;
+  skv_key_t k = key_of(&f, 77);
+  if (rank == 0) PE_CHECK(publish_ids(&f, (uint64_t[]){77}, 1, &ins) == 0 && ins == 1, "publish");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 0) {
+    uint64_t n;
+    PE_CHECK(skv_evict(f.kv, 1, &n) == 0 && n == 1, "evict");
+    /* and reuse the page for another key */
+    PE_CHECK(publish_ids(&f, (uint64_t[]){78}, 1, &ins) == 0 && ins == 1, "reuse");
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  engine_poison(&f.eng);
+  int rc = skv_fetch(f.kv, &ref, 1, f.eng.lay, (uint64_t[]){9}, 0, NULL);
+  PE_CHECK(rc == SKV_ESTALE, "stale reference gives %s", skv_err_name(rc));
+  PE_CHECK(strstr(skv_last_error(), "stale") != NULL, "message: %s", skv_last_error());
+  uint8_t used[16] = {0};
+  PE_CHECK(untouched_outside(&f.eng, used), "a stale fetch wrote something");
+  rc = skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit);
+  PE_CHECK(rc == 0 && nhit == 0, "evicted key is gone");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, stale_references_are_reported_not_read) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_stale, NULL, 120000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+static int pe_dead_pinner(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16, 4000) == 0, "fixture: %s", skv_last_error());
+  size_t ins, nhit;
+  uint64_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  if (rank == 0) PE_CHECK(publish_ids(&f, ids, 8, &ins) == 0 && ins == 8, "publish");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 2) {
+    skv_key_t keys[8];
+    skv_page_ref_t refs[8];
+    for (int i = 0; i < 8; i++) keys[i] = key_of(&f, ids[i]);
+    PE_CHECK(skv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8, "pin all");
+    PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+    PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier"); /* rank 0 has seen our pins hold */
+    raise(SIGKILL);
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 0) {
+    uint64_t n;
+    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 0, "pinned by a live PE: nothing evictable (%llu)",
+             (unsigned long long)n);
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  /* rank 2 dies now; wait until its process is gone */
+  usleep(300000);
+  if (rank == 0) {
+    uint64_t n;
+    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 8, "a dead PE's pins are released: evicted %llu",
+             (unsigned long long)n);
+  }
+  /* the job is broken now (a PE died): collectives fail, cleanup does not hang */
+  skv_kv_destroy(f.kv);
+  engine_free(&f.eng);
+  skv_namespace_destroy(f.ns);
+  skv_finalize(f.ctx);
+  return 0;
+}
+
+Test(kv, pins_of_a_dead_pe_are_released) {
+  skv_test_job_t job;
+  skv_test_spawn(&job, 3, pe_dead_pinner, NULL);
+  skv_test_wait(&job, 90000);
+  cr_assert_eq(job.status[2], 128 + SIGKILL, "%s", skv_test_statuses(&job));
+  cr_assert(job.status[0] == 0 && job.status[1] == 0, "survivors: %s", skv_test_statuses(&job));
+}
+
+static int pe_bad_input(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16, 30000) == 0, "fixture: %s", skv_last_error());
+  skv_key_t k = key_of(&f, 5);
+  skv_page_ref_t ref = {0, 0, 1, 0};
+  size_t nhit;
+  uint64_t blk = 0;
+  PE_CHECK(skv_lookup(NULL, f.ns, &k, 1, 0, &ref, &nhit) == SKV_EINVAL, "NULL kv");
+  PE_CHECK(skv_lookup(f.kv, f.ns, NULL, 1, 0, &ref, &nhit) == SKV_EINVAL, "NULL keys");
+  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0x80, &ref, &nhit) == SKV_EINVAL, "bad flags");
+  skv_key_t zero = {0, 5};
+  PE_CHECK(skv_lookup(f.kv, f.ns, &zero, 1, 0, &ref, &nhit) == SKV_EINVAL, "reserved key");
+  /* a namespace of another geometry is the wrong namespace */
+  skv_geometry_t g2 = f.g;
+  g2.page_tokens = 32;
+  skv_namespace_t *ns2;
+  PE_CHECK(skv_namespace_create("fixture", &g2, NULL, 0, "s3cret", 6, &ns2) == 0, "ns2");
+  PE_CHECK(skv_lookup(f.kv, ns2, &k, 1, 0, &ref, &nhit) == SKV_EINVAL && strstr(skv_last_error(), "namespace"),
+           "wrong namespace: %s", skv_last_error());
+  PE_CHECK(skv_publish(f.kv, ns2, &k, 1, f.eng.lay, &blk, NULL, NULL) == SKV_EINVAL, "publish wrong namespace");
+  skv_namespace_destroy(ns2);
+  skv_page_ref_t bad_pe = {(uint32_t)npes, 0, 1, 0}, bad_page = {0, 8, 1, 0}, bad_gen = {0, 0, 0, 0};
+  PE_CHECK(skv_fetch(f.kv, &bad_pe, 1, f.eng.lay, &blk, 0, NULL) == SKV_ERANGE, "PE out of range");
+  PE_CHECK(skv_fetch(f.kv, &bad_page, 1, f.eng.lay, &blk, 0, NULL) == SKV_ERANGE, "page out of range");
+  PE_CHECK(skv_fetch(f.kv, &bad_gen, 1, f.eng.lay, &blk, 0, NULL) == SKV_EINVAL, "generation 0");
+  uint64_t big = 16;
+  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &big, 0, NULL) == SKV_EINVAL, "block id out of range");
+  PE_CHECK(skv_fetch(f.kv, &ref, 1, NULL, &blk, 0, NULL) == SKV_EINVAL, "NULL layout");
+  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, NULL, 0, NULL) == SKV_EINVAL, "NULL block ids");
+  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &blk, 0, NULL) == SKV_ESTALE, "never-published page is stale");
+  PE_CHECK(skv_publish(f.kv, f.ns, &k, 1, f.eng.lay, &big, NULL, NULL) == SKV_EINVAL, "publish bad block");
+  PE_CHECK(skv_unpin(f.kv, &ref, 1) == SKV_EINVAL, "unpin of an unpinned page");
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  skv_kv_t *kv2;
+  PE_CHECK(skv_kv_create(f.ctx, &f.g, &o, &kv2) == SKV_EINVAL, "0 pages");
+  o.pages_per_pe = 1ull << 40;
+  PE_CHECK(skv_kv_create(f.ctx, &f.g, &o, &kv2) == SKV_EINVAL, "too many pages");
+  o.pages_per_pe = 4;
+  o.size = 3;
+  PE_CHECK(skv_kv_create(f.ctx, &f.g, &o, &kv2) == SKV_EINVAL, "bad opts size");
+  skv_geometry_t bad = f.g;
+  bad.head_dim = 0;
+  o = (skv_kv_opts_t)SKV_KV_OPTS_INIT;
+  o.pages_per_pe = 4;
+  PE_CHECK(skv_kv_create(f.ctx, &bad, &o, &kv2) == SKV_EINVAL && strstr(skv_last_error(), "head_dim"),
+           "bad geometry named: %s", skv_last_error());
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, bad_input_gives_clear_errors) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_bad_input, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* ---- stress: PEs publish, look up, fetch, verify, unpin and evict overlapping keys ---- */
+
+static int pe_stress(int rank, int npes, void *arg) {
+  int seconds = *(int *)arg;
+  fix_t f;
+  PE_CHECK(fix_init(&f, 48, 64, 60000) == 0, "fixture: %s", skv_last_error());
+  uint64_t s = skv_test_seed() + (uint64_t)rank;
+  uint64_t t_end = skv__now_ms() + (uint64_t)seconds * 1000;
+  uint64_t ops = 0, fetched = 0, stale = 0;
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  while (skv__now_ms() < t_end) {
+    ops++;
+    uint64_t base = skv_test_rand(&s) % 200; /* overlapping key space: chains of ids */
+    size_t n = 1 + skv_test_rand(&s) % 8;
+    uint64_t ids[8];
+    skv_key_t keys[8];
+    for (size_t i = 0; i < n; i++) ids[i] = base + i, keys[i] = key_of(&f, ids[i]);
+    switch (skv_test_rand(&s) % 4) {
+    case 0: {
+      size_t ins;
+      int rc = publish_ids(&f, ids, n, &ins);
+      PE_CHECK(rc == 0 || rc == SKV_ENOSPC, "publish: %s", skv_err_name(rc));
+      break;
+    }
+    case 1:
+    case 2: {
+      skv_page_ref_t refs[8];
+      size_t nhit;
+      PE_CHECK(skv_lookup(f.kv, f.ns, keys, n, SKV_LOOKUP_PIN, refs, &nhit) == 0, "lookup");
+      if (nhit == 0) break;
+      uint64_t blocks[8];
+      for (size_t i = 0; i < nhit; i++) blocks[i] = 16 + i;
+      int rc = skv_fetch(f.kv, refs, nhit, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
+      PE_CHECK(rc == 0, "fetch of pinned pages: %s", skv_err_name(rc));
+      for (size_t i = 0; i < nhit; i++)
+        PE_CHECK(block_holds(&f, blocks[i], ids[i]), "fetched page of key %llu holds other data (freed or reused?)",
+                 (unsigned long long)ids[i]);
+      fetched += nhit;
+      break;
+    }
+    default: {
+      if (skv_test_rand(&s) % 4 == 0) {
+        uint64_t ne;
+        skv_evict(f.kv, 1 + skv_test_rand(&s) % 4, &ne);
+      } else {
+        /* unpinned lookup then fetch: may be stale, never wrong */
+        skv_page_ref_t refs[8];
+        size_t nhit;
+        PE_CHECK(skv_lookup(f.kv, f.ns, keys, n, 0, refs, &nhit) == 0, "lookup");
+        if (nhit == 0) break;
+        uint64_t blocks[8];
+        for (size_t i = 0; i < nhit; i++) blocks[i] = 32 + i;
+        int rc = skv_fetch(f.kv, refs, nhit, f.eng.lay, blocks, 0, NULL);
+        if (rc == SKV_ESTALE) {
+          stale++;
+          break;
+        }
+        PE_CHECK(rc == 0, "fetch: %s", skv_err_name(rc));
+        for (size_t i = 0; i < nhit; i++) PE_CHECK(block_holds(&f, blocks[i], ids[i]), "unpinned fetch content");
+      }
+    }
+    }
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier after %llu ops", (unsigned long long)ops);
+  /* invariants: pins balanced, at most one VALID copy per key, every entry names a READY page
+   * holding that key, and every READY page of ours is indexed (no lost entries) */
+  skv_kv_stats_t st;
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.pages_pinned == 0, "%llu pages still pinned", (unsigned long long)st.pages_pinned);
+  int64_t entries = skv__index_check(&f.kv->index);
+  PE_CHECK(entries >= 0, "index check: %s", skv_last_error());
+  uint64_t ready = 0;
+  for (uint64_t pg = 0; pg < f.kv->pool.pages; pg++) {
+    skv_page_meta_t *m = &f.kv->pool.meta[rank][pg];
+    if (skv__st_state(m->state) != SKV_PAGE_READY) continue;
+    ready++;
+    skv_key_t k = {m->key_hi, m->key_lo};
+    uint64_t v;
+    PE_CHECK(skv__index_lookup(&f.kv->index, k, &v) == 0, "READY page %llu is not indexed", (unsigned long long)pg);
+    PE_CHECK(skv__val_pe(v) == (uint32_t)rank && skv__val_page(v) == pg && skv__val_gen(v) == skv__st_gen(m->state),
+             "index entry of page %llu names another page", (unsigned long long)pg);
+  }
+  uint64_t all_ready[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(f.ctx, &ready, all_ready, sizeof ready) == 0, "ag");
+  uint64_t total = 0;
+  for (int r = 0; r < npes; r++) total += all_ready[r];
+  PE_CHECK((uint64_t)entries == total, "index has %lld entries, PEs hold %llu READY pages", (long long)entries,
+           (unsigned long long)total);
+  PE_CHECK(st.pages_used == ready, "used %llu ready %llu", (unsigned long long)st.pages_used, (unsigned long long)ready);
+  fprintf(stderr, "rank %d: %llu ops, %llu pages fetched and verified, %llu stale\n", rank, (unsigned long long)ops,
+          (unsigned long long)fetched, (unsigned long long)stale);
+  PE_CHECK(fetched > 0, "the stress test fetched nothing");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, concurrent_stress_keeps_invariants) {
+  int seconds = 20;
+  const char *e = getenv("SKV_TEST_STRESS_SECONDS");
+  if (e && atoi(e) > 0) seconds = atoi(e);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 4, pe_stress, &seconds, (seconds + 60) * 1000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
