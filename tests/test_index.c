@@ -173,6 +173,31 @@ Test(index, pending_claim_of_a_dead_pe_is_cleared) {
   cr_assert_eq(skv__index_check(&t->ix), 1);
 }
 
+/* A reader can see (hi, lo) = (0, x) while a tombstone is being claimed (hi read before the
+ * 16-byte CAS, lo after it). That is not EMPTY: lookups, erases and inserts must look past it. */
+Test(index, a_claim_in_flight_is_not_the_end_of_the_chain) {
+  table_t *t = table_new(1, 64);
+  uint64_t s = skv_test_seed(), v;
+  skv_key_t k = rand_key(&s);
+  uint64_t home = k.lo & 63;
+  /* occupy the home slot with another key, insert k (it lands one further), then make the
+   * home slot look like a torn read of a claim in flight */
+  skv_key_t other = rand_key(&s);
+  other.lo = (other.lo & ~63ull) | home;
+  cr_assert_eq(skv__index_insert(&t->ix, other, skv__val_pack(0, 1, 1), 0), 0);
+  uint64_t val = skv__val_pack(1, 2, 3);
+  cr_assert_eq(skv__index_insert(&t->ix, k, val, 1), 0);
+  skv_index_slot_t *h = &t->slots[0][home];
+  h->key.p.hi = 0;
+  h->key.p.lo = 0x1234567;
+  h->val = SKV_VAL_ERASING;
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0, "lookup stopped at a claim in flight");
+  cr_assert_eq(v, val);
+  cr_assert_eq(skv__index_insert(&t->ix, k, skv__val_pack(2, 9, 9), 2), SKV_EEXIST, "insert missed the copy");
+  cr_assert_eq(skv__index_erase(&t->ix, k, val), 0, "erase stopped at a claim in flight");
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
+}
+
 /* NPROC processes insert the same keys at once; exactly one wins each. */
 Test(index, racing_processes_agree_on_one_winner_per_key) {
   enum { NPROC = 4, NKEYS = 20000, ROUNDS = 3 };

@@ -43,11 +43,17 @@ static inline int shard_of(const skv_index_t *ix, skv_key_t k) {
   return (int)((k.hi >> 32) % (uint64_t)ix->nshards);
 }
 
-/* Read a slot's key; a torn read of a slot being claimed can only show hi == 0 (treated as
- * free) or the new key in full, since hi of a real key is never 0 and is read first. */
-static inline void read_key(const skv_index_slot_t *s, uint64_t *hi, uint64_t *lo) {
+/* Read a slot's key. The key changes by one 16-byte CAS but is read as two 8-byte loads (hi
+ * first), so a read racing with a claim of a free slot can see the old hi (0) with the new
+ * lo: (0, x) with x > 1 is a claim in flight, never EMPTY. Only (0, 0) is EMPTY and (0, 1) a
+ * tombstone. A claim in flight has no ticket yet, so treating it as someone else's occupied
+ * slot is safe everywhere (it will lose to any copy that exists now). */
+enum { SLOT_EMPTY, SLOT_TOMB, SLOT_CLAIMING, SLOT_KEY };
+static inline int read_key(const skv_index_slot_t *s, uint64_t *hi, uint64_t *lo) {
   *hi = ld_acq(&s->key.p.hi);
   *lo = ld_acq(&s->key.p.lo);
+  if (*hi != EMPTY_HI) return SLOT_KEY;
+  return *lo == 0 ? SLOT_EMPTY : *lo == TOMB_LO ? SLOT_TOMB : SLOT_CLAIMING;
 }
 
 int skv__index_lookup(const skv_index_t *ix, skv_key_t key, uint64_t *val) {
@@ -60,11 +66,9 @@ int skv__index_lookup(const skv_index_t *ix, skv_key_t key, uint64_t *val) {
     for (int tries = 0; tries < 4; tries++) {
       uint64_t v1 = ld_acq(&s->val);
       uint64_t hi, lo;
-      read_key(s, &hi, &lo);
-      if (hi == EMPTY_HI) {
-        if (lo != TOMB_LO) return SKV_ENOTFOUND; /* EMPTY: the key is nowhere further */
-        break;
-      }
+      int kind = read_key(s, &hi, &lo);
+      if (kind == SLOT_EMPTY) return SKV_ENOTFOUND; /* the key is nowhere further */
+      if (kind != SLOT_KEY) break;
       if (hi != key.hi || lo != key.lo || !(v1 & SKV_VAL_VALID)) break;
       uint64_t v2 = ld_acq(&s->val);
       if (v1 == v2) {
@@ -108,8 +112,7 @@ static uint64_t copy_ticket(skv_index_t *ix, skv_index_slot_t *s, skv_key_t key,
   for (uint64_t spin = 0;; spin++) {
     uint64_t t = ld_acq(&s->ticket);
     uint64_t v = ld_acq(&s->val), hi, lo;
-    read_key(s, &hi, &lo);
-    if (hi != key.hi || lo != key.lo || (v & SKV_VAL_ERASING)) return 0;
+    if (read_key(s, &hi, &lo) != SLOT_KEY || hi != key.hi || lo != key.lo || (v & SKV_VAL_ERASING)) return 0;
     if (t != 0) return t;
     if (spin > 0 && spin % 4096 == 0) {
       int owner = (int)skv__val_pe(v);
@@ -135,9 +138,9 @@ static int scan_copies(skv_index_t *ix, skv_key_t key, skv_index_slot_t *mine, u
   for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
     skv_index_slot_t *s = &slots[(h + i) & mask];
     uint64_t hi, lo;
-    read_key(s, &hi, &lo);
-    if (hi == EMPTY_HI && lo != TOMB_LO) break;
-    if (s == mine || hi != key.hi || lo != key.lo) continue;
+    int kind = read_key(s, &hi, &lo);
+    if (kind == SLOT_EMPTY) break;
+    if (kind != SLOT_KEY || s == mine || hi != key.hi || lo != key.lo) continue;
     uint64_t v = ld_acq(&s->val);
     if (v & SKV_VAL_ERASING) continue;
     if (v & SKV_VAL_VALID) return 1;
@@ -169,14 +172,14 @@ int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
     for (unsigned i = 0; i < SKV_INDEX_WINDOW && !mine; i++) {
       skv_index_slot_t *s = &slots[(h + i) & mask];
       uint64_t hi, lo;
-      read_key(s, &hi, &lo);
-      if (hi == key.hi && lo == key.lo) {
+      int kind = read_key(s, &hi, &lo);
+      if (kind == SLOT_KEY && hi == key.hi && lo == key.lo) {
         uint64_t v = ld_acq(&s->val);
         if (v & SKV_VAL_VALID) return SKV_EEXIST;
         continue;
       }
-      if (hi != EMPTY_HI) continue;
-      unsigned __int128 old = lo == TOMB_LO ? K_TOMB : K_EMPTY;
+      if (kind == SLOT_KEY || kind == SLOT_CLAIMING) continue;
+      unsigned __int128 old = kind == SLOT_TOMB ? K_TOMB : K_EMPTY;
       if (cas_key(s, old, kw)) mine = s;
       else i--; /* the slot changed: look at it again */
     }
@@ -205,9 +208,9 @@ int skv__index_erase(skv_index_t *ix, skv_key_t key, uint64_t val) {
   for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
     skv_index_slot_t *s = &slots[(h + i) & mask];
     uint64_t hi, lo;
-    read_key(s, &hi, &lo);
-    if (hi == EMPTY_HI && lo != TOMB_LO) break;
-    if (hi != key.hi || lo != key.lo) continue;
+    int kind = read_key(s, &hi, &lo);
+    if (kind == SLOT_EMPTY) break;
+    if (kind != SLOT_KEY || hi != key.hi || lo != key.lo) continue;
     uint64_t expect = val;
     if (!__atomic_compare_exchange_n(&s->val, &expect, SKV_VAL_ERASING, false, __ATOMIC_SEQ_CST,
                                      __ATOMIC_RELAXED))
