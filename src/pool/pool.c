@@ -226,12 +226,14 @@ static bool try_evict(skv_pool_t *p, uint32_t page, uint32_t gen, skv_pool_evict
   return true;
 }
 
-/* Evict the LRU unpinned page into the free stack (under mu). */
+/* Evict the LRU unpinned page into the free stack (under mu). Pages other PEs touched since
+ * they were pushed go back with their new time; pinned pages are set aside and pushed back at
+ * the end. The pass is bounded: other PEs may keep touching pages while it runs. */
 static bool evict_lru(skv_pool_t *p, skv_pool_evict_cb evict, void *arg) {
-  skv_lru_ent_t *pinned = NULL;
-  uint64_t npinned = 0;
+  skv_lru_ent_t *held = NULL;
+  uint64_t nheld = 0, cap = 0, budget = 2 * p->nlru + 8;
   bool done = false;
-  while (p->nlru > 0 && !done) {
+  while (p->nlru > 0 && !done && budget-- > 0) {
     skv_lru_ent_t e = lru_pop(p);
     skv_page_meta_t *m = &p->meta[p->me][e.page];
     uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
@@ -244,17 +246,22 @@ static bool evict_lru(skv_pool_t *p, skv_pool_evict_cb evict, void *arg) {
     if (try_evict(p, e.page, e.gen, evict, arg)) {
       p->free_stack[p->nfree++] = e.page;
       done = true;
-    } else {
-      if (!pinned) pinned = malloc(sizeof *pinned * (p->nlru + 1));
-      if (!pinned) {
+      break;
+    }
+    if (nheld == cap) {
+      uint64_t ncap = cap ? 2 * cap : 64;
+      skv_lru_ent_t *nh = realloc(held, ncap * sizeof *nh);
+      if (!nh) {
         lru_push(p, e.stamp, e.page, e.gen);
         break;
       }
-      pinned[npinned++] = e;
+      held = nh;
+      cap = ncap;
     }
+    held[nheld++] = e;
   }
-  for (uint64_t i = 0; i < npinned; i++) lru_push(p, pinned[i].stamp, pinned[i].page, pinned[i].gen);
-  free(pinned);
+  for (uint64_t i = 0; i < nheld; i++) lru_push(p, held[i].stamp, held[i].page, held[i].gen);
+  free(held);
   return done;
 }
 
