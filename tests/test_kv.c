@@ -644,6 +644,21 @@ static int pe_stress(int rank, int npes, void *arg) {
     PE_CHECK(skv__val_pe(v) == (uint32_t)rank && skv__val_page(v) == pg && skv__val_gen(v) == skv__st_gen(m->state),
              "index entry of page %llu names another page", (unsigned long long)pg);
   }
+  /* and every VALID entry naming one of our pages names a READY page holding that key */
+  skv_index_t *ix = &f.kv->index;
+  for (int sh = 0; sh < ix->nshards; sh++)
+    for (uint64_t i = 0; i < ix->slots_per_shard; i++) {
+      skv_index_slot_t *sl = &ix->slots[sh][i];
+      uint64_t v = sl->val;
+      if (sl->key.p.hi == 0 || !(v & SKV_VAL_VALID) || skv__val_pe(v) != (uint32_t)rank) continue;
+      skv_page_meta_t *m = &f.kv->pool.meta[rank][skv__val_page(v)];
+      PE_CHECK(skv__st_state(m->state) == SKV_PAGE_READY && skv__st_gen(m->state) == skv__val_gen(v) &&
+                   m->key_hi == sl->key.p.hi && m->key_lo == sl->key.p.lo,
+               "orphan entry shard %d slot %llu -> page %u gen %u; page state %u gen %u, key %s, ticket %llu", sh,
+               (unsigned long long)i, skv__val_page(v), skv__val_gen(v), skv__st_state(m->state),
+               skv__st_gen(m->state), m->key_hi == sl->key.p.hi && m->key_lo == sl->key.p.lo ? "same" : "differs",
+               (unsigned long long)sl->ticket);
+    }
   uint64_t all_ready[SKV_TEST_MAX_PES];
   PE_CHECK(skv_ctx_allgather(f.ctx, &ready, all_ready, sizeof ready) == 0, "ag");
   uint64_t total = 0;

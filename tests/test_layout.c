@@ -273,7 +273,9 @@ static void roundtrip(cache_t *src, size_t npages, uint64_t seed, uint64_t *rng)
   for (size_t p = 0; p < npages; p++) {
     const uint64_t *pid = ids + p * m;
     memset(page, POISON, pb);
-    skv__copy_blocks_to_page(ls, page, pid);
+    /* odd pages take the streaming (non-temporal) path, even pages the ordinary one */
+    skv__copy_blocks_to_page(ls, page, pid, p & 1);
+    skv__copy_stream_fence();
     for (uint32_t l = 0; l < g->num_layers; l++)
       for (uint32_t kv = 0; kv < kvn; kv++)
         for (uint64_t pt = 0; pt < g->page_tokens; pt++)
@@ -287,7 +289,8 @@ static void roundtrip(cache_t *src, size_t npages, uint64_t seed, uint64_t *rng)
                                "%" PRIu64 " head %" PRIu64 " dim %" PRIu64,
                                seed, src->preset, l, kv ? 'v' : 'k', pt, h, d);
             }
-    skv__copy_page_to_blocks(ld, page, pid);
+    skv__copy_page_to_blocks(ld, page, pid, !(p & 1));
+    skv__copy_stream_fence();
   }
   /* Every element of the chosen blocks equals the source; mark its bytes. */
   for (size_t p = 0; p < npages; p++)

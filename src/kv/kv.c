@@ -29,7 +29,8 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   skv_key_t k = {key_hi, key_lo};
   uint64_t val = skv__val_pack((uint32_t)kv->pool.me, page, gen);
   if (skv__index_erase(&kv->index, k, val) != 0)
-    SKV_INFO(SKV_SUBSYS_KV, "evicting page %u: its key was not in the index", page);
+    SKV_WARN(SKV_SUBSYS_KV, "evicting page %u (generation %u): its index entry was not found; please report "
+             "this with the SKV_DEBUG=INFO log", page, gen);
   __atomic_add_fetch(&kv->evicted, 1, __ATOMIC_RELAXED);
 }
 
@@ -275,8 +276,10 @@ int skv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_layo
     }
   }
   uint32_t m = dst->blocks_per_page;
+  bool nt = (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
   for (size_t i = 0; i < n; i++)
-    skv__copy_page_to_blocks(dst, skv__kv_page(kv, refs[i].pe, refs[i].page), block_ids + i * m);
+    skv__copy_page_to_blocks(dst, skv__kv_page(kv, refs[i].pe, refs[i].page), block_ids + i * m, nt);
+  if (nt) skv__copy_stream_fence();
   for (size_t i = 0; i < n; i++) skv__pool_unpin(&kv->pool, refs[i].pe, refs[i].page);
   if (flags & SKV_FETCH_UNPIN) SKV_CHECK(skv_unpin(kv, refs, n));
   return 0;
@@ -298,6 +301,7 @@ int skv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, 
     return no_cuda_path(kv, src, "skv_publish");
   }
   uint32_t m = src->blocks_per_page;
+  bool nt = (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
   int me = kv->pool.me;
   size_t inserted = 0;
   int rc = 0;
@@ -308,7 +312,8 @@ int skv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, 
     uint64_t ev = 0;
     rc = skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &page, &gen, &ev);
     if (rc) break;
-    skv__copy_blocks_to_page(src, skv__kv_page(kv, (uint32_t)me, page), block_ids + i * m);
+    skv__copy_blocks_to_page(src, skv__kv_page(kv, (uint32_t)me, page), block_ids + i * m, nt);
+    if (nt) skv__copy_stream_fence(); /* the page must be complete before it is indexed */
     skv__pool_ready(&kv->pool, page, keys[i].hi, keys[i].lo);
     int r = skv__index_insert(&kv->index, keys[i], skv__val_pack((uint32_t)me, page, gen), me);
     if (r == 0) {

@@ -41,10 +41,18 @@ struct skv_layout {
 /* ---- copy_host.c ---------------------------------------------------------------------- */
 
 /* Copy one page at `page` into the m = blocks_per_page engine blocks block_ids[0..m). Block ids
- * must have been checked against num_blocks. */
-void skv__copy_page_to_blocks(const skv_layout_t *lay, const void *page, const uint64_t *block_ids);
+ * must have been checked against num_blocks. `stream`: non-temporal stores for runs of 256
+ * bytes and more (for copies larger than the caches; call skv__copy_stream_fence after the
+ * last one). */
+void skv__copy_page_to_blocks(const skv_layout_t *lay, const void *page, const uint64_t *block_ids,
+                              bool stream);
 /* The reverse: engine blocks into the page. */
-void skv__copy_blocks_to_page(const skv_layout_t *lay, void *page, const uint64_t *block_ids);
+void skv__copy_blocks_to_page(const skv_layout_t *lay, void *page, const uint64_t *block_ids,
+                              bool stream);
+/* Order the non-temporal stores of streaming copies before what follows. */
+void skv__copy_stream_fence(void);
+/* Copies of at least this many bytes in one call stream (beyond the caches). */
+#define SKV_COPY_STREAM_BYTES (8ull << 20)
 /* Check n * blocks_per_page block ids against num_blocks; the error names the first bad one. */
 int skv__check_block_ids(const skv_layout_t *lay, const uint64_t *block_ids, size_t npages,
                          const char *fn);
