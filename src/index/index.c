@@ -109,21 +109,28 @@ static void release_slot(skv_index_slot_t *s, unsigned __int128 k) {
  * after its claim). Returns the ticket, or 0 when the copy went away or its owner died (then
  * it is cleared and *cleared set). */
 static uint64_t copy_ticket(skv_index_t *ix, skv_index_slot_t *s, skv_key_t key, int *cleared) {
+  uint64_t next_alive_check = 0;
   for (uint64_t spin = 0;; spin++) {
     uint64_t t = ld_acq(&s->ticket);
     uint64_t v = ld_acq(&s->val), hi, lo;
     if (read_key(s, &hi, &lo) != SLOT_KEY || hi != key.hi || lo != key.lo || (v & SKV_VAL_ERASING)) return 0;
     if (t != 0) return t;
-    if (spin > 0 && spin % 4096 == 0) {
-      int owner = (int)skv__val_pe(v);
-      if (ix->alive && !ix->alive(ix->alive_arg, owner)) {
+    if (spin < 128) {
+      SKV_CPU_RELAX();
+      continue;
+    }
+    /* The owner was descheduled between its claim and its ticket: let it run, and every 10 ms
+     * make sure it is still alive. */
+    uint64_t now = skv__now_ms();
+    if (now >= next_alive_check) {
+      if (next_alive_check && ix->alive && !ix->alive(ix->alive_arg, (int)skv__val_pe(v))) {
         release_slot(s, k128(key));
         *cleared = 1;
         return 0;
       }
-      sched_yield();
+      next_alive_check = now + 10;
     }
-    SKV_CPU_RELAX();
+    sched_yield();
   }
 }
 
