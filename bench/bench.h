@@ -63,5 +63,9 @@ void bench_progress_end(bench_t *b);
 
 int bench_heap(bench_t *b);
 int bench_micro(bench_t *b);
+/* GPU fetch bandwidth and latency vs the copy engine (bench_fetch.c). */
+int bench_fetch(bench_t *b);
+/* All-reduce latency in CUDA graphs vs NCCL, crossovers, barrier, signals (bench_allreduce.c). */
+int bench_allreduce(bench_t *b);
 
 #endif

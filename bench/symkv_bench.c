@@ -24,6 +24,16 @@ static const command_t commands[] = {
     {"micro", bench_micro,
      "index lookup/insert rates, page alloc/free, host fetch bandwidth vs memcpy\n"
      "      [--keys N (1M)] [--seconds S (1)] [--page-bytes N,...]"},
+    {"fetch", bench_fetch,
+     "GPU fetch of random peer pages (GB/s) vs the copy engine's contiguous copy, a per-page\n"
+     "      cudaMemcpyAsync loop and a local gather; 1 MiB latency; kernel variants\n"
+     "      [--quick] [--page-sizes 16K,...,4M] [--batches 1,...,4096] [--max-batch-bytes 1G]\n"
+     "      [--reps N (15)] [--layout nhd|hnd|flashinfer] [--no-variants]"},
+    {"allreduce", bench_allreduce,
+     "skv_allreduce latency in CUDA graphs per algorithm and AUTO vs ncclAllReduce (same run),\n"
+     "      measured crossovers, barrier latency, signal ping-pong round trips\n"
+     "      [--sizes 1K,4K,...|--min 1K --max 64M] [--calls 100] [--reps 7] [--dtype bf16]\n"
+     "      [--no-signals] [--backend host]"},
 };
 
 static void usage(FILE *f) {

@@ -165,6 +165,9 @@ SKV_EXTERN int skv_ctx_world_size(const skv_ctx_t *ctx);
 SKV_EXTERN int skv_ctx_local_rank(const skv_ctx_t *ctx);
 SKV_EXTERN int skv_ctx_local_size(const skv_ctx_t *ctx);
 SKV_EXTERN int skv_ctx_timeout_ms(const skv_ctx_t *ctx);
+/* This PE's CUDA device (chosen at the first GPU use: config.device / SKV_DEVICE, else local
+ * rank modulo the device count), or SKV_ENOTSUP without CUDA or a GPU. */
+SKV_EXTERN int skv_ctx_device(skv_ctx_t *ctx);
 /* Change the timeout of this PE's later waits (collective calls assume equal values). */
 SKV_EXTERN int skv_ctx_set_timeout_ms(skv_ctx_t *ctx, int timeout_ms);
 
@@ -410,23 +413,96 @@ enum { SKV_FETCH_UNPIN = 1u }; /* also release the caller's lookup pins once cop
 /* Copy pages refs[0..n) into the engine's blocks: page i fills blocks
  * block_ids[i*m .. i*m+m) with m = page_tokens / block_tokens. Each page is pinned (its
  * generation checked) for the copy: a stale reference fails with SKV_ESTALE before any byte
- * is written. `stream`: a cudaStream_t for GPU layouts (the copy is stream-ordered and pins
- * are released by a host callback once it completes), NULL for host (synchronous). */
+ * is written. `stream`: a cudaStream_t for GPU layouts (NULL: the legacy default stream): the
+ * copy is one kernel launch per batch of up to 4096 pages, stream-ordered, and the pins are
+ * released by a host callback once it completes; host layouts copy synchronously.
+ * While `stream` is being captured into a CUDA graph, every reference must already be pinned
+ * by this PE (skv_lookup with SKV_LOOKUP_PIN; else SKV_ECAPTURE): a captured fetch takes no
+ * pins, so the caller keeps them for as long as it replays the graph, and releases them with
+ * skv_unpin afterwards (SKV_FETCH_UNPIN is refused while capturing). Each captured fetch keeps
+ * one of the cache's 8 graph argument slots for the cache's lifetime (SKV_ECAPTURE when they
+ * are all taken). */
 SKV_EXTERN int skv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
                          const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                          void *stream);
 /* Copy engine blocks into new pages of this PE and insert keys[0..n) once the copy is
  * complete. A key already cached (by any PE) is skipped; one that another PE inserts first
  * is deduplicated and its page freed. Least recently used unpinned pages of this PE are
- * evicted to make room. *ninserted (optional) counts keys this call inserted. */
+ * evicted to make room. *ninserted (optional) counts keys this call inserted; for GPU layouts
+ * the copy is stream-ordered and the keys are inserted by a host callback after it, so
+ * *ninserted counts the pages queued (skv_kv_sync waits for the inserts; the stats count
+ * what was inserted and deduplicated). Refused (SKV_ECAPTURE) while `stream` is being
+ * captured: a replay would write into pages that may have been evicted and reused since. */
 SKV_EXTERN int skv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
                            const skv_layout_t *src, const uint64_t *block_ids, void *stream,
                            size_t *ninserted);
 /* Evict up to `npages` of this PE's least recently used unpinned pages. */
 SKV_EXTERN int skv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted);
 /* Wait until this PE's stream-ordered publishes and fetches have completed their host-side
- * steps (index inserts, pin releases); bounded by the timeout. */
+ * steps (index inserts, pin releases); bounded by the timeout. Returns the first failure of
+ * those steps, or a reference or block id a copy kernel refused (SKV_ERANGE / SKV_EINVAL; only
+ * possible when arguments changed after the host checked them, e.g. a graph replayed after its
+ * pages were unpinned; synchronise the stream first to see a replay's). */
 SKV_EXTERN int skv_kv_sync(skv_kv_t *kv);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tensor-parallel collectives, signals and barrier                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+enum { SKV_DTYPE_BF16 = 1, SKV_DTYPE_FP16 = 2, SKV_DTYPE_FP32 = 3 };
+enum { SKV_OP_SUM = 0, SKV_OP_MAX = 1, SKV_OP_MIN = 2 };
+enum {
+  SKV_ALGO_AUTO = 0,    /* the fastest for this size and PE count (measured crossovers) */
+  SKV_ALGO_ONESHOT = 1, /* every PE reads every peer's input and reduces */
+  SKV_ALGO_TWOSHOT = 2, /* reduce-scatter, then all-gather */
+  SKV_ALGO_NCCL = 3,    /* ncclAllReduce on a communicator made through the bootstrap */
+};
+enum { SKV_SIGNAL_SET = 0, SKV_SIGNAL_ADD = 1 };
+enum { SKV_CMP_EQ = 0, SKV_CMP_NE = 1, SKV_CMP_GE = 2, SKV_CMP_GT = 3, SKV_CMP_LT = 4, SKV_CMP_LE = 5 };
+
+typedef struct skv_comm skv_comm_t;
+
+#define SKV_COMM_OPTS_VERSION 1
+typedef struct skv_comm_opts {
+  size_t size;        /* sizeof(skv_comm_opts_t) */
+  uint32_t version;   /* SKV_COMM_OPTS_VERSION */
+  int32_t backend;    /* SKV_BACKEND_CUDA (GPU buffers, streams) or SKV_BACKEND_HOST (CPU) */
+  uint32_t channels;  /* independent flag sets (one per concurrent stream), 1..64; 0: 4 */
+  uint32_t flags;     /* SKV_COMM_NO_NCCL: do not create an NCCL communicator */
+  uint64_t max_bytes; /* largest message of the symmetric algorithms; 0: 64 MiB */
+} skv_comm_opts_t;
+
+enum { SKV_COMM_NO_NCCL = 1u };
+
+#define SKV_COMM_OPTS_INIT { sizeof(skv_comm_opts_t), SKV_COMM_OPTS_VERSION, SKV_BACKEND_CUDA, 0, 0, 0 }
+
+/* Collective: a symmetric heap for signals and scratch, and (CUDA) an NCCL communicator. */
+SKV_EXTERN int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **comm);
+/* Collective. */
+SKV_EXTERN int skv_comm_destroy(skv_comm_t *comm);
+/* The comm's heap: buffers inside its data area are used in place (zero copy). */
+SKV_EXTERN skv_heap_t *skv_comm_heap(const skv_comm_t *comm);
+
+/* out[i] = op over PEs of in[i], i < count; identical on every PE, bit for bit. In place when
+ * in == out. CUDA: device pointers, stream-ordered on `stream` (cudaStream_t, NULL = legacy
+ * default), capturable in CUDA graphs (no host synchronisation, no allocation: SKV_ECAPTURE
+ * if an allocation would be needed during capture). Two streams must use different channels.
+ * Host backend: host pointers, synchronous, stream must be NULL. */
+SKV_EXTERN int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int dtype,
+                             int op, int algo, int channel, void *stream);
+
+/* Signals: 64-bit slots in the signal pad (slot < skv_comm_signal_slots()). Stream-ordered. */
+SKV_EXTERN int skv_comm_signal_slots(const skv_comm_t *comm);
+/* Set or add `value` to slot `slot` of PE `pe`. */
+SKV_EXTERN int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op,
+                          void *stream);
+/* Wait until this PE's slot compares true with `value` (SKV_CMP_*), bounded by the timeout. */
+SKV_EXTERN int skv_wait(skv_comm_t *comm, uint32_t slot, int cmp, uint64_t value, void *stream);
+/* All PEs, stream-ordered, bounded by the timeout. */
+SKV_EXTERN int skv_barrier(skv_comm_t *comm, int channel, void *stream);
+/* Device-side failures of earlier stream-ordered calls (a wait or barrier that timed out): 0,
+ * or the error with its message in skv_last_error(). Clears it. */
+SKV_EXTERN int skv_comm_check(skv_comm_t *comm);
 
 #ifdef __cplusplus
 }

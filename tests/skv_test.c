@@ -2,6 +2,8 @@
 #define _GNU_SOURCE
 #include "skv_test.h"
 
+int skv_test_gpu_probe(char *msg, size_t cap);
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -148,4 +150,32 @@ int skv_test_init(skv_ctx_t **ctx, int timeout_ms) {
   skv_config_t cfg = SKV_CONFIG_INIT;
   cfg.timeout_ms = timeout_ms;
   return skv_init(&cfg, ctx);
+}
+
+int skv_test_gpus(char *why, size_t cap) {
+#ifndef SKV_WITH_CUDA
+  if (why) snprintf(why, cap, "this build has no CUDA (configure with -DSKV_CUDA=ON on a machine with nvcc)");
+  return 0;
+#else
+  int pfd[2];
+  if (pipe(pfd) != 0) return 0;
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(pfd[0]);
+    char msg[256];
+    int n = skv_test_gpu_probe(msg, sizeof msg);
+    (void)!write(pfd[1], &n, sizeof n);
+    (void)!write(pfd[1], msg, sizeof msg);
+    _exit(0);
+  }
+  close(pfd[1]);
+  int n = 0;
+  char msg[256] = "GPU probe failed";
+  if (read(pfd[0], &n, sizeof n) != sizeof n) n = 0;
+  if (read(pfd[0], msg, sizeof msg) <= 0) snprintf(msg, sizeof msg, "GPU probe died");
+  close(pfd[0]);
+  waitpid(pid, NULL, 0);
+  if (why) snprintf(why, cap, "%s", msg);
+  return n;
+#endif
 }

@@ -41,6 +41,18 @@ const char *skv_test_statuses(const skv_test_job_t *job);
 /* Inside a PE: skv_init with the job's config (from the environment) and a timeout. */
 int skv_test_init(skv_ctx_t **ctx, int timeout_ms);
 
+/* Number of CUDA devices, probed in a forked child so that CUDA is never initialised in the
+ * test process (its forked PEs could not use CUDA then). 0 without CUDA, a driver or a GPU;
+ * `why` (may be NULL) gets the reason for 0. */
+int skv_test_gpus(char *why, size_t cap);
+/* Skip the current Criterion test unless `n` GPUs exist, with the reason. */
+#define SKV_TEST_REQUIRE_GPUS(n)                                                                 \
+  do {                                                                                         \
+    char why_[256];                                                                            \
+    int have_ = skv_test_gpus(why_, sizeof why_);                                              \
+    if (have_ < (n)) cr_skip_test("needs %d GPU(s), found %d: %s", (n), have_, why_);          \
+  } while (0)
+
 /* Deterministic-per-call fresh randomness: a seed from /dev/urandom, printed on failure. */
 uint64_t skv_test_seed(void);
 static inline uint64_t skv_test_rand(uint64_t *s) { /* splitmix64 */

@@ -163,6 +163,7 @@ Test(core, config_set_by_name) {
   cr_assert_eq(skv_config_set(&c, "rank", "three"), SKV_EINVAL);
   cr_assert(strstr(skv_last_error(), "config.rank") != NULL, "%s", skv_last_error());
   cr_assert_eq(skv_config_set(&c, "world_size", "-5"), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "out of range") != NULL, "%s", skv_last_error());
   cr_assert_eq(skv_config_set(&c, "token", "x"), SKV_EINVAL);
   cr_assert_eq(c.rank, 3, "a failed set must not change the config");
 }

@@ -145,6 +145,13 @@ int skv_ctx_timeout_ms(const skv_ctx_t *ctx) {
   SKV_CTX_CHECK(ctx, "skv_ctx_timeout_ms");
   return ctx->cfg.timeout_ms;
 }
+#ifndef SKV_WITH_CUDA
+int skv_ctx_device(skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_device");
+  return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_INIT, "skv_ctx_device: this symkv was built without CUDA");
+}
+#endif
+
 int skv_ctx_set_timeout_ms(skv_ctx_t *ctx, int timeout_ms) {
   SKV_CTX_CHECK(ctx, "skv_ctx_set_timeout_ms");
   SKV_ARG_CHECK(timeout_ms >= 1 && timeout_ms <= 86400000, SKV_SUBSYS_INIT,

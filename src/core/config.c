@@ -187,8 +187,11 @@ int skv_config_set(skv_config_t *cfg, const char *name, const char *value) {
     return 0;
   }
   long long v;
-  if (!value || !skv__parse_int(value, f->type == F_I32 ? -1 : 0, f->type == F_I32 ? INT32_MAX : UINT32_MAX, false, &v))
+  if (!value || !skv__parse_int(value, INT32_MIN, UINT32_MAX, false, &v))
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\" is not an integer", what, value ? value : "(null)");
+  if (v < (f->type == F_I32 ? -1 : 0) || v > (f->type == F_I32 ? INT32_MAX : (long long)UINT32_MAX))
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=%s is out of range: use -1 (from the environment) or %lld..%lld",
+                    what, value, f->lo, f->hi);
   if (f->type == F_I32) {
     int32_t x = (int32_t)v;
     SKV_CHECK(check_field(f, &x, what));

@@ -127,6 +127,16 @@ static inline bool skv__log_on(int level, unsigned subsys) {
   XX(DEVICE, "CUDA device of this PE (default: local rank modulo the device count)")          \
   XX(HEAP_BACKEND, "default heap backend for tools: host, cuda or cuda_host")                 \
   XX(NCCL_ALLREDUCE, "0 disables the NCCL all-reduce fallback")                               \
+  XX(ALLREDUCE_ONESHOT_MAX, "all-reduce AUTO: largest one-shot message in bytes (e.g. 256K)") \
+  XX(ALLREDUCE_TWOSHOT_MAX, "all-reduce AUTO: largest two-shot message in bytes (e.g. 4M)")   \
+  XX(COMM_PDL, "0 launches the comm kernels without programmatic dependent launch")          \
+  XX(FETCH_KERNEL, "KV fetch: bulk (TMA, default), vec (16-byte loads) or ce (copy engines)") \
+  XX(FETCH_UNROLL, "KV copy kernels: 16-byte loads in flight per thread, 4 or 8 (default 4)") \
+  XX(FETCH_CTAS, "KV copy kernels: CTAs per multiprocessor, 1..32 (default 4, occupancy caps)") \
+  XX(FETCH_THREADS, "KV copy kernels: threads per CTA, 128, 256 or 512 (default 256)")         \
+  XX(RUN_PID, "set by symkv-run: the launcher's pid")                                          \
+  XX(RUN, "path of symkv-run for the Python tests")                                           \
+  XX(TEST_BIN_DIR, "tests: the build folder (symkv-run, symkv-bench), set by ctest")           \
   XX(LIBRARY, "path of libsymkv.so for the Python bindings")                                   \
   XX(HASH_SECRET, "deployment secret mixed into every key (when the caller passes none)")
 

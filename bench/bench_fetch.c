@@ -1,0 +1,609 @@
+/* symkv-bench fetch: GB/s of skv_fetch of random pages of a peer into engine blocks, against the
+ * copy engine's contiguous copy of the same bytes, a per-page cudaMemcpyAsync loop and the same
+ * kernel gathering local pages, all in this run; the latency of a 1 MiB batch; kernel variants. */
+#define _GNU_SOURCE
+#include "bench.h"
+
+#include "kv/kv.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef SKV_WITH_CUDA
+
+int bench_fetch(bench_t *b) {
+  SKV_UNUSED(b);
+  return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH,
+                  "symkv-bench fetch needs a build with CUDA (configure with -DSKV_CUDA=ON)");
+}
+
+#else
+
+#include "../kernels/kv_copy.h"
+#include "kv/kv_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+/* How it is measured: rank 0 reads pages of PE 1 (on another GPU when there are two) while the
+ * other PEs wait. Every timed operation is enqueued behind a gate kernel that holds the stream
+ * until the host has enqueued everything, then events around the operation give the GPU time
+ * alone (no host enqueue time, no launch gaps of the host). Each repetition reads other random
+ * pages and writes other random blocks, out of a pool of at least 512 MiB per PE (well beyond
+ * the 50 MB L2), so no repetition reads what a previous one left in a cache. The median of
+ * --reps repetitions after 2 warm-ups is reported. */
+
+#define GATE_NS     (100ull * 1000 * 1000) /* a gate opens by itself after 100 ms */
+#define GATE_MIN_NS (1000ull * 1000)       /* and holds 1 ms at least: the GPU's clocks come up */
+#define WARM        2
+#define MAX_REPS    64
+
+enum { M_FETCH, M_CE, M_LOOP, M_LOCAL, M_CE_LOCAL, M_CE_BATCH, M_COUNT, M_EMPTY = M_COUNT };
+
+typedef struct fb {
+  bench_t *b;
+  skv_ctx_t *ctx;
+  int rank, npes, peer, dev;
+  skv_kv_t *kv;
+  skv_namespace_t *ns;
+  skv_geometry_t g;
+  int preset;
+  uint64_t ps, pool, nb, max_batch;
+  void *layers[64];
+  skv_layout_t *lay;
+  char *dst;                            /* contiguous destination of the copy-engine baselines */
+  skv_page_ref_t *peer_refs, *own_refs; /* [pool] */
+  cudaStream_t st;
+  cudaEvent_t e0, e1;
+  volatile uint32_t *flag, *open_flag;
+  uint64_t rng;
+  void **bdst, **bsrc; /* cudaMemcpyBatchAsync: one copy per (page, tensor, block) */
+  size_t *bsize;
+} fb_t;
+
+#define BCUDA(call)                                                        \
+  do {                                                                     \
+    cudaError_t e_ = (call);                                               \
+    if (e_ != cudaSuccess) {                                               \
+      (void)cudaGetLastError();                                            \
+      return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "%s failed: %s", #call, \
+                      cudaGetErrorString(e_));                             \
+    }                                                                      \
+  } while (0)
+
+/* ---- one page size: the cache, a pool of published pages on every PE, the engine ---------- */
+
+/* Pages of `ps` bytes: 16 tokens x 8 KV heads x 128 x bf16 (Llama-3-8B's shape), as many layers
+ * as fit (16 KiB: 2 heads, 1 layer). */
+static skv_geometry_t geom_for(uint64_t ps) {
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.kv_kind = SKV_KV_SPLIT;
+  g.head_dim = 128;
+  g.elem_bytes = 2;
+  g.page_tokens = 16;
+  g.num_kv_heads = ps < (64u << 10) ? (uint32_t)(ps / (16 * 2 * 128 * 2)) : 8;
+  g.num_layers = ps < (64u << 10) ? 1 : (uint32_t)(ps / (64u << 10));
+  return g;
+}
+
+static void shuffle_prefix(uint64_t *v, uint64_t n, uint64_t k, uint64_t *s) {
+  for (uint64_t i = 0; i < k && i + 1 < n; i++) {
+    uint64_t j = i + bench_rand(s) % (n - i), t = v[i];
+    v[i] = v[j];
+    v[j] = t;
+  }
+}
+
+static int fb_setup(fb_t *f, uint64_t ps, uint64_t max_batch_bytes) {
+  f->g = geom_for(ps);
+  uint64_t pb;
+  SKV_CHECK(skv_geometry_page_bytes(&f->g, &pb));
+  if (pb != ps)
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH,
+                    "page size %llu is not 16 KiB or a multiple of 64 KiB", (unsigned long long)ps);
+  f->ps = ps;
+  f->max_batch = SKV_MIN(4096, SKV_MAX(1, max_batch_bytes / ps));
+  f->pool = SKV_MAX(2 * f->max_batch, ((512ull << 20) + ps - 1) / ps);
+  f->nb = SKV_MAX(2 * f->max_batch, SKV_MIN(4096, f->pool));
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.backend = SKV_BACKEND_CUDA;
+  o.pages_per_pe = f->pool;
+  SKV_CHECK(skv_kv_create(f->ctx, &f->g, &o, &f->kv));
+  SKV_CHECK(skv_namespace_create("bench-fetch", &f->g, NULL, 0, "bench", 5, &f->ns));
+  uint64_t lb;
+  SKV_CHECK(skv_layout_preset_layer_bytes(&f->g, f->preset, 16, f->nb, &lb));
+  /* fresh random bytes (never zeros), repeated over the engine */
+  const size_t rb = 64u << 20;
+  uint8_t *rnd = malloc(rb);
+  if (!rnd) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+  for (size_t i = 0; i < rb / 8; i++) ((uint64_t *)rnd)[i] = bench_rand(&f->rng);
+  memset(f->layers, 0, sizeof f->layers);
+  for (uint32_t l = 0; l < f->g.num_layers; l++) {
+    BCUDA(cudaMalloc(&f->layers[l], lb));
+    for (uint64_t o2 = 0; o2 < lb; o2 += rb / 2) /* rotated windows of the random bytes */
+      BCUDA(cudaMemcpy((char *)f->layers[l] + o2, rnd + (o2 / (rb / 2) * 4096 + l * 64) % (rb / 2),
+                       SKV_MIN(rb / 2, lb - o2), cudaMemcpyHostToDevice));
+  }
+  free(rnd);
+  SKV_CHECK(skv_layout_create_preset(&f->g, f->preset, 16, f->nb, f->layers, f->dev, &f->lay));
+  BCUDA(cudaMalloc((void **)&f->dst, f->max_batch * ps));
+  const size_t ncopies = f->max_batch * f->g.num_layers * 2;
+  f->bdst = malloc(ncopies * sizeof *f->bdst);
+  f->bsrc = malloc(ncopies * sizeof *f->bsrc);
+  f->bsize = malloc(ncopies * sizeof *f->bsize);
+  /* every PE publishes its pool (the GPU path), page i from block i % nb */
+  skv_key_t *keys = malloc(4096 * sizeof *keys);
+  uint64_t *blocks = malloc(4096 * sizeof *blocks);
+  f->peer_refs = malloc(f->pool * sizeof *f->peer_refs);
+  f->own_refs = malloc(f->pool * sizeof *f->own_refs);
+  if (!keys || !blocks || !f->peer_refs || !f->own_refs)
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+  for (uint64_t i = 0; i < f->pool; i += 4096) {
+    uint64_t n = SKV_MIN(4096, f->pool - i);
+    for (uint64_t j = 0; j < n; j++) {
+      uint64_t id = ((uint64_t)f->rank << 40) | (i + j);
+      skv_key_from_bytes(f->ns, &id, sizeof id, &keys[j]);
+      blocks[j] = (i + j) % f->nb;
+    }
+    size_t ins;
+    SKV_CHECK(skv_publish(f->kv, f->ns, keys, n, f->lay, blocks, f->st, &ins));
+  }
+  SKV_CHECK(skv_kv_sync(f->kv));
+  SKV_CHECK(skv_ctx_barrier(f->ctx));
+  for (int who = 0; who < 2; who++) {
+    int pe = who ? f->rank : f->peer;
+    skv_page_ref_t *refs = who ? f->own_refs : f->peer_refs;
+    for (uint64_t i = 0; i < f->pool; i += 4096) {
+      uint64_t n = SKV_MIN(4096, f->pool - i);
+      for (uint64_t j = 0; j < n; j++) {
+        uint64_t id = ((uint64_t)pe << 40) | (i + j);
+        skv_key_from_bytes(f->ns, &id, sizeof id, &keys[j]);
+      }
+      size_t nhit;
+      SKV_CHECK(skv_lookup(f->kv, f->ns, keys, n, 0, refs + i, &nhit));
+      if (nhit != n)
+        return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "PE %d's pool: found %zu of %llu pages",
+                        pe, nhit, (unsigned long long)n);
+    }
+  }
+  free(keys);
+  free(blocks);
+  return 0;
+}
+
+static int fb_teardown(fb_t *f) {
+  skv_layout_destroy(f->lay);
+  for (uint32_t l = 0; l < f->g.num_layers; l++)
+    if (f->layers[l]) cudaFree(f->layers[l]);
+  if (f->dst) cudaFree(f->dst);
+  free(f->peer_refs);
+  free(f->own_refs);
+  free(f->bdst);
+  free(f->bsrc);
+  free(f->bsize);
+  f->bdst = f->bsrc = NULL;
+  f->bsize = NULL;
+  skv_namespace_destroy(f->ns);
+  int rc = skv_kv_destroy(f->kv);
+  f->kv = NULL;
+  f->lay = NULL;
+  f->dst = NULL;
+  f->peer_refs = f->own_refs = NULL;
+  return rc;
+}
+
+/* ---- timing --------------------------------------------------------------------------------- */
+
+typedef struct batch {
+  uint32_t n;
+  skv_page_ref_t *refs[WARM + MAX_REPS];  /* peer pages */
+  skv_page_ref_t *local[WARM + MAX_REPS]; /* own pages */
+  uint64_t *blocks[WARM + MAX_REPS];
+  uint64_t off[WARM + MAX_REPS]; /* contiguous copies: byte offset in the pool */
+} batch_t;
+
+static void batch_free(batch_t *bt, int reps) {
+  for (int r = 0; r < WARM + reps; r++) {
+    free(bt->refs[r]);
+    free(bt->local[r]);
+    free(bt->blocks[r]);
+  }
+}
+
+/* Random distinct pages and blocks for every repetition. */
+static int batch_make(fb_t *f, batch_t *bt, uint32_t n, int reps) {
+  memset(bt, 0, sizeof *bt);
+  bt->n = n;
+  uint64_t *pi = malloc(f->pool * sizeof *pi), *bi = malloc(f->nb * sizeof *bi);
+  if (!pi || !bi) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+  for (uint64_t i = 0; i < f->pool; i++) pi[i] = i;
+  for (uint64_t i = 0; i < f->nb; i++) bi[i] = i;
+  for (int r = 0; r < WARM + reps; r++) {
+    bt->refs[r] = malloc(n * sizeof(skv_page_ref_t));
+    bt->local[r] = malloc(n * sizeof(skv_page_ref_t));
+    bt->blocks[r] = malloc(n * sizeof(uint64_t));
+    if (!bt->refs[r] || !bt->local[r] || !bt->blocks[r])
+      return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+    shuffle_prefix(pi, f->pool, n, &f->rng);
+    for (uint32_t i = 0; i < n; i++) bt->refs[r][i] = f->peer_refs[pi[i]];
+    shuffle_prefix(pi, f->pool, n, &f->rng);
+    for (uint32_t i = 0; i < n; i++) bt->local[r][i] = f->own_refs[pi[i]];
+    shuffle_prefix(bi, f->nb, n, &f->rng);
+    memcpy(bt->blocks[r], bi, n * sizeof(uint64_t));
+    uint64_t span = f->pool - n + 1;
+    bt->off[r] = (bench_rand(&f->rng) % span) * f->kv->page_stride;
+  }
+  free(pi);
+  free(bi);
+  return 0;
+}
+
+static int run_op(fb_t *f, int method, const batch_t *bt, int r) {
+  const uint64_t bytes = (uint64_t)bt->n * f->ps;
+  skv_kv_t *kv = f->kv;
+  switch (method) {
+  case M_FETCH:
+    return skv_fetch(kv, bt->refs[r], bt->n, f->lay, bt->blocks[r], 0, f->st);
+  case M_LOCAL:
+    return skv_fetch(kv, bt->local[r], bt->n, f->lay, bt->blocks[r], 0, f->st);
+  case M_CE:
+  case M_CE_LOCAL: {
+    const char *src =
+        (const char *)skv__kv_page(kv, (uint32_t)(method == M_CE ? f->peer : f->rank), 0) +
+        bt->off[r];
+    BCUDA(cudaMemcpyAsync(f->dst, src, bytes, cudaMemcpyDeviceToDevice, f->st));
+    return 0;
+  }
+  case M_EMPTY: /* a kernel that does nothing: the floor of these measurements */
+    BCUDA((cudaError_t)skv__kv_gate_launch(f->st, f->open_flag, 0, 0));
+    return 0;
+  case M_CE_BATCH: { /* the copy engines on the same runs, one call (blocks dense in pages) */
+    const skv_layout_t *l = f->lay;
+    const uint64_t part = l->run_bytes, slab = (uint64_t)l->blocks_per_page * part;
+    const uint32_t nt = l->num_layers * l->kvn, m = l->blocks_per_page;
+    size_t c = 0;
+    for (uint32_t i = 0; i < bt->n; i++) {
+      const char *pg = skv__kv_page(kv, bt->refs[r][i].pe, bt->refs[r][i].page);
+      for (uint32_t t = 0; t < nt; t++)
+        for (uint32_t j = 0; j < m; j++, c++) {
+          f->bsrc[c] = (void *)(pg + t * slab + j * part);
+          f->bdst[c] = l->base[t] + bt->blocks[r][i * m + j] * l->stride_block * l->geom.elem_bytes;
+          f->bsize[c] = part;
+        }
+    }
+    struct cudaMemcpyAttributes at;
+    memset(&at, 0, sizeof at);
+    at.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t zero = 0;
+    BCUDA(cudaMemcpyBatchAsync((void *const *)f->bdst, (const void *const *)f->bsrc, f->bsize, c,
+                               &at, &zero, 1, f->st));
+    return 0;
+  }
+  default:
+    for (uint32_t i = 0; i < bt->n; i++)
+      BCUDA(cudaMemcpyAsync(f->dst + (uint64_t)i * f->ps,
+                            skv__kv_page(kv, bt->refs[r][i].pe, bt->refs[r][i].page), f->ps,
+                            cudaMemcpyDeviceToDevice, f->st));
+    return 0;
+  }
+}
+
+/* Median GPU time (seconds) of `method` over the repetitions, each behind a gate. */
+static int time_op(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
+  double t[MAX_REPS];
+  for (int r = 0; r < WARM + reps; r++) {
+    *f->flag = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    BCUDA((cudaError_t)skv__kv_gate_launch(f->st, f->flag, GATE_MIN_NS, GATE_NS));
+    BCUDA(cudaEventRecord(f->e0, f->st));
+    double h0 = bench_now();
+    int rc = run_op(f, method, bt, r);
+    double h1 = bench_now();
+    BCUDA(cudaEventRecord(f->e1, f->st));
+    __atomic_store_n((uint32_t *)f->flag, 1, __ATOMIC_SEQ_CST);
+    BCUDA(cudaEventSynchronize(f->e1));
+    if (rc) return rc;
+    float ms;
+    BCUDA(cudaEventElapsedTime(&ms, f->e0, f->e1));
+    if (h1 - h0 > 0.5 * (double)GATE_NS * 1e-9)
+      fprintf(stderr,
+              "symkv-bench fetch: enqueueing took %.0f ms, longer than the gate holds: that time "
+              "counts\n",
+              (h1 - h0) * 1e3);
+    if (r >= WARM) t[r - WARM] = (double)ms * 1e-3;
+  }
+  *sec = bench_median(t, (size_t)reps);
+  return 0;
+}
+
+/* Wall time (seconds) of a call and its completion (host enqueue, GPU, stream synchronised). */
+static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
+  double t[MAX_REPS];
+  for (int r = 0; r < WARM + reps; r++) {
+    BCUDA(cudaStreamSynchronize(f->st));
+    double h0 = bench_now();
+    SKV_CHECK(run_op(f, method, bt, r));
+    BCUDA(cudaStreamSynchronize(f->st));
+    if (r >= WARM) t[r - WARM] = bench_now() - h0;
+  }
+  *sec = bench_median(t, (size_t)reps);
+  return 0;
+}
+
+/* ---- the command ---------------------------------------------------------------------------- */
+
+static int parse_list(const char *s, uint64_t *out, int cap, int *n) {
+  *n = 0;
+  while (s && *s && *n < cap) {
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s) return -1;
+    if (*end == 'K' || *end == 'k')
+      v <<= 10, end++;
+    else if (*end == 'M' || *end == 'm')
+      v <<= 20, end++;
+    else if (*end == 'G' || *end == 'g')
+      v <<= 30, end++;
+    out[(*n)++] = v;
+    s = *end == ',' ? end + 1 : end;
+    if (*end && *end != ',') return -1;
+  }
+  return 0;
+}
+
+static void size_name(uint64_t bytes, char *buf, size_t cap) {
+  if (bytes >= (1u << 20) && bytes % (1u << 20) == 0)
+    snprintf(buf, cap, "%lluMiB", (unsigned long long)(bytes >> 20));
+  else
+    snprintf(buf, cap, "%lluKiB", (unsigned long long)(bytes >> 10));
+}
+
+typedef struct cell {
+  uint64_t ps;
+  uint32_t n;
+  double t[M_COUNT];
+} cell_t;
+
+#define VEC  SKV_KV_KERNEL_VEC
+#define BULK SKV_KV_KERNEL_BULK
+#define CE   SKV_KV_KERNEL_CE
+/* Kernel variants compared on a few cases; the first is the baseline of the others. */
+static const skv_kv_variant_t variants_list[] = {
+    {BULK, 4, 1, 128, SKV_KV_ARGS_AUTO, 0},  {VEC, 4, 4, 256, SKV_KV_ARGS_AUTO, 0},
+    {CE, 4, 4, 256, SKV_KV_ARGS_AUTO, 0},    {VEC, 8, 4, 256, SKV_KV_ARGS_AUTO, 0},
+    {VEC, 4, 4, 256, SKV_KV_ARGS_AUTO, 1},   {VEC, 4, 4, 256, SKV_KV_ARGS_MAPPED, 0},
+    {VEC, 4, 4, 256, SKV_KV_ARGS_DEVICE, 0},
+};
+
+int bench_fetch(bench_t *b) {
+  const bool quick = bench_flag(b, "--quick");
+  uint64_t sizes[16], batches[16];
+  int nsizes = 0, nbatches = 0;
+  const char *ss = bench_opt(b, "--page-sizes"), *bs = bench_opt(b, "--batches");
+  if (parse_list(ss      ? ss
+                 : quick ? "64K,1M"
+                         : "16K,64K,256K,1M,4M",
+                 sizes, 16, &nsizes) ||
+      nsizes == 0 ||
+      parse_list(bs      ? bs
+                 : quick ? "1,16,1024"
+                         : "1,4,16,64,256,1024,4096",
+                 batches, 16, &nbatches) ||
+      nbatches == 0)
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH,
+                    "fetch: --page-sizes / --batches take comma lists (16K,64K,...)");
+  const uint64_t max_bytes = (uint64_t)bench_opt_int(b, "--max-batch-bytes", 1ll << 30);
+  const int reps = (int)bench_opt_int(b, "--reps", quick ? 10 : 15);
+  if (reps < 10 || reps > MAX_REPS)
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH, "fetch: --reps must be in 10..%d", MAX_REPS);
+  const char *layout = bench_opt(b, "--layout");
+  int preset = SKV_LAYOUT_VLLM_FLASH_NHD;
+  if (layout && strcmp(layout, "hnd") == 0)
+    preset = SKV_LAYOUT_VLLM_FLASH_HND;
+  else if (layout && strcmp(layout, "flashinfer") == 0)
+    preset = SKV_LAYOUT_FLASHINFER_NHD;
+  else if (layout && strcmp(layout, "nhd") != 0)
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH, "fetch: --layout is nhd, hnd or flashinfer");
+  const bool variants = !bench_flag(b, "--no-variants");
+
+  skv_ctx_t *ctx;
+  SKV_CHECK(skv_init(NULL, &ctx));
+  fb_t f;
+  memset(&f, 0, sizeof f);
+  f.b = b;
+  f.ctx = ctx;
+  f.rank = skv_ctx_rank(ctx);
+  f.npes = skv_ctx_world_size(ctx);
+  f.peer = f.npes > 1 ? (f.rank + 1) % f.npes : f.rank;
+  f.preset = preset;
+  f.rng = 0x5eed0000ull + (uint64_t)f.rank;
+  int rc = skv_ctx_set_timeout_ms(ctx, 900000); /* PEs other than 0 wait while it measures */
+  f.dev = rc == 0 ? skv_ctx_device(ctx) : rc;
+  if (f.dev < 0) {
+    skv_finalize(ctx);
+    return f.dev;
+  }
+  BCUDA(cudaStreamCreateWithFlags(&f.st, cudaStreamNonBlocking));
+  BCUDA(cudaEventCreate(&f.e0));
+  BCUDA(cudaEventCreate(&f.e1));
+  uint32_t *flag;
+  BCUDA(cudaHostAlloc((void **)&flag, 64, cudaHostAllocMapped));
+  f.flag = flag;
+  f.open_flag = flag + 8;
+  flag[8] = 1;
+  struct cudaDeviceProp prop;
+  BCUDA(cudaGetDeviceProperties(&prop, f.dev));
+  skv_kv_variant_t def_var;
+  skv__kv_cuda_variant_get(&def_var);
+
+  cell_t cells[16 * 16];
+  int ncells = 0;
+  double ce_large[16] = {0}; /* per page size: copy-engine bandwidth of its largest batch */
+  /* variants: (page size, batch) cases x variants, the time of each */
+  const uint64_t var_cases[][2] = {{64u << 10, 16},    {64u << 10, 1024}, {16u << 10, 4096},
+                                   {256u << 10, 4096}, {1u << 20, 256},   {4u << 20, 256}};
+  enum { NCASES = sizeof var_cases / sizeof var_cases[0] };
+  const int nvar = variants ? (quick ? 4 : (int)SKV_ARRAY_LEN(variants_list)) : 0;
+  double var_t[NCASES][SKV_ARRAY_LEN(variants_list)];
+  memset(var_t, 0, sizeof var_t);
+  double e2e_fetch = 0, e2e_ce = 0, floor_empty = 0, e2e_big_fetch = 0, e2e_big_ce = 0,
+         e2e_big_batch = 0;
+  int have_lat = 0;
+
+  for (int si = 0; si < nsizes && rc == 0; si++) {
+    rc = fb_setup(&f, sizes[si], max_bytes);
+    for (int bi = 0; bi < nbatches && rc == 0; bi++) {
+      if (batches[bi] > f.max_batch || batches[bi] == 0) continue;
+      cell_t *c = &cells[ncells];
+      memset(c, 0, sizeof *c);
+      c->ps = sizes[si];
+      c->n = (uint32_t)batches[bi];
+      if (f.rank == 0) {
+        batch_t bt;
+        rc = batch_make(&f, &bt, c->n, reps);
+        for (int m = 0; m < M_COUNT && rc == 0; m++) {
+          rc = time_op(&f, m, &bt, reps, &c->t[m]);
+          if (rc && m == M_CE_BATCH) { /* a baseline this driver may not have */
+            fprintf(stderr, "symkv-bench fetch: cudaMemcpyBatchAsync: %s\n", skv_last_error());
+            c->t[m] = -1;
+            rc = 0;
+          }
+        }
+        if (rc == 0 && c->ps == (64u << 10) && c->n == 1024) {
+          rc = time_e2e(&f, M_FETCH, &bt, reps, &e2e_big_fetch);
+          if (rc == 0) rc = time_e2e(&f, M_CE, &bt, reps, &e2e_big_ce);
+          if (rc == 0 && time_e2e(&f, M_CE_BATCH, &bt, reps, &e2e_big_batch) != 0)
+            e2e_big_batch = 0;
+        }
+        if (rc == 0 && c->ps == (64u << 10) && c->n == 16) {
+          rc = time_op(&f, M_EMPTY, &bt, reps, &floor_empty);
+          rc = time_e2e(&f, M_FETCH, &bt, reps, &e2e_fetch);
+          if (rc == 0) rc = time_e2e(&f, M_CE, &bt, reps, &e2e_ce);
+          have_lat = 1;
+        }
+        batch_free(&bt, reps);
+        if (rc == 0) rc = skv_kv_sync(f.kv);
+        bench_progress(b, "fetch", si * nbatches + bi + 1, nsizes * nbatches);
+      }
+      ncells++;
+      if (rc == 0 && f.rank == 0 && c->n * c->ps >= (16u << 20))
+        ce_large[si] = (double)c->n * c->ps / c->t[M_CE];
+    }
+    /* kernel variants on a few cases of this page size */
+    for (int k = 0; k < NCASES && rc == 0 && f.rank == 0; k++) {
+      if (var_cases[k][0] != sizes[si] || var_cases[k][1] > f.max_batch) continue;
+      batch_t bt;
+      rc = batch_make(&f, &bt, (uint32_t)var_cases[k][1], reps);
+      for (int v = 0; v < nvar && rc == 0; v++) {
+        rc = skv__kv_cuda_variant_set(&variants_list[v]);
+        if (rc == 0) rc = time_op(&f, M_FETCH, &bt, reps, &var_t[k][v]);
+      }
+      batch_free(&bt, reps);
+      int r2 = skv__kv_cuda_variant_set(&def_var);
+      if (rc == 0) rc = r2;
+      if (rc == 0) rc = skv_kv_sync(f.kv);
+    }
+    int b2 = skv_ctx_barrier(ctx);
+    if (f.kv) {
+      int r2 = fb_teardown(&f);
+      if (rc == 0) rc = r2;
+    }
+    if (rc == 0) rc = b2;
+  }
+  bench_progress_end(b);
+
+  if (rc == 0 && f.rank == 0) {
+    char vb[32];
+    bench_config_int(b, "pes", f.npes);
+    bench_config_str(b, "device", prop.name);
+    bench_config_int(b, "sms", prop.multiProcessorCount);
+    bench_config_str(b, "variant", skv__kv_cuda_variant_name(NULL, vb, sizeof vb));
+    bench_config_str(b, "layout",
+                     preset == SKV_LAYOUT_VLLM_FLASH_HND   ? "vllm_flash_hnd"
+                     : preset == SKV_LAYOUT_FLASHINFER_NHD ? "flashinfer_nhd"
+                                                           : "vllm_flash_nhd");
+    bench_config_int(b, "reps", reps);
+    bench_config_int(b, "max_batch_bytes", (long long)max_bytes);
+    bench_config_str(b, "timing",
+                     "GPU time between events, each operation enqueued behind a gate kernel; "
+                     "random pages and blocks each repetition from a pool of >= 512 MiB; median");
+    bench_config_str(b, "ce_batch",
+                     "cudaMemcpyBatchAsync of the same (page, tensor, block) runs "
+                     "(a copy-engine scatter; rows only where blocks are dense)");
+    bench_config_str(b, "ce_copy",
+                     "cudaMemcpyAsync device-to-device of n x page bytes, contiguous, from the "
+                     "peer's heap through its symmetric address (the copy engines over NVLink)");
+    fprintf(
+        stderr,
+        "symkv-bench fetch: %s, %d PEs, kernel variant %s (SKV_FETCH_UNROLL / _CTAS / _THREADS)\n",
+        prop.name, f.npes, vb);
+    char name[128], sz[32];
+    for (int i = 0; i < ncells; i++) {
+      cell_t *c = &cells[i];
+      double bytes = (double)c->n * (double)c->ps;
+      size_name(c->ps, sz, sizeof sz);
+      snprintf(name, sizeof name, "fetch/%s/x%u", sz, c->n);
+      bench_row(b, name, bytes / c->t[M_FETCH] / 1e9, "GB/s", "higher",
+                "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
+      snprintf(name, sizeof name, "memcpy_loop/%s/x%u", sz, c->n);
+      bench_row(b, name, bytes / c->t[M_LOOP] / 1e9, "GB/s", "higher",
+                "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
+      snprintf(name, sizeof name, "fetch_local/%s/x%u", sz, c->n);
+      bench_row(b, name, bytes / c->t[M_LOCAL] / 1e9, "GB/s", "higher",
+                "copy-engine contiguous local", bytes / c->t[M_CE_LOCAL] / 1e9);
+      if (c->t[M_CE_BATCH] > 0) {
+        snprintf(name, sizeof name, "ce_batch/%s/x%u", sz, c->n);
+        bench_row(b, name, bytes / c->t[M_CE_BATCH] / 1e9, "GB/s", "higher",
+                  "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
+      }
+    }
+    /* the latency target: 1 MiB of 64 KiB pages within 1.5 x bytes / CE bandwidth + 5 us */
+    double ce_bw = 0;
+    for (int si = 0; si < nsizes; si++)
+      if (sizes[si] == (64u << 10)) ce_bw = ce_large[si];
+    for (int i = 0; i < ncells && have_lat; i++) {
+      cell_t *c = &cells[i];
+      if (c->ps != (64u << 10) || c->n != 16) continue;
+      if (ce_bw > 0)
+        bench_row(b, "fetch_latency/64KiB/x16", c->t[M_FETCH] * 1e6, "us", "lower",
+                  "target 1.5 x bytes / CE bandwidth + 5 us", 1.5 * (1 << 20) / ce_bw * 1e6 + 5);
+      bench_row(b, "fetch_latency_vs_ce/64KiB/x16", c->t[M_FETCH] * 1e6, "us", "lower",
+                "copy-engine contiguous 1 MiB", c->t[M_CE] * 1e6);
+      bench_row(b, "fetch_latency_e2e/64KiB/x16", e2e_fetch * 1e6, "us", "lower",
+                "cudaMemcpyAsync 1 MiB + sync, wall", e2e_ce * 1e6);
+      bench_row(b, "gpu_floor/empty_kernel", floor_empty * 1e6, "us", "lower",
+                "fetch of 1 MiB of 64 KiB pages", c->t[M_FETCH] * 1e6);
+    }
+    if (e2e_big_fetch > 0)
+      bench_row(b, "fetch_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_fetch / 1e9, "GB/s",
+                "higher", "cudaMemcpyAsync 64 MiB contiguous + sync, wall",
+                (64.0 * 1024 * 1024) / e2e_big_ce / 1e9);
+    if (e2e_big_batch > 0)
+      bench_row(b, "ce_batch_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_batch / 1e9, "GB/s",
+                "higher", "cudaMemcpyAsync 64 MiB contiguous + sync, wall",
+                (64.0 * 1024 * 1024) / e2e_big_ce / 1e9);
+    char base[64], vn[48];
+    snprintf(base, sizeof base, "variant %s",
+             skv__kv_cuda_variant_name(&variants_list[0], vn, sizeof vn));
+    for (int k = 0; k < NCASES && nvar > 0; k++) {
+      if (var_t[k][0] <= 0) continue;
+      double bytes = (double)var_cases[k][0] * (double)var_cases[k][1];
+      size_name(var_cases[k][0], sz, sizeof sz);
+      for (int v = 0; v < nvar; v++) {
+        skv__kv_cuda_variant_name(&variants_list[v], vn, sizeof vn);
+        snprintf(name, sizeof name, "variant/%s/%s/x%llu", vn, sz,
+                 (unsigned long long)var_cases[k][1]);
+        bench_row(b, name, bytes / var_t[k][v] / 1e9, "GB/s", "higher", base,
+                  bytes / var_t[k][0] / 1e9);
+      }
+    }
+    bench_report(b);
+  }
+  cudaFreeHost(flag);
+  cudaEventDestroy(f.e0);
+  cudaEventDestroy(f.e1);
+  cudaStreamDestroy(f.st);
+  int rc2 = skv_finalize(ctx);
+  return rc ? rc : rc2;
+}
+
+#endif

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One GPU-host session: GPU test suites and GPU benchmarks, one log per step under $OUT, and a
+# summary ($OUT/summary.txt). Run from the repository root on the GPU host with the build folder
+# and the runtime libraries carried (../shared/gpu-host-libs.sh):
+#   bench/gpu/session.sh BUILD_DIR LIB_DIR STEP...
+# Steps: tests (every test_gpu_* suite), test_gpu_NAME (one suite), allreduce, torch, fetch,
+# fetch-quick, trace. A step gets its own time limit; a step that fails does not stop the others.
+# NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
+set -u
+B=${1:?build dir}; L=${2:?lib dir}; shift 2
+OUT=${OUT:-/tmp/skv-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nccl=$(python3 -c "import nvidia.nccl as m; print(m.__path__[0])" 2>/dev/null)/lib
+export LD_LIBRARY_PATH="$PWD/$L:$nccl:${LD_LIBRARY_PATH:-}"
+export SKV_TEST_BIN_DIR="$PWD/$B"
+ngpu=$(nvidia-smi -L | wc -l)
+kind=${SKV_HOST_KIND:-nvidia-h200-x$ngpu}
+{ date -u; hostname; nvidia-smi -L; nvidia-smi topo -m
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; } \
+  > "$OUT/host.txt" 2>&1
+log() { echo "== $* ($(date -u +%T))" | tee -a "$OUT/summary.txt"; }
+run() { # name timeout cmd...
+  local name=$1 t=$2; shift 2
+  log "$name: $*"
+  local t0=$SECONDS
+  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  grep -E "Synthesis|FAIL|PE check|Assertion|error|Error" "$OUT/$name.log" | head -20 |
+    tee -a "$OUT/summary.txt"
+  echo "rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+}
+R="$B/symkv-run"; SB="$B/bench/symkv-bench"
+for step in "$@"; do
+  case $step in
+  tests) for t in "$B"/tests/test_gpu_*; do run "$(basename "$t")" "${STEP_TIMEOUT:-300}" "$t" -j1; done ;;
+  test_gpu_*) run "$step" "${STEP_TIMEOUT:-300}" "$B/tests/$step" -j1 ;;
+  allreduce)
+    run allreduce2 240 "$R" -n 2 --timeout 230 -- "$SB" allreduce --json-out "$OUT/allreduce_$kind.json" ;;
+  torch)
+    run torch2 180 python3 -m torch.distributed.run --nproc-per-node 2 bench/torch_symm_mem.py \
+      --json-out "$OUT/torch_symm_mem_$kind.json" ;;
+  fetch) run fetch 400 "$R" -n 2 --timeout 390 -- "$SB" fetch --json-out "$OUT/fetch_$kind.json" ;;
+  fetch-quick) run fetch_quick 200 "$R" -n 2 --timeout 190 -- "$SB" fetch --quick --json-out "$OUT/fetch_quick.json" ;;
+  trace)
+    run trace 240 "$R" -n 2 --timeout 230 -- "$SB" trace "${SKV_TRACE:-.gpudata/mooncake_synthetic_trace.jsonl}" --backend cuda \
+      --json-out "$OUT/trace_$kind.json" ;;
+  *) echo "unknown step $step" | tee -a "$OUT/summary.txt" ;;
+  esac
+done
+log "done"

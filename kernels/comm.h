@@ -1,0 +1,147 @@
+/* Comm kernels' internal interface: the by-value descriptor every kernel gets, the layout math
+ * shared by the CUDA kernels and the host backend, and the launch wrappers of kernels/comm.cu. */
+#ifndef SKV_KERNELS_COMM_H
+#define SKV_KERNELS_COMM_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#ifdef __CUDACC__
+#define SKV__HD static __host__ __device__ __forceinline__
+#else
+#define SKV__HD static inline
+#endif
+
+/* ---- layout (identical on every PE; see docs/comm.md "Memory") ---------------------------- */
+
+#define SKV__VEC             16u   /* bytes of one vector: the unit pushed, polled and cleared */
+#define SKV__USER_SLOTS      4096u /* user signal slots at the start of the signal pad */
+#define SKV__LAMPORT_REGIONS 2u    /* double buffering by epoch parity (clear after read) */
+#define SKV__MAX_UNROLL_PES  8     /* one-shot polls up to this many peers with loads in flight */
+
+/* Sentinel of the Lamport buffers: every bit set in an element (a negative NaN with a full
+ * payload). Inputs carrying exactly this pattern are pushed with their lowest bit flipped. */
+#define SKV__SENT32 0xffffffffu
+
+/* Vectors needed for `count` elements of `es` bytes (the last one zero-padded). */
+SKV__HD uint64_t skv__nvec(uint64_t count, uint32_t es) {
+  return (count * es + SKV__VEC - 1) / SKV__VEC;
+}
+/* Two-shot: vectors of each PE's chunk (PE j owns vectors [j*cv, j*cv + valid_j)). */
+SKV__HD uint64_t skv__ts_cv(uint64_t nvec, int n) {
+  return (nvec + (uint64_t)n - 1) / (uint64_t)n;
+}
+SKV__HD uint64_t skv__ts_valid(uint64_t nvec, uint64_t cv, int j) {
+  uint64_t lo = (uint64_t)j * cv;
+  if (lo >= nvec) return 0;
+  return nvec - lo < cv ? nvec - lo : cv;
+}
+/* Most bytes one launch (one epoch) can carry within a region of `region` bytes. One-shot:
+ * n slots of the whole message; two-shot: n reduce-scatter + n all-gather slots of a chunk. */
+SKV__HD uint64_t skv__oneshot_chunk_bytes(uint64_t region, int n) {
+  return region / ((uint64_t)n * SKV__VEC) * SKV__VEC;
+}
+SKV__HD uint64_t skv__twoshot_chunk_bytes(uint64_t region, int n) {
+  return region / (2ull * (uint64_t)n * SKV__VEC) * (uint64_t)n * SKV__VEC;
+}
+/* Byte offsets inside one region. One-shot: slot of source PE p holds nvec vectors. Two-shot:
+ * RS slot of source p (cv vectors), then AG slot of owner j (cv vectors). */
+SKV__HD uint64_t skv__os_slot(uint64_t nvec, int p, uint64_t v) {
+  return ((uint64_t)p * nvec + v) * SKV__VEC;
+}
+SKV__HD uint64_t skv__ts_rs(uint64_t cv, int p, uint64_t v) {
+  return ((uint64_t)p * cv + v) * SKV__VEC;
+}
+SKV__HD uint64_t skv__ts_ag(uint64_t cv, int n, int j, uint64_t v) {
+  return (((uint64_t)n + (uint64_t)j) * cv + v) * SKV__VEC;
+}
+
+/* ---- device state and error record -------------------------------------------------------- */
+
+/* Per-channel state in device memory, private to the PE; advanced by the kernels themselves so
+ * that graph replays need no host. The all-reduce epoch (launches completed on the channel) is
+ * kept in SKV__EPOCH_LANES equal copies: block b of a launch reads lane b and writes lanes
+ * b, b+G, b+2G, ... (G blocks), so no block waits for another and no atomic is needed. */
+#define SKV__EPOCH_LANES 1024u
+typedef struct skv__chan_state {
+  uint64_t barrier_epoch; /* barriers completed on this channel */
+  uint64_t pad[7];
+  uint64_t epoch[SKV__EPOCH_LANES];
+} skv__chan_state_t;
+
+enum {
+  SKV__ERR_ALLREDUCE = 1,
+  SKV__ERR_BARRIER = 2,
+  SKV__ERR_WAIT = 3,
+  SKV__ERR_DEVAPI = 4,
+};
+
+/* The first device-side failure, in host-mapped memory (written once: the thread that wins
+ * `broken` fills it, fences, then sets `code` last). */
+typedef struct skv__comm_err {
+  volatile int32_t code;    /* 0 or SKV_ETIMEDOUT */
+  volatile int32_t kind;    /* SKV__ERR_* */
+  volatile int32_t channel; /* channel, or -1 */
+  volatile int32_t peer;    /* PE waited for, or -1 */
+  volatile int32_t phase;   /* all-reduce: 1 one-shot, 2 reduce-scatter, 3 all-gather */
+  volatile int32_t cmp;     /* wait: SKV_CMP_* */
+  volatile uint64_t slot;   /* wait: slot; all-reduce: vector index */
+  volatile uint64_t epoch;  /* epoch of the channel */
+  volatile uint64_t value;  /* wait: value compared with */
+  volatile uint64_t observed;
+  volatile uint64_t waited_ns;
+} skv__comm_err_t;
+
+/* Everything a kernel needs, passed by value (captured graphs keep their own copy). */
+typedef struct skv__comm_dev {
+  char *base; /* PE 0's segment; PE p's at base + p * stride */
+  uint64_t stride;
+  uint64_t signal_off; /* offset of the signal pad in a segment */
+  uint64_t flag_off;   /* offset of channel 0's barrier flags (u64 [npes]) in a segment */
+  uint64_t flag_chan_bytes;
+  uint64_t scratch_off; /* offset of channel 0's Lamport regions in a segment */
+  uint64_t chan_bytes;  /* SKV__LAMPORT_REGIONS * region_bytes */
+  uint64_t region_bytes;
+  skv__chan_state_t *chan; /* device memory, [channels] */
+  uint32_t *broken;        /* device memory: set once a wait gave up; every later launch returns */
+  skv__comm_err_t *err;    /* host-mapped, device address */
+  uint64_t timeout_ns;
+  int32_t me, npes;
+  int32_t nsm; /* multiprocessors of the device (grid cap) */
+  uint32_t user_slots;
+  int32_t pdl; /* launch with programmatic dependent launch (SKV_COMM_PDL, default 1) */
+  int32_t reserved;
+} skv__comm_dev_t;
+
+enum { SKV__ALG_ONESHOT = 1, SKV__ALG_TWOSHOT = 2 };
+
+/* ---- launch wrappers (kernels/comm.cu); each returns a cudaError_t ------------------------ */
+
+/* One launch = one epoch of `channel`: count elements (at most the algorithm's chunk bytes). */
+int skv__k_allreduce(const skv__comm_dev_t *d, int alg, int dtype, int op, int channel,
+                     const void *in, void *out, uint64_t count, void *stream);
+int skv__k_barrier(const skv__comm_dev_t *d, int channel, void *stream);
+int skv__k_signal(const skv__comm_dev_t *d, int pe, uint32_t slot, uint64_t value, int op,
+                  void *stream);
+int skv__k_wait(const skv__comm_dev_t *d, uint32_t slot, int cmp, uint64_t value, void *stream);
+/* Load every comm kernel now (lazy module loading must not happen during a capture). */
+int skv__k_preload(void);
+/* Self-test of include/symkv_device.cuh: `iters` rounds of put-with-signal around the ring of
+ * PEs from `blocks` CTAs into `buf` (this PE's heap data, blocks * bytes_per_block bytes),
+ * verification, block and grid barriers. Uses user slots [slot_base, slot_base + npes + 4).
+ * errors[0] (device int) counts wrong words, errors[1] the waits that timed out. */
+int skv__k_devapi_selftest(const skv__comm_dev_t *d, uint32_t slot_base, int iters, int blocks,
+                           void *buf, uint64_t bytes_per_block, int *errors, void *stream);
+/* Signal ping-pong between this PE and `partner` inside one kernel, through user slot `slot`
+ * (values base+1 .. base+iters). PE with the lower index starts. ns[0] gets the nanoseconds of
+ * iterations 2..iters, ns[1] nonzero on a timeout. */
+int skv__k_pingpong(const skv__comm_dev_t *d, int partner, uint32_t slot, uint64_t base, int iters,
+                    unsigned long long *ns, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

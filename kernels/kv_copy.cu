@@ -1,0 +1,579 @@
+/* KV copy kernels: one launch moves a batch of pages between the symmetric heap (pages of any
+ * PE, over NVLink) and an engine's paged KV cache, 16-byte vectors or TMA bulk copies. */
+#include "kv_copy.h"
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* How it works
+ * ------------
+ * VEC kernels. Work is split into items of one warp each: (page i, tensor t, chunk c), a chunk
+ * being 32 x U vectors of W bytes of the tensor's slab in the page (contiguous there). Lane l
+ * takes vectors c*32U + k*32 + l for k < U, so every warp-wide load reads 32 x W contiguous bytes
+ * of the page and each lane has U loads in flight before its first store. A vector's slab offset
+ * o gives its row r = o / row_bytes, token r / heads, head r % heads, engine block
+ * block_ids[i*m + token / block_tokens] and the engine address; divisions by those invariants
+ * are multiply-shifts (Granlund-Montgomery, operands < 2^31). The block ids a chunk touches
+ * (usually one or two) are loaded once per chunk, one per lane, and shuffled to the lanes that
+ * need them; a chunk spanning more than 32 blocks (tiny blocks) loads them per vector. Page
+ * loads are ld.global.nc.L1::no_allocate: the pages are pinned (read-only while the kernel
+ * runs) and read once. W is the largest power of two up to 16 dividing every row, stride and
+ * base; rows of odd sizes take the narrow instantiations.
+ *
+ * BULK kernel (fetch, 16-byte aligned runs of at least 128 bytes). Each warp runs its own
+ * pipeline of BK_STAGES shared-memory buffers: lane 0 loads a chunk of BK_CHUNK bytes of a slab
+ * with one cp.async.bulk (the SM's TMA engine, completing on an mbarrier), and once it landed
+ * the lanes write its runs (bytes contiguous in the page and in a block: a row, a token's heads
+ * or a whole block part) with cp.async.bulk shared -> global, while the next chunks' loads are
+ * in flight. The data never passes through registers.
+ *
+ * Both: the grid is persistent (at most ctas_per_sm resident CTAs per multiprocessor walk the
+ * items with a stride of the whole grid). Arguments come from the kernel parameters when they
+ * fit (small batches: no memory round trip before the first page load), else over PCIe from the
+ * caller's pinned host memory (SKV_KV_ARGS_MAPPED; a few bytes per chunk, issued with the block
+ * ids), or from a device copy (SKV_KV_ARGS_DEVICE).
+ *
+ * What can go wrong
+ * -----------------
+ * - Corrupted arguments (a graph replayed after its pages were released, a bug): every reference
+ *   and block id is checked on the device before an address is formed from it; a bad one sets
+ *   the error word (first writer wins, racy but every value is an error) and its data is
+ *   skipped, so nothing outside the heap and the engine's blocks is touched.
+ * - A bulk store still reading a buffer when the next load overwrites it: each lane waits for
+ *   its stores to have read the buffer (wait_group.read) before lane 0 reuses it.
+ */
+
+namespace {
+
+const unsigned FULL = 0xffffffffu;
+
+constexpr uint32_t BK_WARPS = 4, BK_STAGES = 4, BK_CHUNK = 8192;
+constexpr size_t BK_SMEM = (size_t)BK_WARPS * BK_STAGES * BK_CHUNK;
+
+struct fdiv_t {
+  uint32_t d, mul, shr;
+};
+
+/* n / d for n < 2^31 (CUTLASS's FastDivmod): mul = ceil(2^(31+l) / d), l = ceil(log2 d). */
+fdiv_t fdiv_make(uint32_t d) {
+  fdiv_t f = {d, 0, 0};
+  if (d > 1) {
+    uint32_t l = 32u - (uint32_t)__builtin_clz(d - 1);
+    uint32_t p = 31u + l;
+    f.mul = (uint32_t)(((1ull << p) + d - 1) / d);
+    f.shr = p - 32u;
+  }
+  return f;
+}
+
+__device__ __forceinline__ uint32_t fdiv(uint32_t n, const fdiv_t &f) {
+  return f.d == 1 ? n : (__umulhi(n, f.mul) >> f.shr);
+}
+
+struct kp_t {
+  char *heap;
+  uint64_t pe_stride, page_stride;
+  const uint8_t *args; /* argument block, unless inline */
+  int64_t sb, st, sh;
+  uint64_t num_blocks;
+  uint32_t *err;
+  uint32_t npes, pages, m, slab, items, bid64, refs_off, bids_off, ninl, l2_256;
+  fdiv_t cpu, nt, row, heads, bt, run;
+  alignas(16) uint8_t inl[SKV_KV_COPY_INLINE_BYTES];
+};
+static_assert(sizeof(kp_t) <= 4096, "kernel parameters over 4 KiB");
+
+__device__ __forceinline__ const uint8_t *args_of(const kp_t &p) {
+  return p.ninl ? p.inl : p.args;
+}
+
+template <int W> struct vec;
+template <> struct vec<16> { typedef uint4 T; };
+template <> struct vec<8> { typedef uint2 T; };
+template <> struct vec<4> { typedef uint32_t T; };
+template <> struct vec<2> { typedef uint16_t T; };
+template <> struct vec<1> { typedef uint8_t T; };
+
+/* Read-once loads of data that no one writes while the kernel runs. */
+__device__ __forceinline__ uint4 ld_once(const uint4 *p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 ld_once_256(const uint4 *p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ld_once(const uint2 *p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_once(const uint32_t *p) {
+  uint32_t v;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint16_t ld_once(const uint16_t *p) {
+  return __ldg(p);
+}
+__device__ __forceinline__ uint8_t ld_once(const uint8_t *p) {
+  return __ldg(p);
+}
+/* A page load: read-once, with the 256-byte L2 hint for 16-byte vectors when asked. */
+template <typename T> __device__ __forceinline__ T ld_page(const T *p, bool) {
+  return ld_once(p);
+}
+template <> __device__ __forceinline__ uint4 ld_page<uint4>(const uint4 *p, bool l2_256) {
+  return l2_256 ? ld_once_256(p) : ld_once(p);
+}
+
+/* Stores to global memory (device, peer or mapped host), named as such: the pointers are
+ * computed, so the compiler would otherwise emit generic stores. */
+__device__ __forceinline__ void st_global(uint4 *p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void st_global(uint2 *p, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void st_global(uint32_t *p, uint32_t v) {
+  asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_global(uint16_t *p, uint16_t v) {
+  asm volatile("st.global.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+}
+__device__ __forceinline__ void st_global(uint8_t *p, uint8_t v) {
+  asm volatile("st.global.u8 [%0], %1;" ::"l"(p), "h"((uint16_t)v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ld_bid(const kp_t &p, const uint8_t *a, uint64_t idx) {
+  return p.bid64 ? reinterpret_cast<const uint64_t *>(a + p.bids_off)[idx]
+                 : reinterpret_cast<const uint32_t *>(a + p.bids_off)[idx];
+}
+
+/* Record a violation; the first value written to err[0] wins in practice (racy on purpose). */
+__device__ __noinline__ void report(uint32_t *err, uint32_t code, uint32_t a, uint32_t b,
+                                    uint64_t c) {
+  volatile uint32_t *e = err;
+  if (e[0] == 0) {
+    e[1] = a;
+    e[2] = b;
+    e[3] = (uint32_t)(c > 0xffffffffull ? 0xffffffffull : c);
+    __threadfence_system();
+    e[0] = code;
+  }
+}
+
+/* Engine byte offset (without the block) of slab offset o: token % bt, head, byte in the row;
+ * j = the page's block index. */
+__device__ __forceinline__ int64_t eng_off(const kp_t &p, uint32_t o, uint32_t *j) {
+  const uint32_t r = fdiv(o, p.row), c = o - r * p.row.d;
+  const uint32_t tok = fdiv(r, p.heads), h = r - tok * p.heads.d;
+  const uint32_t jj = fdiv(tok, p.bt), tt = tok - jj * p.bt.d;
+  *j = jj;
+  return (int64_t)tt * p.st + (int64_t)h * p.sh + (int64_t)c;
+}
+
+template <int W, int U, int DIR> __device__ __forceinline__ void copy_vec(const kp_t &p) {
+  typedef typename vec<W>::T T;
+  constexpr uint32_t CH = 32u * U * W;
+  const uint8_t *a = args_of(p);
+  const uint64_t *bases = reinterpret_cast<const uint64_t *>(a);
+  const uint2 *refs = reinterpret_cast<const uint2 *>(a + p.refs_off);
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t wpc = blockDim.x >> 5;
+  const uint32_t nw = gridDim.x * wpc;
+  for (uint32_t item = blockIdx.x * wpc + (threadIdx.x >> 5); item < p.items; item += nw) {
+    const uint32_t u = fdiv(item, p.cpu), ch = item - u * p.cpu.d;
+    const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
+    const uint32_t o0 = ch * CH;
+    const uint32_t olast = min(o0 + CH, p.slab) - 1u;
+    /* block ids of the chunk, page reference and tensor base: one round of loads */
+    const uint32_t j0 = fdiv(fdiv(fdiv(o0, p.row), p.heads), p.bt);
+    const uint32_t j1 = fdiv(fdiv(fdiv(olast, p.row), p.heads), p.bt);
+    const uint32_t span = j1 - j0 + 1u;
+    const uint64_t bbase = (uint64_t)i * p.m;
+    uint64_t mybid = 0;
+    if (span <= 32u && lane < span) mybid = ld_bid(p, a, bbase + j0 + lane);
+    const uint2 ref = refs[i];
+    const uint64_t tb = bases[t];
+    if (ref.x >= p.npes || ref.y >= p.pages) { /* warp-uniform */
+      if (lane == 0)
+        report(p.err, ref.x >= p.npes ? SKV_KV_DEVERR_PE : SKV_KV_DEVERR_PAGE, i, t,
+               ref.x >= p.npes ? ref.x : ref.y);
+      continue;
+    }
+    char *page = p.heap + ref.x * p.pe_stride + ref.y * p.page_stride + (uint64_t)t * p.slab;
+    T v[U];
+    char *dp[U];
+    uint64_t badbid = ~0ull;
+#pragma unroll
+    for (int k = 0; k < U; k++) {
+      const uint32_t o = o0 + (uint32_t)(k * 32 + lane) * W;
+      const bool in = o < p.slab;
+      uint32_t j;
+      const int64_t eo = eng_off(p, in ? o : olast, &j);
+      uint64_t bid;
+      if (span <= 32u)
+        bid = __shfl_sync(FULL, mybid, (int)(j - j0));
+      else
+        bid = in ? ld_bid(p, a, bbase + j) : 0;
+      const bool ok = in && bid < p.num_blocks;
+      if (in && !ok) badbid = bid;
+      char *eng = (char *)tb + (int64_t)bid * p.sb + eo;
+      char *pg = page + o;
+      const T *s = reinterpret_cast<const T *>(DIR == SKV_KV_COPY_FETCH ? pg : eng);
+      dp[k] = ok ? (DIR == SKV_KV_COPY_FETCH ? eng : pg) : nullptr;
+      if (ok) v[k] = ld_page(s, p.l2_256 != 0);
+    }
+#pragma unroll
+    for (int k = 0; k < U; k++)
+      if (dp[k]) st_global(reinterpret_cast<T *>(dp[k]), v[k]);
+    if (badbid != ~0ull) report(p.err, SKV_KV_DEVERR_BLOCK, i, t, badbid);
+  }
+}
+
+/* ---- TMA bulk copies ---- */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t *bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes,
+                                          uint64_t *bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+               "[%3];" ::"r"(smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(smem_u32(bar)), "r"(parity)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_store(void *dst, const void *src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+
+/* Lane 0: start loading item `it` into stage s (nothing for a refused reference). */
+__device__ __forceinline__ void bulk_issue(const kp_t &p, const uint8_t *a, uint32_t it,
+                                           uint8_t *buf, uint64_t *bar) {
+  const uint32_t u = fdiv(it, p.cpu), ch = it - u * p.cpu.d;
+  const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
+  const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[i];
+  if (ref.x >= p.npes || ref.y >= p.pages) return;
+  const uint32_t o0 = ch * BK_CHUNK, len = min(BK_CHUNK, p.slab - o0);
+  const char *src =
+      p.heap + ref.x * p.pe_stride + ref.y * p.page_stride + (uint64_t)t * p.slab + o0;
+  bulk_load(buf, src, len, bar);
+}
+
+__device__ __forceinline__ void fetch_bulk(const kp_t &p, uint8_t *smem, uint64_t *bars) {
+  const uint8_t *a = args_of(p);
+  const uint32_t lane = threadIdx.x & 31u, wid = threadIdx.x >> 5;
+  const uint32_t nw = gridDim.x * BK_WARPS, gw = blockIdx.x * BK_WARPS + wid;
+  uint8_t *buf = smem + (size_t)wid * BK_STAGES * BK_CHUNK;
+  uint64_t *bar = bars + wid * BK_STAGES;
+  if (lane == 0) {
+    for (uint32_t s = 0; s < BK_STAGES; s++) mbar_init(&bar[s]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (uint32_t s = 0; s < BK_STAGES; s++) {
+      const uint32_t it = gw + s * nw;
+      if (it < p.items) bulk_issue(p, a, it, buf + s * BK_CHUNK, &bar[s]);
+    }
+  }
+  __syncwarp();
+  uint32_t phase = 0;
+  for (uint32_t k = 0;; k++) {
+    const uint32_t it = gw + k * nw;
+    if (it >= p.items) break;
+    const uint32_t s = k % BK_STAGES;
+    const uint32_t u = fdiv(it, p.cpu), ch = it - u * p.cpu.d;
+    const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
+    const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[i];
+    if (ref.x >= p.npes || ref.y >= p.pages) {
+      if (lane == 0)
+        report(p.err, ref.x >= p.npes ? SKV_KV_DEVERR_PE : SKV_KV_DEVERR_PAGE, i, t,
+               ref.x >= p.npes ? ref.x : ref.y);
+    } else {
+      const uint32_t o0 = ch * BK_CHUNK, end = min(o0 + BK_CHUNK, p.slab);
+      const uint8_t *sb = buf + s * BK_CHUNK;
+      const uint64_t tb = reinterpret_cast<const uint64_t *>(a)[t];
+      mbar_wait(&bar[s], (phase >> s) & 1u);
+      phase ^= 1u << s;
+      /* the chunk's runs: [r * run, (r + 1) * run) clipped to the chunk, one per lane */
+      const uint32_t r0 = fdiv(o0, p.run), r1 = fdiv(end - 1u, p.run);
+      uint64_t badbid = ~0ull;
+      for (uint32_t r = r0 + lane; r <= r1; r += 32) {
+        const uint32_t s0 = max(o0, r * p.run.d), s1 = min(end, (r + 1u) * p.run.d);
+        uint32_t j;
+        const int64_t eo = eng_off(p, s0, &j);
+        const uint64_t bid = ld_bid(p, a, (uint64_t)i * p.m + j);
+        if (bid >= p.num_blocks) {
+          badbid = bid;
+          continue;
+        }
+        bulk_store((char *)tb + (int64_t)bid * p.sb + eo, sb + (s0 - o0), s1 - s0);
+      }
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      if (badbid != ~0ull) report(p.err, SKV_KV_DEVERR_BLOCK, i, t, badbid);
+    }
+    __syncwarp();
+    const uint32_t next = gw + (k + BK_STAGES) * nw;
+    if (lane == 0 && next < p.items) bulk_issue(p, a, next, buf + s * BK_CHUNK, &bar[s]);
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+} // namespace
+
+template <int W, int U>
+__global__ void __launch_bounds__(512) skv_k_fetch_vec(const __grid_constant__ kp_t p) {
+  copy_vec<W, U, SKV_KV_COPY_FETCH>(p);
+}
+
+template <int W, int U>
+__global__ void __launch_bounds__(512) skv_k_publish_vec(const __grid_constant__ kp_t p) {
+  copy_vec<W, U, SKV_KV_COPY_PUBLISH>(p);
+}
+
+__global__ void __launch_bounds__(BK_WARPS * 32) skv_k_fetch_bulk(const __grid_constant__ kp_t p) {
+  extern __shared__ __align__(128) uint8_t skv_bulk_smem[];
+  __shared__ uint64_t bars[BK_WARPS * BK_STAGES];
+  fetch_bulk(p, skv_bulk_smem, bars);
+}
+
+__global__ void skv_k_stream_gate(const volatile uint32_t *flag, uint64_t min_ns, uint64_t max_ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (;;) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 >= max_ns || (t - t0 >= min_ns && *flag != 0)) break;
+    __nanosleep(500);
+  }
+}
+
+namespace {
+
+typedef void (*kfn_t)(kp_t);
+
+template <int U> kfn_t pick(int dir, uint32_t w) {
+  const bool f = dir == SKV_KV_COPY_FETCH;
+  switch (w) {
+  case 16:
+    return f ? skv_k_fetch_vec<16, U> : skv_k_publish_vec<16, U>;
+  case 8:
+    return f ? skv_k_fetch_vec<8, U> : skv_k_publish_vec<8, U>;
+  case 4:
+    return f ? skv_k_fetch_vec<4, U> : skv_k_publish_vec<4, U>;
+  case 2:
+    return f ? skv_k_fetch_vec<2, U> : skv_k_publish_vec<2, U>;
+  case 1:
+    return f ? skv_k_fetch_vec<1, U> : skv_k_publish_vec<1, U>;
+  default:
+    return nullptr;
+  }
+}
+
+/* CTAs of `threads` that fit one multiprocessor (a persistent grid larger than what is resident
+ * would leave its last CTAs to run alone at the end). Cached: the same for every device here. */
+int resident_ctas(kfn_t fn, int slot, int threads, size_t smem) {
+  static int cache[64];
+  int *c = &cache[slot & 63];
+  int v = __atomic_load_n(c, __ATOMIC_RELAXED);
+  if (v > 0) return v;
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute((const void *)fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, (const void *)fn, threads, smem) !=
+          cudaSuccess ||
+      v < 1) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  __atomic_store_n(c, v, __ATOMIC_RELAXED);
+  return v;
+}
+
+int wi_of(uint32_t w) {
+  return w == 16 ? 0 : w == 8 ? 1 : w == 4 ? 2 : w == 2 ? 3 : 4;
+}
+int ti_of(int threads) {
+  return threads == 128 ? 0 : threads == 256 ? 1 : 2;
+}
+int vec_slot(int dir, int unroll, uint32_t w, int threads) {
+  return ((dir == SKV_KV_COPY_PUBLISH) * 2 + (unroll == 8)) * 15 + wi_of(w) * 3 + ti_of(threads);
+}
+const int BULK_SLOT = 60;
+
+bool valid_cfg(const skv_kv_copy_cfg_t *c) {
+  return c->kernel >= SKV_KV_KERNEL_VEC && c->kernel <= SKV_KV_KERNEL_CE &&
+         (c->unroll == 4 || c->unroll == 8) && c->ctas_per_sm >= 1 && c->ctas_per_sm <= 32 &&
+         (c->threads == 128 || c->threads == 256 || c->threads == 512) && c->args >= 0 &&
+         c->args <= 2 && c->sms >= 1;
+}
+
+uint64_t slab_bytes(const skv_kv_copy_desc_t *d) {
+  return (uint64_t)d->page_tokens * d->heads * d->row_bytes;
+}
+
+bool use_bulk(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg) {
+  return cfg->kernel == SKV_KV_KERNEL_BULK && d->dir == SKV_KV_COPY_FETCH && d->width == 16 &&
+         d->run_bytes >= 128 && d->run_bytes % d->row_bytes == 0;
+}
+
+uint64_t chunk_bytes(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg) {
+  return use_bulk(d, cfg) ? BK_CHUNK : 32ull * (uint64_t)cfg->unroll * (d->width ? d->width : 1);
+}
+
+} // namespace
+
+extern "C" int skv__kv_copy_args_inline(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg) {
+  return cfg->args == SKV_KV_ARGS_AUTO && d->args_host && d->args_bytes <= SKV_KV_COPY_INLINE_BYTES;
+}
+
+extern "C" uint64_t skv__kv_copy_max_pages(const skv_kv_copy_desc_t *d,
+                                           const skv_kv_copy_cfg_t *cfg) {
+  const uint64_t slab = slab_bytes(d);
+  const uint64_t chunk = chunk_bytes(d, cfg);
+  if (slab == 0 || slab >= (1ull << 31) - chunk || d->ntensors == 0) return 0;
+  const uint64_t per_page = (uint64_t)d->ntensors * ((slab + chunk - 1) / chunk);
+  return ((1ull << 31) - 1) / per_page;
+}
+
+extern "C" int skv__kv_copy_launch(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg,
+                                   void *stream) {
+  if (!d || !cfg || !valid_cfg(cfg)) return (int)cudaErrorInvalidValue;
+  if (d->n == 0) return 0;
+  const uint32_t w = d->width;
+  if (w != 16 && w != 8 && w != 4 && w != 2 && w != 1) return (int)cudaErrorInvalidValue;
+  if (d->row_bytes == 0 || d->row_bytes % w || d->heads == 0 || d->block_tokens == 0 ||
+      d->page_tokens % d->block_tokens || d->blocks_per_page != d->page_tokens / d->block_tokens ||
+      d->run_bytes == 0 || d->run_bytes % d->row_bytes || d->heap % w || d->pe_stride % w ||
+      d->page_stride % w || d->stride_block % w || d->stride_token % w || d->stride_head % w ||
+      !d->err || (d->refs_off & 7) || (d->bids_off & 7) || d->refs_off < 8ull * d->ntensors ||
+      d->bids_off < d->refs_off + 8ull * d->n)
+    return (int)cudaErrorInvalidValue;
+  const bool inl = skv__kv_copy_args_inline(d, cfg) != 0;
+  if (!inl && !d->args_dev) return (int)cudaErrorInvalidValue;
+  const uint64_t maxp = skv__kv_copy_max_pages(d, cfg);
+  if (maxp == 0 || d->n > maxp) return (int)cudaErrorInvalidValue;
+  const bool bulk = use_bulk(d, cfg);
+  const uint64_t slab = slab_bytes(d);
+  const uint32_t chunk = (uint32_t)chunk_bytes(d, cfg);
+  const uint32_t cpu = (uint32_t)((slab + chunk - 1) / chunk);
+  kp_t p; /* 4 KiB of parameters, copied by the launch */
+  p.heap = reinterpret_cast<char *>(d->heap);
+  p.pe_stride = d->pe_stride;
+  p.page_stride = d->page_stride;
+  p.args = static_cast<const uint8_t *>(d->args_dev);
+  p.sb = d->stride_block;
+  p.st = d->stride_token;
+  p.sh = d->stride_head;
+  p.num_blocks = d->num_blocks;
+  p.err = d->err;
+  p.npes = d->npes;
+  p.pages = d->pages_per_pe;
+  p.m = d->blocks_per_page;
+  p.slab = (uint32_t)slab;
+  p.items = (uint32_t)((uint64_t)d->n * d->ntensors * cpu);
+  p.bid64 = d->bid64 ? 1u : 0u;
+  p.refs_off = d->refs_off;
+  p.bids_off = d->bids_off;
+  p.ninl = inl ? d->args_bytes : 0;
+  p.l2_256 = cfg->l2_256 ? 1u : 0u;
+  if (inl) memcpy(p.inl, d->args_host, d->args_bytes);
+  p.cpu = fdiv_make(cpu);
+  p.nt = fdiv_make(d->ntensors);
+  p.row = fdiv_make(d->row_bytes);
+  p.heads = fdiv_make(d->heads);
+  p.bt = fdiv_make(d->block_tokens);
+  p.run = fdiv_make(d->run_bytes);
+  kfn_t fn;
+  int threads, per_sm;
+  size_t smem = 0;
+  if (bulk) {
+    fn = skv_k_fetch_bulk;
+    threads = BK_WARPS * 32;
+    smem = BK_SMEM;
+    per_sm = resident_ctas(fn, BULK_SLOT, threads, smem);
+  } else {
+    fn = cfg->unroll == 8 ? pick<8>(d->dir, w) : pick<4>(d->dir, w);
+    threads = cfg->threads;
+    per_sm = resident_ctas(fn, vec_slot(d->dir, cfg->unroll, w, threads), threads, 0);
+  }
+  int rc = (int)cudaErrorInvalidValue;
+  if (fn && per_sm > 0) {
+    const uint32_t wpc = (uint32_t)threads / 32u;
+    uint64_t grid = ((uint64_t)p.items + wpc - 1) / wpc;
+    const uint64_t cap =
+        (uint64_t)cfg->sms * (uint64_t)(cfg->ctas_per_sm < per_sm ? cfg->ctas_per_sm : per_sm);
+    if (grid > cap) grid = cap;
+    void *args[] = {&p};
+    rc = (int)cudaLaunchKernel((const void *)fn, dim3((unsigned)grid), dim3((unsigned)threads),
+                               args, smem, (cudaStream_t)stream);
+  }
+  return rc;
+}
+
+extern "C" int skv__kv_copy_preload(void) {
+  static const uint32_t widths[] = {16, 8, 4, 2, 1};
+  static const int threads[] = {128, 256, 512};
+  for (int dir = 0; dir < 2; dir++)
+    for (int u = 4; u <= 8; u += 4)
+      for (uint32_t w : widths)
+        for (int t : threads) {
+          kfn_t fn = u == 8 ? pick<8>(dir, w) : pick<4>(dir, w);
+          if (resident_ctas(fn, vec_slot(dir, u, w, t), t, 0) < 1)
+            return (int)cudaErrorInvalidValue;
+        }
+  if (resident_ctas(skv_k_fetch_bulk, BULK_SLOT, BK_WARPS * 32, BK_SMEM) < 1)
+    return (int)cudaErrorInvalidValue;
+  cudaFuncAttributes fa;
+  return (int)cudaFuncGetAttributes(&fa, (const void *)skv_k_stream_gate);
+}
+
+extern "C" const char *skv__kv_copy_kernel_name(const skv_kv_copy_desc_t *d,
+                                                const skv_kv_copy_cfg_t *cfg) {
+  static const char *const names[2][2][5] = {
+      {{"skv_k_fetch_vec16<u4>", "skv_k_fetch_vec8<u4>", "skv_k_fetch_vec4<u4>",
+        "skv_k_fetch_vec2<u4>", "skv_k_fetch_vec1<u4>"},
+       {"skv_k_fetch_vec16<u8>", "skv_k_fetch_vec8<u8>", "skv_k_fetch_vec4<u8>",
+        "skv_k_fetch_vec2<u8>", "skv_k_fetch_vec1<u8>"}},
+      {{"skv_k_publish_vec16<u4>", "skv_k_publish_vec8<u4>", "skv_k_publish_vec4<u4>",
+        "skv_k_publish_vec2<u4>", "skv_k_publish_vec1<u4>"},
+       {"skv_k_publish_vec16<u8>", "skv_k_publish_vec8<u8>", "skv_k_publish_vec4<u8>",
+        "skv_k_publish_vec2<u8>", "skv_k_publish_vec1<u8>"}}};
+  if (use_bulk(d, cfg)) return "skv_k_fetch_bulk";
+  return names[d->dir == SKV_KV_COPY_PUBLISH][cfg->unroll == 8][wi_of(d->width)];
+}
+
+extern "C" int skv__kv_gate_launch(void *stream, const volatile uint32_t *flag, uint64_t min_ns,
+                                   uint64_t max_ns) {
+  skv_k_stream_gate<<<1, 1, 0, (cudaStream_t)stream>>>(flag, min_ns, max_ns);
+  return (int)cudaGetLastError();
+}

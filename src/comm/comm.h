@@ -1,0 +1,94 @@
+/* Internal view of a communicator (skv_comm_t): its heap layout, the algorithm crossovers, the
+ * host backend's channel state, and the hooks of the CUDA backend (comm_cuda.c). */
+#ifndef SKV_COMM_H
+#define SKV_COMM_H
+
+#include "heap/heap.h"
+
+#include "../../kernels/comm.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define SKV_COMM_MAX_CHANNELS 64
+
+/* Host backend: per-channel state, private to the PE (the GPU keeps it in device memory). */
+typedef struct skv__host_chan {
+  uint64_t epoch;
+  uint64_t barrier_epoch;
+} skv__host_chan_t;
+
+struct skv_comm {
+  skv_ctx_t *ctx;
+  skv_heap_t *heap;
+  int backend; /* SKV_BACKEND_HOST or SKV_BACKEND_CUDA */
+  int npes, me;
+  uint32_t channels;
+  uint32_t flags;
+  uint64_t max_bytes;
+  /* layout, byte offsets inside a segment */
+  uint32_t user_slots; /* user signal slots at signal offset 0 */
+  uint64_t flag_off;   /* channel c's barrier flags: flag_off + c * flag_chan_bytes */
+  uint64_t flag_chan_bytes;
+  uint64_t scratch_off; /* channel c's regions: scratch_off + c * chan_bytes */
+  uint64_t chan_bytes;
+  uint64_t region_bytes;
+  /* AUTO: largest message (bytes) for one-shot, then two-shot; beyond: NCCL (or two-shot) */
+  uint64_t oneshot_max, twoshot_max;
+  bool has_nccl;
+  bool broken;             /* a wait timed out: the Lamport buffers are no longer clean */
+  skv__host_chan_t *hchan; /* host backend */
+  void *cuda;              /* CUDA backend state (comm_cuda.c) */
+};
+
+/* Address of byte `off` of PE pe's segment. */
+static inline char *skv__comm_addr(const skv_comm_t *c, int pe, uint64_t off) {
+  return (char *)skv__heap_addr(c->heap, pe, off);
+}
+
+/* Bytes of one element of `dtype` (0 when invalid). */
+static inline uint32_t skv__dtype_size(int dtype) {
+  return dtype == SKV_DTYPE_FP32                                ? 4u
+         : (dtype == SKV_DTYPE_BF16 || dtype == SKV_DTYPE_FP16) ? 2u
+                                                                : 0u;
+}
+const char *skv__dtype_name(int dtype);
+const char *skv__op_name(int op);
+const char *skv__algo_name(int algo);
+
+/* ---- comm.c: half-precision conversions (round to nearest even, like the GPU) ------------- */
+float skv__bf16_to_float(uint16_t h);
+uint16_t skv__float_to_bf16(float f);
+float skv__fp16_to_float(uint16_t h);
+uint16_t skv__float_to_fp16(float f);
+
+/* The algorithm AUTO picks for `bytes` on this comm (never SKV_ALGO_AUTO). */
+int skv__comm_choose(const skv_comm_t *c, uint64_t bytes);
+
+#ifdef SKV_WITH_CUDA
+/* ---- comm_cuda.c -------------------------------------------------------------------------- */
+/* Before anything collective: the device is usable and no graph capture is running. */
+int skv__comm_cuda_precheck(skv_ctx_t *ctx);
+/* After the heap exists: sentinel fill, device state, error record, kernels, NCCL (collective).
+ * Sets c->has_nccl. */
+int skv__comm_cuda_create(skv_comm_t *c);
+/* Waits for this PE's work, then frees; the heap is destroyed by the caller. */
+int skv__comm_cuda_destroy(skv_comm_t *c);
+int skv__comm_cuda_allreduce(skv_comm_t *c, const void *in, void *out, size_t count, int dtype,
+                             int op, int algo, int channel, void *stream);
+int skv__comm_cuda_signal(skv_comm_t *c, int pe, uint32_t slot, uint64_t value, int op,
+                          void *stream);
+int skv__comm_cuda_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value, void *stream);
+int skv__comm_cuda_barrier(skv_comm_t *c, int channel, void *stream);
+int skv__comm_cuda_check(skv_comm_t *c);
+/* The descriptor kernels get (tests and the bench launch the self-test and ping-pong with it). */
+int skv__comm_cuda_dev(skv_comm_t *c, skv__comm_dev_t *d);
+/* Tests and bench: the device-API self-test and the in-kernel ping-pong (kernels/comm.h). */
+int skv__comm_devapi_selftest(skv_comm_t *c, uint32_t slot_base, int iters, int blocks,
+                              uint64_t data_off, uint64_t bytes_per_block, int errors_out[2],
+                              void *stream);
+int skv__comm_pingpong(skv_comm_t *c, int partner, uint32_t slot, uint64_t base, int iters,
+                       double *rt_us, void *stream);
+#endif
+
+#endif

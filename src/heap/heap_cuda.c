@@ -1,0 +1,230 @@
+/* CUDA heap backends. `cuda`: each PE's segment is device memory from cuMemCreate, exported as
+ * a POSIX fd, passed to the local peers, and mapped with every peer's segment into one reserved
+ * virtual range at base + pe * stride. `cuda_host`: the host backend's memfd segments,
+ * registered with the PE's GPU so that kernels read them at the same addresses. */
+#define _GNU_SOURCE
+#include "heap/device_cuda.h"
+#include "heap/heap.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef struct cuda_impl {
+  CUdeviceptr base;
+  size_t reserved;
+  size_t seg;
+  CUmemGenericAllocationHandle *handles; /* [npes], 0 when not held */
+  uint8_t *mapped;                        /* [npes]: segment mapped at base + pe * seg */
+} cuda_impl_t;
+
+static CUmemAllocationProp alloc_prop(int dev) {
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
+static uint64_t cuda_granularity(skv_heap_t *heap) {
+  /* Called after create's checks: failures here fall back to 2 MiB and surface in create. */
+  if (skv__cuda_use(heap->ctx) != 0) return 2ull << 20;
+  CUmemAllocationProp prop = alloc_prop(heap->ctx->device);
+  size_t g = 0;
+  if (skv__cu.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) != CUDA_SUCCESS ||
+      g == 0)
+    g = 2ull << 20;
+  return g;
+}
+
+static void cuda_release(cuda_impl_t *im, int npes) {
+  if (im->base) {
+    /* One unmap per mapping: cuMemUnmap takes whole mapped ranges, and after a failed create
+     * only some segments are mapped. */
+    for (int i = 0; i < npes && im->mapped; i++)
+      if (im->mapped[i]) skv__cu.cuMemUnmap(im->base + (CUdeviceptr)i * im->seg, im->seg);
+    skv__cu.cuMemAddressFree(im->base, im->reserved);
+  }
+  for (int i = 0; i < npes && im->handles; i++)
+    if (im->handles[i]) skv__cu.cuMemRelease(im->handles[i]);
+  free(im->handles);
+  free(im->mapped);
+  free(im);
+}
+
+/* Map PE i's segment into the range and give this PE's GPU access to it. */
+static int map_segment(cuda_impl_t *im, int i, int dev) {
+  int rc = 0;
+  CUdeviceptr at = im->base + (CUdeviceptr)i * im->seg;
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemMap(at, im->seg, 0, im->handles[i], 0), SKV_SUBSYS_HEAP, rc, out);
+  im->mapped[i] = 1;
+  CUmemAccessDesc acc;
+  memset(&acc, 0, sizeof acc);
+  acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  acc.location.id = dev;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemSetAccess(at, im->seg, &acc, 1), SKV_SUBSYS_HEAP, rc, out);
+out:
+  return rc;
+}
+
+/* Every PE must be able to reach every other PE's device (NVLink or PCIe peer access). */
+static int check_peer_access(skv_heap_t *heap) {
+  skv_ctx_t *ctx = heap->ctx;
+  int n = heap->info.npes, me = ctx->device;
+  int32_t devs[SKV_MAX_LOCAL_PES], mine = me;
+  char name[160];
+  snprintf(name, sizeof name, "%s/dev", heap->name);
+  int32_t *all = calloc((size_t)ctx->cfg.world_size, sizeof *all);
+  if (!all) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
+  int rc = skv__store_allgather(ctx->store, name, &mine, all, sizeof mine, ctx->cfg.timeout_ms);
+  for (int i = 0; rc == 0 && i < n; i++) devs[i] = all[ctx->local_ranks[i]];
+  free(all);
+  SKV_CHECK(rc);
+  for (int i = 0; i < n; i++) {
+    if (devs[i] == me) continue;
+    int can = 0;
+    SKV_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, me, devs[i]), SKV_SUBSYS_HEAP);
+    if (!can)
+      return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_HEAP,
+                      "GPU %d cannot access GPU %d (PE %d) as a peer: the cuda backend needs NVLink or PCIe "
+                      "peer access between all local GPUs; use SKV_BACKEND_CUDA_HOST instead",
+                      me, devs[i], i);
+  }
+  return 0;
+}
+
+static int cuda_create(skv_heap_t *heap) {
+  skv_ctx_t *ctx = heap->ctx;
+  SKV_CHECK(skv__cuda_use(ctx));
+  int n = heap->info.npes, me = heap->info.my_pe, dev = ctx->device, rc = 0;
+  heap->info.device = dev;
+  SKV_CHECK(check_peer_access(heap));
+  int handle_ok = 0;
+  skv__cu.cuDeviceGetAttribute(&handle_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
+  if (!handle_ok)
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_HEAP,
+                    "GPU %d cannot export memory as POSIX file descriptors (needed to share it between "
+                    "processes); use SKV_BACKEND_CUDA_HOST", dev);
+  cuda_impl_t *im = calloc(1, sizeof *im);
+  int *fds = malloc(sizeof(int) * (size_t)n);
+  if (!im || !fds || !(im->handles = calloc((size_t)n, sizeof *im->handles)) ||
+      !(im->mapped = calloc((size_t)n, 1))) {
+    free(fds);
+    if (im) {
+      free(im->handles);
+      free(im->mapped);
+    }
+    free(im);
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
+  }
+  for (int i = 0; i < n; i++) fds[i] = -1;
+  int my_fd = -1;
+  CUmemAllocationProp prop = alloc_prop(dev);
+  size_t seg = heap->info.segment_bytes;
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemCreate(&im->handles[me], seg, &prop, 0), SKV_SUBSYS_HEAP, rc, fail);
+  im->seg = seg;
+  im->reserved = seg * (size_t)n;
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemAddressReserve(&im->base, im->reserved, 0, 0, 0), SKV_SUBSYS_HEAP, rc, fail);
+  /* Fresh segments read as zero, like the host backend's. Zero ours before handing it out: a
+   * peer may write into it as soon as its create returns, which can be before ours does. */
+  SKV_CHECK_GOTO(map_segment(im, me, dev), rc, fail);
+  SKV_CUDA_CHECK_GOTO(cudaMemset((void *)(im->base + (CUdeviceptr)me * seg), 0, seg), SKV_SUBSYS_HEAP, rc, fail);
+  SKV_CUDA_CHECK_GOTO(cudaDeviceSynchronize(), SKV_SUBSYS_HEAP, rc, fail);
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemExportToShareableHandle(&my_fd, im->handles[me],
+                                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                    SKV_SUBSYS_HEAP, rc, fail);
+  SKV_CHECK_GOTO(skv__fd_exchange(ctx->store, heap->name, ctx->local_ranks, n, me, my_fd, fds, ctx->cfg.timeout_ms),
+                 rc, fail);
+  for (int i = 0; i < n; i++) {
+    if (i == me) continue;
+    SKV_CU_CHECK_GOTO(skv__cu.cuMemImportFromShareableHandle(&im->handles[i], (void *)(uintptr_t)fds[i],
+                                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                      SKV_SUBSYS_HEAP, rc, fail);
+    SKV_CHECK_GOTO(map_segment(im, i, dev), rc, fail);
+  }
+  heap->info.base = (void *)im->base;
+  heap->info.stride = seg;
+  heap->impl = im;
+  im = NULL;
+fail:
+  for (int i = 0; i < n; i++)
+    if (fds[i] >= 0) close(fds[i]);
+  if (my_fd >= 0) close(my_fd);
+  free(fds);
+  if (im) cuda_release(im, n);
+  return rc;
+}
+
+static int cuda_destroy(skv_heap_t *heap) {
+  cuda_impl_t *im = heap->impl;
+  if (!im) return 0;
+  int rc = 0;
+  if (skv__cuda_use(heap->ctx) == 0 && cudaDeviceSynchronize() != cudaSuccess) {
+    (void)cudaGetLastError();
+    rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_HEAP, "a kernel using the heap failed before it was destroyed");
+  }
+  cuda_release(im, heap->info.npes);
+  heap->impl = NULL;
+  return rc;
+}
+
+const skv_heap_backend_t skv__heap_cuda = {
+    .name = "cuda",
+    .granularity = cuda_granularity,
+    .create = cuda_create,
+    .destroy = cuda_destroy,
+};
+
+/* ---- cuda_host: host memfd segments registered with the GPU ----------------------------- */
+
+extern const skv_heap_backend_t skv__heap_host;
+
+static int cuda_host_create(skv_heap_t *heap) {
+  SKV_CHECK(skv__cuda_use(heap->ctx));
+  heap->info.device = heap->ctx->device;
+  SKV_CHECK(skv__heap_host.create(heap));
+  size_t total = (size_t)heap->info.stride * (size_t)heap->info.npes;
+  cudaError_t e = cudaHostRegister(heap->info.base, total, cudaHostRegisterPortable | cudaHostRegisterMapped);
+  void *dptr = NULL;
+  const bool registered = e == cudaSuccess;
+  if (e == cudaSuccess) e = cudaHostGetDevicePointer(&dptr, heap->info.base, 0);
+  if (e != cudaSuccess || dptr != heap->info.base) {
+    (void)cudaGetLastError();
+    if (registered) cudaHostUnregister(heap->info.base);
+    skv__heap_host.destroy(heap);
+    if (e != cudaSuccess)
+      return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_HEAP, "registering the host heap with GPU %d failed: %s",
+                      heap->ctx->device, cudaGetErrorString(e));
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_HEAP,
+                    "GPU %d maps registered host memory at another address; the cuda_host backend needs "
+                    "the same addresses on host and device", heap->ctx->device);
+  }
+  return 0;
+}
+
+static int cuda_host_destroy(skv_heap_t *heap) {
+  int rc = 0;
+  if (heap->impl && skv__cuda_use(heap->ctx) == 0) {
+    if (cudaDeviceSynchronize() != cudaSuccess || cudaHostUnregister(heap->info.base) != cudaSuccess) {
+      (void)cudaGetLastError();
+      rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_HEAP, "unregistering the host heap failed");
+    }
+  }
+  int r2 = skv__heap_host.destroy(heap);
+  return rc ? rc : r2;
+}
+
+static uint64_t cuda_host_granularity(skv_heap_t *heap) { return skv__heap_host.granularity(heap); }
+
+const skv_heap_backend_t skv__heap_cuda_host = {
+    .name = "cuda_host",
+    .granularity = cuda_host_granularity,
+    .create = cuda_host_create,
+    .destroy = cuda_host_destroy,
+};

@@ -1,0 +1,1038 @@
+/* GPU tests of the KV data path (skipped without GPUs): publish and fetch through the copy
+ * kernels against the host reference for every layout preset, 2 and 4 PEs reading every peer,
+ * graph capture and replay, stale and bad references, device-side checks, the cuda_host tier. */
+#define _GNU_SOURCE
+#include "skv_test.h"
+
+#include "../kernels/kv_copy.h"
+#include "kv/kv.h"
+#include "kv/kv_cuda.h"
+
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+TestSuite(gpu_kv, .timeout = 300);
+
+#define CU_OK(call) \
+  PE_CHECK((call) == cudaSuccess, "%s: %s", #call, cudaGetErrorString(cudaGetLastError()))
+
+/* ---- an engine cache on a GPU (or in host memory), with a host mirror of what it holds ---- */
+
+typedef struct dengine {
+  skv_geometry_t g;
+  int preset, device;
+  uint32_t bt, nl;
+  uint64_t nb, layer_bytes;
+  uint8_t **host;     /* [num_layers] host mirror: what the device memory should hold */
+  void **dev;         /* [num_layers] device tensors (device >= 0) */
+  skv_layout_t *lay;  /* the layout symkv copies with (device, or host when device < 0) */
+  skv_layout_t *hlay; /* the same layout over the host mirror */
+} dengine_t;
+
+static skv_geometry_t geom_make(uint32_t kind, uint32_t layers, uint32_t heads, uint32_t dim,
+                                uint32_t eb, uint32_t pt) {
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.kv_kind = kind;
+  g.num_layers = layers;
+  g.num_kv_heads = heads;
+  g.head_dim = dim;
+  g.elem_bytes = eb;
+  g.page_tokens = pt;
+  return g;
+}
+
+static int de_new(dengine_t *e, const skv_geometry_t *g, int preset, uint32_t bt, uint64_t nb,
+                  int device) {
+  memset(e, 0, sizeof *e);
+  e->g = *g;
+  e->preset = preset;
+  e->device = device;
+  e->bt = bt;
+  e->nb = nb;
+  if (skv_layout_preset_layer_bytes(g, preset, bt, nb, &e->layer_bytes) != 0) return -1;
+  e->nl = preset == SKV_LAYOUT_CONTIGUOUS ? 1 : g->num_layers;
+  e->host = calloc(g->num_layers, sizeof *e->host);
+  e->dev = calloc(g->num_layers, sizeof *e->dev);
+  for (uint32_t l = 0; l < e->nl; l++) {
+    e->host[l] = aligned_alloc(64, SKV_ALIGN_UP(e->layer_bytes, 64));
+    if (device >= 0 && cudaMalloc(&e->dev[l], e->layer_bytes) != cudaSuccess) return -2;
+  }
+  if (skv_layout_create_preset(g, preset, bt, nb, (void *const *)e->host, -1, &e->hlay) != 0)
+    return -3;
+  if (device < 0) {
+    e->lay = e->hlay;
+    return 0;
+  }
+  return skv_layout_create_preset(g, preset, bt, nb, e->dev, device, &e->lay) == 0 ? 0 : -4;
+}
+
+static void de_free(dengine_t *e) {
+  if (e->lay != e->hlay) skv_layout_destroy(e->lay);
+  skv_layout_destroy(e->hlay);
+  for (uint32_t l = 0; l < e->nl; l++) {
+    free(e->host[l]);
+    if (e->dev[l]) cudaFree(e->dev[l]);
+  }
+  free(e->host);
+  free(e->dev);
+}
+
+/* cudaMemcpy from pageable memory may return before the DMA landed: synchronise the device, or
+ * the copy could still overwrite what a kernel on another stream writes next. */
+static int de_upload(dengine_t *e) {
+  for (uint32_t l = 0; l < e->nl && e->device >= 0; l++)
+    if (cudaMemcpy(e->dev[l], e->host[l], e->layer_bytes, cudaMemcpyHostToDevice) != cudaSuccess)
+      return -1;
+  return cudaDeviceSynchronize() == cudaSuccess ? 0 : -2;
+}
+
+static int de_download(dengine_t *e) {
+  for (uint32_t l = 0; l < e->nl && e->device >= 0; l++)
+    if (cudaMemcpy(e->host[l], e->dev[l], e->layer_bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
+      return -1;
+  return 0;
+}
+
+/* Fresh random data derived from `seed` (any PE regenerates a peer's from its seed). */
+static int de_fill(dengine_t *e, uint64_t seed) {
+  for (uint32_t l = 0; l < e->nl; l++) {
+    uint64_t s = seed + l;
+    skv_test_fill_random(e->host[l], e->layer_bytes, &s);
+  }
+  return de_upload(e);
+}
+
+static int de_poison(dengine_t *e) {
+  for (uint32_t l = 0; l < e->nl; l++) memset(e->host[l], 0xA5, e->layer_bytes);
+  return de_upload(e);
+}
+
+/* Address of the vector (layer, kv, block, token, head) in the host mirror, straight from the
+ * preset's tensor shape (independent of symkv's layout code). */
+static uint8_t *ref_vec(const dengine_t *e, uint32_t l, uint32_t kv, uint64_t b, uint32_t t,
+                        uint32_t h) {
+  const skv_geometry_t *g = &e->g;
+  uint64_t H = g->num_kv_heads, D = g->head_dim, T = e->bt, NB = e->nb, eb = g->elem_bytes, idx;
+  switch (e->preset) {
+  case SKV_LAYOUT_VLLM_FLASH_NHD:
+    idx = ((kv * NB + b) * T + t) * H + h;
+    break;
+  case SKV_LAYOUT_VLLM_FLASH_HND:
+    idx = ((kv * NB + b) * H + h) * T + t;
+    break;
+  case SKV_LAYOUT_FLASHINFER_NHD:
+    idx = ((b * 2 + kv) * T + t) * H + h;
+    break;
+  case SKV_LAYOUT_FLASHINFER_HND:
+    idx = ((b * 2 + kv) * H + h) * T + t;
+    break;
+  case SKV_LAYOUT_MLA:
+    idx = b * T + t;
+    break;
+  default: {
+    uint64_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
+    idx = b * (g->num_layers * kvn * T * H) + ((l * kvn + kv) * T + t) * H + h;
+    return e->host[0] + idx * D * eb;
+  }
+  }
+  return e->host[l] + idx * D * eb;
+}
+
+static int pages_equal(const dengine_t *src, const uint64_t *sb, const dengine_t *dst,
+                       const uint64_t *db) {
+  const skv_geometry_t *g = &src->g;
+  uint32_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
+  size_t vb = (size_t)g->head_dim * g->elem_bytes;
+  for (uint32_t l = 0; l < g->num_layers; l++)
+    for (uint32_t kv = 0; kv < kvn; kv++)
+      for (uint32_t t = 0; t < g->page_tokens; t++)
+        for (uint32_t h = 0; h < g->num_kv_heads; h++)
+          if (memcmp(ref_vec(src, l, kv, sb[t / src->bt], t % src->bt, h),
+                     ref_vec(dst, l, kv, db[t / dst->bt], t % dst->bt, h), vb) != 0)
+            return 0;
+  return 1;
+}
+
+/* Are all vectors of blocks not in `used` still poison? */
+static int untouched_outside(const dengine_t *e, const uint8_t *used) {
+  const skv_geometry_t *g = &e->g;
+  uint32_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
+  size_t vb = (size_t)g->head_dim * g->elem_bytes;
+  for (uint64_t b = 0; b < e->nb; b++) {
+    if (used && used[b]) continue;
+    for (uint32_t l = 0; l < g->num_layers; l++)
+      for (uint32_t kv = 0; kv < kvn; kv++)
+        for (uint32_t t = 0; t < e->bt; t++)
+          for (uint32_t h = 0; h < g->num_kv_heads; h++) {
+            const uint8_t *v = ref_vec(e, l, kv, b, t, h);
+            for (size_t i = 0; i < vb; i++)
+              if (v[i] != 0xA5) return 0;
+          }
+  }
+  return 1;
+}
+
+static void pick_blocks(uint64_t nb, size_t n, uint64_t *out, uint64_t *s) {
+  uint8_t *taken = calloc(nb, 1);
+  for (size_t i = 0; i < n; i++) {
+    uint64_t b;
+    do b = skv_test_rand(s) % nb;
+    while (taken[b]);
+    taken[b] = 1;
+    out[i] = b;
+  }
+  free(taken);
+}
+
+/* Do the pages behind refs[0..n) hold exactly what the host path would have written from
+ * `src`'s blocks blocks[i*m ..]? Reads the heap with cudaMemcpy (device or registered host). */
+static int pages_hold(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const dengine_t *src,
+                      const uint64_t *blocks) {
+  uint8_t *want = malloc(kv->page_bytes), *got = malloc(kv->page_bytes);
+  int ok = 1;
+  for (size_t i = 0; i < n && ok; i++) {
+    memset(want, 0x5A, kv->page_bytes);
+    skv__copy_blocks_to_page(src->hlay, want, blocks + i * src->hlay->blocks_per_page, false);
+    if (cudaMemcpy(got, skv__kv_page(kv, refs[i].pe, refs[i].page), kv->page_bytes,
+                   cudaMemcpyDefault) != cudaSuccess)
+      ok = 0;
+    else
+      ok = memcmp(want, got, kv->page_bytes) == 0;
+  }
+  free(want);
+  free(got);
+  return ok;
+}
+
+/* ---- round trips: publish on every PE, every PE fetches every PE's pages ---- */
+
+typedef struct rt_param {
+  int npes;
+  int backend;    /* SKV_BACKEND_CUDA or _CUDA_HOST */
+  int engine_gpu; /* 1: engine caches on the GPU (the kernels); 0: in host memory */
+  int preset;
+  uint32_t kind, layers, heads, dim, eb, pt, bt;
+  int variant; /* kernel variant: see set_variant */
+} rt_param_t;
+
+/* 0: the default (environment, else copy engines for dense runs, vec otherwise); 1: TMA bulk
+ * fetch; 2: vec, arguments read over PCIe; 3: vec, arguments copied to the device, 8 loads in
+ * flight, L2 256-byte hint; 4: bulk, arguments copied to the device; 5: vec only; 6: copy
+ * engines for dense runs (vec otherwise). */
+static int set_variant(int which) {
+  if (which == 0) return 0;
+  skv_kv_variant_t v = {SKV_KV_KERNEL_VEC, 4, 4, 256, SKV_KV_ARGS_AUTO, 0};
+  if (which == 6) v.kernel = SKV_KV_KERNEL_CE;
+  if (which == 1 || which == 4) v.kernel = SKV_KV_KERNEL_BULK, v.ctas_per_sm = 1;
+  if (which == 2) v.args = SKV_KV_ARGS_MAPPED;
+  if (which == 3 || which == 4) v.args = SKV_KV_ARGS_DEVICE;
+  if (which == 3) v.unroll = 8, v.l2_256 = 1;
+  return skv__kv_cuda_variant_set(&v);
+}
+
+static int pe_round_trip(int rank, int npes, void *arg) {
+  rt_param_t *p = arg;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
+  int dev = skv_ctx_device(ctx);
+  PE_CHECK(dev >= 0, "device: %s", skv_err_name(dev));
+  PE_CHECK(set_variant(p->variant) == 0, "variant");
+  skv_geometry_t g = geom_make(p->kind, p->layers, p->heads, p->dim, p->eb, p->pt);
+  enum { NPAGES = 6 };
+  uint32_t m = p->pt / p->bt;
+  uint64_t nb = NPAGES * m * 3;
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.backend = p->backend;
+  o.pages_per_pe = 16;
+  skv_kv_t *kv;
+  PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "kv create");
+  skv_namespace_t *ns;
+  PE_CHECK(skv_namespace_create("gpu-model", &g, "tenant", 6, "secret", 6, &ns) == 0, "ns");
+  int edev = p->engine_gpu ? dev : -1;
+  dengine_t src, dst, ref;
+  PE_CHECK(de_new(&src, &g, p->preset, p->bt, nb, edev) == 0, "src engine: %s", skv_last_error());
+  PE_CHECK(de_new(&dst, &g, p->preset, p->bt, nb, edev) == 0, "dst engine");
+  PE_CHECK(de_new(&ref, &g, p->preset, p->bt, nb, -1) == 0, "ref engine");
+  uint64_t seed = skv_test_seed(), seeds[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(ctx, &seed, seeds, sizeof seed) == 0, "seeds");
+  PE_CHECK(de_fill(&src, seed) == 0, "fill");
+  uint32_t tokens[NPAGES * 64];
+  uint32_t ntok = NPAGES * p->pt;
+  PE_CHECK(ntok <= sizeof tokens / sizeof tokens[0], "too many tokens");
+  for (uint32_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)(rank * 100000 + i);
+  skv_key_t keys[NPAGES];
+  size_t nk;
+  PE_CHECK(skv_hash_tokens(ns, tokens, ntok, NULL, keys, NPAGES, &nk) == 0 && nk == NPAGES, "hash");
+  uint64_t sblocks[NPAGES * 64];
+  uint64_t s = seed ^ 0x55;
+  pick_blocks(nb, NPAGES * m, sblocks, &s);
+  cudaStream_t st;
+  CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  size_t ins = 0;
+  PE_CHECK(skv_publish(kv, ns, keys, NPAGES, src.lay, sblocks, st, &ins) == 0 && ins == NPAGES,
+           "publish: %zu", ins);
+  PE_CHECK(skv_kv_sync(kv) == 0, "sync after publish");
+  skv_kv_stats_t stats;
+  skv_kv_get_stats(kv, &stats);
+  PE_CHECK(stats.published == NPAGES && stats.pages_used == NPAGES, "published %llu used %llu",
+           (unsigned long long)stats.published, (unsigned long long)stats.pages_used);
+  /* the pages hold exactly what the host path would have written */
+  skv_page_ref_t refs[NPAGES + 1];
+  size_t nhit;
+  PE_CHECK(skv_lookup(kv, ns, keys, NPAGES, 0, refs, &nhit) == 0 && nhit == NPAGES,
+           "own lookup %zu", nhit);
+  PE_CHECK(pages_hold(kv, refs, NPAGES, &src, sblocks),
+           "a published page differs from the host reference");
+  uint64_t all_blocks[SKV_TEST_MAX_PES][NPAGES * 64];
+  PE_CHECK(skv_ctx_allgather(ctx, sblocks, all_blocks, sizeof sblocks) == 0, "blocks");
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  for (int k = 0; k < npes; k++) {
+    int from = (rank + k) % npes; /* every PE reads every PE, peers first at different times */
+    for (uint32_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)(from * 100000 + i);
+    skv_key_t fk[NPAGES + 1];
+    PE_CHECK(skv_hash_tokens(ns, tokens, ntok, NULL, fk, NPAGES, &nk) == 0, "hash");
+    fk[NPAGES] = fk[0];
+    fk[NPAGES].lo ^= 1;
+    PE_CHECK(skv_lookup(kv, ns, fk, NPAGES + 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NPAGES,
+             "lookup %zu", nhit);
+    for (int i = 0; i < NPAGES; i++)
+      PE_CHECK(refs[i].pe == (uint32_t)from, "page %d is on PE %u", i, refs[i].pe);
+    PE_CHECK(de_poison(&dst) == 0, "poison");
+    uint64_t dblocks[NPAGES * 64];
+    s = skv_test_seed();
+    pick_blocks(nb, NPAGES * m, dblocks, &s);
+    PE_CHECK(skv_fetch(kv, refs, NPAGES, dst.lay, dblocks, SKV_FETCH_UNPIN, st) == 0,
+             "fetch from %d", from);
+    CU_OK(cudaStreamSynchronize(st));
+    PE_CHECK(skv_kv_sync(kv) == 0, "sync after fetch");
+    PE_CHECK(de_download(&dst) == 0, "download");
+    PE_CHECK(de_fill(&ref, seeds[from]) == 0, "ref");
+    for (int i = 0; i < NPAGES; i++)
+      PE_CHECK(pages_equal(&ref, &all_blocks[from][i * m], &dst, &dblocks[i * m]),
+               "page %d from PE %d differs", i, from);
+    uint8_t *used = calloc(nb, 1);
+    for (uint32_t i = 0; i < NPAGES * m; i++) used[dblocks[i]] = 1;
+    PE_CHECK(untouched_outside(&dst, used), "fetch wrote outside its blocks");
+    free(used);
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  skv_kv_get_stats(kv, &stats);
+  PE_CHECK(stats.pages_pinned == 0 && stats.pages_used == NPAGES, "pinned %llu used %llu",
+           (unsigned long long)stats.pages_pinned, (unsigned long long)stats.pages_used);
+  PE_CHECK(stats.index_entries == (uint64_t)npes * NPAGES, "entries %llu",
+           (unsigned long long)stats.index_entries);
+  CU_OK(cudaStreamDestroy(st));
+  de_free(&src);
+  de_free(&dst);
+  de_free(&ref);
+  skv_namespace_destroy(ns);
+  PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+#define CUDA_DEV SKV_BACKEND_CUDA, 1
+ParameterizedTestParameters(gpu_kv, round_trip_every_preset) {
+  static rt_param_t p[] = {
+      /* every preset, 2 and 4 PEs (4 PEs share 2 GPUs where there are 2) */
+      {2, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 3, 4, 64, 2, 32, 16, 0},
+      {4, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 3, 4, 64, 2, 32, 16, 0},
+      {2, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_HND, SKV_KV_SPLIT, 2, 3, 128, 2, 16, 16, 0},
+      {4, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_HND, SKV_KV_SPLIT, 2, 3, 128, 2, 16, 16, 0},
+      {2, CUDA_DEV, SKV_LAYOUT_FLASHINFER_NHD, SKV_KV_SPLIT, 2, 2, 32, 4, 32, 8, 0},
+      {4, CUDA_DEV, SKV_LAYOUT_FLASHINFER_NHD, SKV_KV_SPLIT, 2, 2, 32, 4, 32, 8, 0},
+      {2, CUDA_DEV, SKV_LAYOUT_FLASHINFER_HND, SKV_KV_SPLIT, 4, 1, 8, 1, 16, 4, 0},
+      {4, CUDA_DEV, SKV_LAYOUT_FLASHINFER_HND, SKV_KV_SPLIT, 4, 1, 8, 1, 16, 4, 0},
+      {2, CUDA_DEV, SKV_LAYOUT_MLA, SKV_KV_MLA, 3, 1, 576, 2, 16, 16, 0},
+      {4, CUDA_DEV, SKV_LAYOUT_MLA, SKV_KV_MLA, 3, 1, 576, 2, 16, 16, 0},
+      {2, CUDA_DEV, SKV_LAYOUT_CONTIGUOUS, SKV_KV_SPLIT, 2, 2, 16, 2, 32, 32, 0},
+      {4, CUDA_DEV, SKV_LAYOUT_CONTIGUOUS, SKV_KV_SPLIT, 2, 2, 16, 2, 32, 32, 0},
+      {2, CUDA_DEV, SKV_LAYOUT_CONTIGUOUS, SKV_KV_MLA, 2, 1, 72, 2, 16, 8, 0},
+      {4, CUDA_DEV, SKV_LAYOUT_CONTIGUOUS, SKV_KV_MLA, 2, 1, 72, 2, 16, 8, 0},
+      /* the narrow kernels: rows of 3 (1-byte vectors), 6 (2) and 4 bytes, and pages of 64
+       * one-token blocks (a chunk spans more than 32 blocks: block ids loaded per vector) */
+      {2, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 2, 3, 3, 1, 8, 2, 0},
+      {2, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_HND, SKV_KV_SPLIT, 1, 2, 3, 2, 16, 4, 0},
+      {2, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 1, 1, 2, 2, 64, 1, 0},
+      /* a real page size: Llama-3-8B's 8 KV heads of 128, 16 tokens, 4 layers (256 KiB) */
+      {2, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 4, 8, 128, 2, 16, 16, 0},
+      /* the cuda_host tier: pages in host memory that the kernels read and write */
+      {2, SKV_BACKEND_CUDA_HOST, 1, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 3, 4, 64, 2, 32, 16,
+       0},
+      {4, SKV_BACKEND_CUDA_HOST, 1, SKV_LAYOUT_MLA, SKV_KV_MLA, 3, 1, 576, 2, 16, 16, 0},
+      /* host engines: over GPU pages (bounced through host memory) and over cuda_host pages */
+      {2, SKV_BACKEND_CUDA, 0, SKV_LAYOUT_VLLM_FLASH_HND, SKV_KV_SPLIT, 2, 3, 128, 2, 16, 16, 0},
+      {2, SKV_BACKEND_CUDA_HOST, 0, SKV_LAYOUT_FLASHINFER_NHD, SKV_KV_SPLIT, 2, 2, 32, 4, 32, 8, 0},
+      /* kernel variants: TMA bulk fetch (whole blocks, rows, MLA latents, from cuda_host pages;
+       * rows of 8 bytes fall back to vec), arguments over PCIe or copied to the device */
+      {2, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 4, 8, 128, 2, 16, 16, 1},
+      {4, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_HND, SKV_KV_SPLIT, 2, 3, 128, 2, 16, 16, 1},
+      {2, CUDA_DEV, SKV_LAYOUT_MLA, SKV_KV_MLA, 3, 1, 576, 2, 16, 16, 4},
+      {2, CUDA_DEV, SKV_LAYOUT_FLASHINFER_HND, SKV_KV_SPLIT, 4, 1, 8, 1, 16, 4, 1},
+      {2, SKV_BACKEND_CUDA_HOST, 1, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 3, 4, 64, 2, 32, 16,
+       1},
+      {2, CUDA_DEV, SKV_LAYOUT_FLASHINFER_NHD, SKV_KV_SPLIT, 2, 2, 32, 4, 32, 8, 2},
+      {4, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 3, 4, 64, 2, 32, 16, 3},
+      /* the copy engines (runs of 8 KiB and more: whole blocks of a layer's K or V), 2 blocks per
+       * page; and the same with the kernel only */
+      {2, CUDA_DEV, SKV_LAYOUT_FLASHINFER_NHD, SKV_KV_SPLIT, 2, 8, 128, 2, 32, 16, 6},
+      {4, CUDA_DEV, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 4, 8, 128, 2, 16, 16, 6},
+      {2, SKV_BACKEND_CUDA_HOST, 1, SKV_LAYOUT_MLA, SKV_KV_MLA, 3, 1, 576, 2, 16, 16, 6},
+      {2, CUDA_DEV, SKV_LAYOUT_FLASHINFER_NHD, SKV_KV_SPLIT, 2, 8, 128, 2, 32, 16, 5},
+  };
+  return cr_make_param_array(rt_param_t, p, sizeof p / sizeof p[0]);
+}
+
+ParameterizedTest(rt_param_t *p, gpu_kv, round_trip_every_preset, .timeout = 240) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, p->npes, pe_round_trip, p, 200000);
+  cr_assert_eq(
+      bad, 0, "%d PEs, backend %d, engine %s, preset %d L%u H%u D%u eb%u pt%u bt%u, variant %d: %s",
+      p->npes, p->backend, p->engine_gpu ? "GPU" : "host", p->preset, p->layers, p->heads, p->dim,
+      p->eb, p->pt, p->bt, p->variant, skv_test_statuses(&job));
+}
+
+Test(gpu_kv, round_trip_random_geometries, .timeout = 300) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  uint64_t s = skv_test_seed();
+  static const uint32_t dims[] = {1, 3, 8, 64, 80, 128};
+  for (int iter = 0; iter < 5; iter++) {
+    rt_param_t p;
+    p.npes = 2;
+    p.backend = SKV_BACKEND_CUDA;
+    p.engine_gpu = 1;
+    p.preset = 1 + (int)(skv_test_rand(&s) % 6);
+    p.kind = p.preset == SKV_LAYOUT_MLA                                     ? SKV_KV_MLA
+             : (p.preset == SKV_LAYOUT_CONTIGUOUS && skv_test_rand(&s) % 2) ? SKV_KV_MLA
+                                                                            : SKV_KV_SPLIT;
+    p.layers = 1 + (uint32_t)(skv_test_rand(&s) % 4);
+    p.heads = p.kind == SKV_KV_MLA ? 1 : 1 + (uint32_t)(skv_test_rand(&s) % 4);
+    p.dim = dims[skv_test_rand(&s) % 6];
+    p.eb = 1u << (skv_test_rand(&s) % 3);
+    p.bt = 1u << (skv_test_rand(&s) % 4);
+    p.pt = p.bt * (1 + (uint32_t)(skv_test_rand(&s) % 4));
+    p.variant = iter % 2 ? 4 : 0;
+    skv_test_job_t job;
+    int bad = skv_test_run(&job, 2, pe_round_trip, &p, 120000);
+    cr_assert_eq(bad, 0, "preset %d kind %u L%u H%u D%u eb%u pt%u bt%u: %s", p.preset, p.kind,
+                 p.layers, p.heads, p.dim, p.eb, p.pt, p.bt, skv_test_statuses(&job));
+  }
+}
+
+/* ---- graph capture and replay ---- */
+
+typedef struct graph_param {
+  int npes, variant;
+} graph_param_t;
+
+static int pe_graph(int rank, int npes, void *arg) {
+  const graph_param_t *gp = arg;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
+  int dev = skv_ctx_device(ctx);
+  PE_CHECK(dev >= 0, "device");
+  PE_CHECK(set_variant(gp->variant) == 0, "variant");
+  skv_geometry_t g = geom_make(SKV_KV_SPLIT, 2, 4, 64, 2, 32); /* 64 KiB pages */
+  enum { NP = 4, REPLAYS = 100 };
+  const uint32_t bt = 16, m = 2;
+  const uint64_t nb = 64;
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.backend = SKV_BACKEND_CUDA;
+  o.pages_per_pe = 32;
+  skv_kv_t *kv;
+  PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "kv create");
+  skv_namespace_t *ns;
+  PE_CHECK(skv_namespace_create("graph", &g, NULL, 0, "s", 1, &ns) == 0, "ns");
+  dengine_t src, dst;
+  PE_CHECK(de_new(&src, &g, SKV_LAYOUT_VLLM_FLASH_NHD, bt, nb, dev) == 0, "src");
+  PE_CHECK(de_new(&dst, &g, SKV_LAYOUT_VLLM_FLASH_NHD, bt, nb, dev) == 0, "dst");
+  uint64_t seed = skv_test_seed();
+  PE_CHECK(de_fill(&src, seed) == 0, "fill");
+  skv_key_t keys[NP];
+  uint64_t sblocks[NP * 2];
+  for (int i = 0; i < NP; i++) {
+    uint64_t id = ((uint64_t)rank << 32) | (uint64_t)i;
+    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
+  }
+  for (uint32_t i = 0; i < NP * m; i++) sblocks[i] = i;
+  cudaStream_t st;
+  CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  size_t ins;
+  PE_CHECK(skv_publish(kv, ns, keys, NP, src.lay, sblocks, st, &ins) == 0 && ins == NP, "publish");
+  PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  int from = (rank + 1) % npes;
+  for (int i = 0; i < NP; i++) {
+    uint64_t id = ((uint64_t)from << 32) | (uint64_t)i;
+    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
+  }
+  skv_page_ref_t refs[NP], own[NP];
+  size_t nhit;
+  PE_CHECK(skv_lookup(kv, ns, keys, NP, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NP,
+           "pinned lookup");
+  for (int i = 0; i < NP; i++) {
+    uint64_t id = ((uint64_t)rank << 32) | (uint64_t)i;
+    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
+  }
+  PE_CHECK(skv_lookup(kv, ns, keys, NP, 0, own, &nhit) == 0 && nhit == NP, "unpinned lookup");
+  uint64_t dblocks[NP * 2];
+  uint64_t s = skv_test_seed();
+  pick_blocks(nb, NP * m, dblocks, &s);
+
+  /* what a capture refuses, each leaving the capture usable */
+  cudaGraph_t graph;
+  CU_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+  int rc = skv_fetch(kv, own, NP, dst.lay, dblocks, 0, st);
+  PE_CHECK(rc == SKV_ECAPTURE && strstr(skv_last_error(), "SKV_LOOKUP_PIN"),
+           "unpinned refs: %s / %s", skv_err_name(rc), skv_last_error());
+  rc = skv_fetch(kv, refs, NP, dst.lay, dblocks, SKV_FETCH_UNPIN, st);
+  PE_CHECK(rc == SKV_ECAPTURE, "SKV_FETCH_UNPIN: %s", skv_err_name(rc));
+  rc = skv_publish(kv, ns, keys, NP, src.lay, sblocks, st, &ins);
+  PE_CHECK(rc == SKV_ECAPTURE && strstr(skv_last_error(), "evicted"), "publish: %s",
+           skv_err_name(rc));
+  PE_CHECK(skv_fetch(kv, refs, NP, dst.lay, dblocks, 0, st) == 0, "captured fetch: %s",
+           skv_last_error());
+  CU_OK(cudaStreamEndCapture(st, &graph));
+  cudaGraphExec_t exec;
+  CU_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  /* replays: the test changes the pages' data between replays and checks every one */
+  const uint64_t pb = kv->page_bytes;
+  uint8_t *pages = malloc(NP * pb);
+  dengine_t want;
+  PE_CHECK(de_new(&want, &g, SKV_LAYOUT_VLLM_FLASH_NHD, bt, nb, -1) == 0, "want");
+  for (int r = 0; r < REPLAYS; r++) {
+    skv_test_fill_random(pages, NP * pb, &s);
+    for (int i = 0; i < NP; i++)
+      CU_OK(cudaMemcpyAsync(skv__kv_page(kv, refs[i].pe, refs[i].page), pages + i * pb, pb,
+                            cudaMemcpyHostToDevice, st));
+    PE_CHECK(de_poison(&dst) == 0, "poison");
+    CU_OK(cudaGraphLaunch(exec, st));
+    CU_OK(cudaStreamSynchronize(st));
+    PE_CHECK(de_download(&dst) == 0, "download");
+    for (uint32_t l = 0; l < want.nl; l++) memset(want.host[l], 0xA5, want.layer_bytes);
+    for (int i = 0; i < NP; i++)
+      skv__copy_page_to_blocks(want.hlay, pages + i * pb, dblocks + i * m, false);
+    for (uint32_t l = 0; l < want.nl; l++)
+      PE_CHECK(memcmp(want.host[l], dst.host[l], want.layer_bytes) == 0,
+               "replay %d: layer %u differs", r, l);
+  }
+  free(pages);
+  de_free(&want);
+  PE_CHECK(skv_kv_sync(kv) == 0, "no device-side error");
+  CU_OK(cudaGraphExecDestroy(exec));
+  CU_OK(cudaGraphDestroy(graph));
+
+  /* every captured fetch keeps its argument slot: the 9th capture finds none */
+  int ok = 0;
+  for (int c = 0; c < 9; c++) {
+    CU_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    rc = skv_fetch(kv, refs, NP, dst.lay, dblocks, 0, st);
+    CU_OK(cudaStreamEndCapture(st, &graph));
+    CU_OK(cudaGraphDestroy(graph));
+    if (rc == 0)
+      ok++;
+    else
+      PE_CHECK(rc == SKV_ECAPTURE && strstr(skv_last_error(), "slot"), "capture %d: %s", c,
+               skv_last_error());
+  }
+  PE_CHECK(ok == 7, "%d more captures succeeded, expected 7 (8 graph slots, 1 taken)", ok);
+  PE_CHECK(skv_unpin(kv, refs, NP) == 0, "unpin");
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  skv_kv_stats_t stats;
+  skv_kv_get_stats(kv, &stats);
+  PE_CHECK(stats.pages_pinned == 0, "pinned %llu", (unsigned long long)stats.pages_pinned);
+  CU_OK(cudaStreamDestroy(st));
+  de_free(&src);
+  de_free(&dst);
+  skv_namespace_destroy(ns);
+  PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+ParameterizedTestParameters(gpu_kv, graph_capture_and_replay) {
+  /* arguments in the kernel parameters (captured by value), and a TMA bulk fetch whose
+   * arguments are copied to the device (a memcpy node that reads the graph's slot) */
+  static graph_param_t p[] = {{2, 0}, {4, 0}, {2, 4}};
+  return cr_make_param_array(graph_param_t, p, sizeof p / sizeof p[0]);
+}
+
+ParameterizedTest(graph_param_t *p, gpu_kv, graph_capture_and_replay, .timeout = 240) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, p->npes, pe_graph, p, 200000);
+  cr_assert_eq(bad, 0, "%d PEs, variant %d: %s", p->npes, p->variant, skv_test_statuses(&job));
+}
+
+/* ---- stale and bad references ---- */
+
+typedef struct fix {
+  skv_ctx_t *ctx;
+  skv_kv_t *kv;
+  skv_namespace_t *ns;
+  skv_geometry_t g;
+  dengine_t eng;
+  cudaStream_t st;
+  int dev;
+} fix_t;
+
+static int fix_init(fix_t *f, uint64_t pages, uint64_t nb) {
+  memset(f, 0, sizeof *f);
+  if (skv_test_init(&f->ctx, 60000)) return -1;
+  f->dev = skv_ctx_device(f->ctx);
+  if (f->dev < 0) return -2;
+  f->g = geom_make(SKV_KV_SPLIT, 2, 2, 64, 2, 16); /* 8 KiB pages */
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.backend = SKV_BACKEND_CUDA;
+  o.pages_per_pe = pages;
+  if (skv_kv_create(f->ctx, &f->g, &o, &f->kv)) return -3;
+  if (skv_namespace_create("fixture", &f->g, NULL, 0, "s3cret", 6, &f->ns)) return -4;
+  if (cudaStreamCreateWithFlags(&f->st, cudaStreamNonBlocking) != cudaSuccess) return -5;
+  return de_new(&f->eng, &f->g, SKV_LAYOUT_CONTIGUOUS, 16, nb, f->dev);
+}
+
+static void fix_fini(fix_t *f) {
+  de_free(&f->eng);
+  cudaStreamDestroy(f->st);
+  skv_namespace_destroy(f->ns);
+  skv_kv_destroy(f->kv);
+  skv_finalize(f->ctx);
+}
+
+static skv_key_t key_of(const fix_t *f, uint64_t id) {
+  skv_key_t k;
+  skv_key_from_bytes(f->ns, &id, sizeof id, &k);
+  return k;
+}
+
+/* Publish ids[0..n) from blocks 0..n of the fixture's engine (filled with fresh data). */
+static int publish_ids(fix_t *f, const uint64_t *ids, size_t n) {
+  skv_key_t keys[64];
+  uint64_t blocks[64];
+  for (size_t i = 0; i < n; i++) keys[i] = key_of(f, ids[i]), blocks[i] = i;
+  uint64_t s = skv_test_seed();
+  if (de_fill(&f->eng, s)) return -1;
+  size_t ins;
+  int rc = skv_publish(f->kv, f->ns, keys, n, f->eng.lay, blocks, f->st, &ins);
+  if (rc) return rc;
+  return skv_kv_sync(f->kv);
+}
+
+static int pe_stale(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16) == 0, "fixture: %s", skv_last_error());
+  skv_page_ref_t ref;
+  size_t nhit;
+  skv_key_t k = key_of(&f, 77);
+  if (rank == 0) PE_CHECK(publish_ids(&f, (uint64_t[]){77}, 1) == 0, "publish");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 0) {
+    uint64_t n;
+    PE_CHECK(skv_evict(f.kv, 1, &n) == 0 && n == 1, "evict");
+    PE_CHECK(publish_ids(&f, (uint64_t[]){78}, 1) == 0,
+             "reuse"); /* the same page, next generation */
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  PE_CHECK(de_poison(&f.eng) == 0, "poison");
+  int rc = skv_fetch(f.kv, &ref, 1, f.eng.lay, (uint64_t[]){9}, 0, f.st);
+  PE_CHECK(rc == SKV_ESTALE, "stale reference gives %s", skv_err_name(rc));
+  PE_CHECK(strstr(skv_last_error(), "stale") != NULL, "message: %s", skv_last_error());
+  CU_OK(cudaStreamSynchronize(f.st));
+  PE_CHECK(skv_kv_sync(f.kv) == 0, "sync");
+  PE_CHECK(de_download(&f.eng) == 0, "download");
+  PE_CHECK(untouched_outside(&f.eng, NULL), "a stale fetch wrote something");
+  skv_kv_stats_t st;
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.stale == 1 && st.pages_pinned == 0, "stale %llu pinned %llu",
+           (unsigned long long)st.stale, (unsigned long long)st.pages_pinned);
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(gpu_kv, stale_references_are_reported_not_read, .timeout = 120) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_stale, NULL, 100000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+static int pe_bad_refs(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16) == 0, "fixture: %s", skv_last_error());
+  PE_CHECK(publish_ids(&f, (uint64_t[]){100 + (uint64_t)rank}, 1) == 0, "publish");
+  skv_key_t k = key_of(&f, 100 + (uint64_t)rank);
+  skv_page_ref_t ref;
+  size_t nhit;
+  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
+  PE_CHECK(de_poison(&f.eng) == 0, "poison");
+  uint64_t blk = 3, big = 16;
+  skv_page_ref_t bad_page = ref, bad_pe = ref, bad_gen = ref;
+  bad_page.page = 8;
+  bad_pe.pe = (uint32_t)npes;
+  bad_gen.gen = 0;
+  int rc = skv_fetch(f.kv, &bad_page, 1, f.eng.lay, &blk, 0, f.st);
+  PE_CHECK(rc == SKV_ERANGE && strstr(skv_last_error(), "page 8"), "page out of range: %s / %s",
+           skv_err_name(rc), skv_last_error());
+  PE_CHECK(skv_fetch(f.kv, &bad_pe, 1, f.eng.lay, &blk, 0, f.st) == SKV_ERANGE, "PE out of range");
+  PE_CHECK(skv_fetch(f.kv, &bad_gen, 1, f.eng.lay, &blk, 0, f.st) == SKV_EINVAL, "generation 0");
+  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &big, 0, f.st) == SKV_EINVAL,
+           "block id out of range");
+  PE_CHECK(skv_publish(f.kv, f.ns, &k, 1, f.eng.lay, &big, f.st, NULL) == SKV_EINVAL,
+           "publish bad block");
+  int ndev = 0;
+  CU_OK(cudaGetDeviceCount(&ndev));
+  if (ndev > 1) {
+    skv_layout_t *other;
+    void *ptrs[1] = {f.eng.dev[0]};
+    PE_CHECK(skv_layout_create_preset(&f.g, SKV_LAYOUT_CONTIGUOUS, 16, 16, ptrs, (f.dev + 1) % ndev,
+                                      &other) == 0,
+             "layout");
+    rc = skv_fetch(f.kv, &ref, 1, other, &blk, 0, f.st);
+    PE_CHECK(rc == SKV_EINVAL && strstr(skv_last_error(), "GPU"), "layout of another GPU: %s",
+             skv_last_error());
+    skv_layout_destroy(other);
+  }
+  CU_OK(cudaStreamSynchronize(f.st));
+  PE_CHECK(skv_kv_sync(f.kv) == 0, "sync");
+  PE_CHECK(de_download(&f.eng) == 0, "download");
+  PE_CHECK(untouched_outside(&f.eng, NULL), "a refused fetch wrote something");
+  skv_kv_stats_t st;
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.pages_pinned == 0, "pins leaked: %llu", (unsigned long long)st.pages_pinned);
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(gpu_kv, bad_references_are_refused_on_the_host, .timeout = 120) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_bad_refs, NULL, 100000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* ---- the device-side checks, through the kernel wrapper with bad descriptors ---- */
+
+enum { DC_PAGES = 4, DC_BLOCKS = 8, DC_GUARD = 65536 };
+
+typedef struct dcheck {
+  uint8_t *heap, *eng; /* device: [pages | guard], [blocks | guard] */
+  uint8_t *args;       /* device: the argument block (bases, one ref, two block ids) */
+  uint8_t host[32];    /* its host copy */
+  uint32_t *err;       /* host-mapped */
+  size_t heap_bytes, eng_bytes;
+  skv_kv_copy_desc_t d;
+  skv_kv_copy_cfg_t cfg;
+} dcheck_t;
+
+/* Pages of 2 tensors x 4 tokens x 1 head x 64 bytes, blocks of 2 tokens (CONTIGUOUS-like:
+ * runs of 128 bytes, so the bulk kernel takes them). */
+static int dc_setup(dcheck_t *c) {
+  const uint32_t row = 64, pt = 4, bt = 2, nt = 2;
+  const uint64_t page = (uint64_t)nt * pt * row, block = (uint64_t)nt * bt * row;
+  c->heap_bytes = DC_PAGES * page + DC_GUARD;
+  c->eng_bytes = DC_BLOCKS * block + DC_GUARD;
+  if (cudaMalloc((void **)&c->heap, c->heap_bytes) || cudaMalloc((void **)&c->eng, c->eng_bytes) ||
+      cudaMalloc((void **)&c->args, sizeof c->host) ||
+      cudaHostAlloc((void **)&c->err, 16, cudaHostAllocMapped))
+    return -1;
+  uint64_t bases[2] = {(uint64_t)(uintptr_t)c->eng,
+                       (uint64_t)(uintptr_t)(c->eng + (uint64_t)bt * row)};
+  memcpy(c->host, bases, sizeof bases);
+  memset(&c->d, 0, sizeof c->d);
+  skv_kv_copy_desc_t *d = &c->d;
+  d->width = 16;
+  d->heap = (uint64_t)(uintptr_t)c->heap;
+  d->pe_stride = c->heap_bytes;
+  d->page_stride = page;
+  d->npes = 1;
+  d->pages_per_pe = DC_PAGES;
+  d->ntensors = nt;
+  d->heads = 1;
+  d->row_bytes = row;
+  d->page_tokens = pt;
+  d->block_tokens = bt;
+  d->blocks_per_page = pt / bt;
+  d->run_bytes = bt * row;
+  d->num_blocks = DC_BLOCKS;
+  d->stride_block = (int64_t)block;
+  d->stride_token = row;
+  d->stride_head = row;
+  d->n = 1;
+  d->refs_off = 16;
+  d->bids_off = 24;
+  d->args_bytes = 32;
+  d->args_dev = c->args;
+  d->err = c->err;
+  c->cfg.unroll = 8;
+  c->cfg.ctas_per_sm = 2;
+  c->cfg.threads = 256;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return -3;
+  return cudaDeviceGetAttribute(&c->cfg.sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess
+             ? 0
+             : -4;
+}
+
+/* Run one batch of one page: ref (pe, page), block ids (b0, b1), direction, with the arguments
+ * read from device memory (mode 0), from the kernel parameters (1), or the bulk kernel (2);
+ * buffers are reset to known bytes first (heap 0x11 + guard 0x22, engine 0x33 + guard 0x44). */
+static int dc_run(dcheck_t *c, int mode, int dir, uint32_t pe, uint32_t page, uint32_t b0,
+                  uint32_t b1, uint32_t *err) {
+  uint32_t a[4] = {pe, page, b0, b1};
+  memcpy(c->host + 16, a, sizeof a);
+  memset(c->err, 0, 16);
+  if (cudaMemcpy(c->args, c->host, sizeof c->host, cudaMemcpyHostToDevice) ||
+      cudaMemset(c->heap, 0x11, c->heap_bytes - DC_GUARD) ||
+      cudaMemset(c->heap + c->heap_bytes - DC_GUARD, 0x22, DC_GUARD) ||
+      cudaMemset(c->eng, 0x33, c->eng_bytes - DC_GUARD) ||
+      cudaMemset(c->eng + c->eng_bytes - DC_GUARD, 0x44, DC_GUARD) || cudaDeviceSynchronize())
+    return -1;
+  c->d.dir = dir;
+  c->d.args_host = mode ? c->host : NULL;
+  c->cfg.args = mode ? SKV_KV_ARGS_AUTO : SKV_KV_ARGS_DEVICE;
+  c->cfg.kernel = mode == 2 ? SKV_KV_KERNEL_BULK : SKV_KV_KERNEL_VEC;
+  if (skv__kv_copy_launch(&c->d, &c->cfg, NULL) != 0 || cudaDeviceSynchronize() != cudaSuccess)
+    return -2;
+  memcpy(err, c->err, 16);
+  return 0;
+}
+
+/* Count bytes of [p, p + n) on the device that differ from `v`. */
+static size_t dc_count_not(const uint8_t *p, size_t n, uint8_t v) {
+  uint8_t *h = malloc(n);
+  size_t bad = 0;
+  if (cudaMemcpy(h, p, n, cudaMemcpyDeviceToHost) != cudaSuccess)
+    bad = n;
+  else
+    for (size_t i = 0; i < n; i++) bad += h[i] != v;
+  free(h);
+  return bad;
+}
+
+static int pe_device_checks(int rank, int npes, void *arg) {
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
+  PE_CHECK(skv_ctx_device(ctx) >= 0, "device");
+  dcheck_t c;
+  memset(&c, 0, sizeof c);
+  PE_CHECK(dc_setup(&c) == 0, "setup");
+  const size_t pages = c.heap_bytes - DC_GUARD, blocks = c.eng_bytes - DC_GUARD;
+  uint32_t err[4];
+  for (int mode = 0; mode < 3; mode++) {
+    /* a valid batch: the reference run, so that the checks below prove something */
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_FETCH, 0, 1, 2, 5, err) == 0 && err[0] == 0,
+             "mode %d: valid fetch: err %u", mode, err[0]);
+    PE_CHECK(dc_count_not(c.eng, blocks, 0x33) == 2 * 256,
+             "mode %d: a valid fetch writes 2 blocks of 256 bytes", mode);
+    /* fetch of a page beyond the heap (it would read the guard): nothing written, error set */
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_FETCH, 0, DC_PAGES, 2, 5, err) == 0, "run");
+    PE_CHECK(err[0] == SKV_KV_DEVERR_PAGE && err[3] == DC_PAGES, "mode %d: page check: err %u/%u",
+             mode, err[0], err[3]);
+    PE_CHECK(dc_count_not(c.eng, c.eng_bytes - DC_GUARD, 0x33) == 0,
+             "mode %d: a refused page was copied", mode);
+    PE_CHECK(dc_count_not(c.eng + blocks, DC_GUARD, 0x44) == 0, "mode %d: engine guard touched",
+             mode);
+    /* a PE that does not exist */
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_FETCH, 1, 0, 2, 5, err) == 0, "run");
+    PE_CHECK(err[0] == SKV_KV_DEVERR_PE && err[3] == 1, "mode %d: PE check: err %u/%u", mode,
+             err[0], err[3]);
+    PE_CHECK(dc_count_not(c.eng, c.eng_bytes, 0x33) == DC_GUARD, "mode %d: a refused PE was copied",
+             mode);
+    /* a block id beyond the engine (its address lies in the guard): that block skipped only */
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_FETCH, 0, 1, 2, DC_BLOCKS, err) == 0, "run");
+    PE_CHECK(err[0] == SKV_KV_DEVERR_BLOCK && err[3] == DC_BLOCKS,
+             "mode %d: block check: err %u/%u", mode, err[0], err[3]);
+    PE_CHECK(dc_count_not(c.eng + blocks, DC_GUARD, 0x44) == 0,
+             "mode %d: engine guard touched by a bad block id", mode);
+    PE_CHECK(dc_count_not(c.eng, blocks, 0x33) == 256,
+             "mode %d: the good block of the page is still copied", mode);
+    if (mode == 2) break; /* the bulk kernel only fetches */
+    /* publish into a page beyond the heap: the heap guard stays */
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_PUBLISH, 0, DC_PAGES, 2, 5, err) == 0, "run");
+    PE_CHECK(err[0] == SKV_KV_DEVERR_PAGE, "mode %d: publish page check: err %u", mode, err[0]);
+    PE_CHECK(dc_count_not(c.heap + pages, DC_GUARD, 0x22) == 0,
+             "mode %d: heap guard touched by a publish", mode);
+    PE_CHECK(dc_count_not(c.heap, pages, 0x11) == 0,
+             "mode %d: heap pages touched by a refused publish", mode);
+    /* publish from a block beyond the engine: that part of the page is not written */
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_PUBLISH, 0, 2, DC_BLOCKS + 100, 5, err) == 0, "run");
+    PE_CHECK(err[0] == SKV_KV_DEVERR_BLOCK, "mode %d: publish block check: err %u", mode, err[0]);
+    PE_CHECK(dc_count_not(c.heap, pages, 0x11) == 256,
+             "mode %d: only the good block's half of the page is written", mode);
+    PE_CHECK(dc_count_not(c.heap + pages, DC_GUARD, 0x22) == 0, "mode %d: heap guard touched",
+             mode);
+  }
+  cudaFree(c.heap);
+  cudaFree(c.eng);
+  cudaFree(c.args);
+  cudaFreeHost(c.err);
+
+  /* a cache reports its kernels' refusals at skv_kv_sync, once */
+  skv_geometry_t g = geom_make(SKV_KV_SPLIT, 1, 1, 32, 2, 2);
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.backend = SKV_BACKEND_CUDA;
+  o.pages_per_pe = 4;
+  skv_kv_t *kv;
+  PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "kv");
+  uint32_t *ew = skv__kv_cuda_err_word(kv);
+  PE_CHECK(ew != NULL, "error word");
+  ew[1] = 3, ew[2] = 1, ew[3] = 99, ew[0] = SKV_KV_DEVERR_PAGE; /* as a kernel would */
+  int rc = skv_kv_sync(kv);
+  PE_CHECK(rc == SKV_ERANGE && strstr(skv_last_error(), "page 99"), "sync reports: %s / %s",
+           skv_err_name(rc), skv_last_error());
+  PE_CHECK(skv_kv_sync(kv) == 0 && ew[0] == 0, "reported once");
+  PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(gpu_kv, device_side_checks_touch_nothing_outside, .timeout = 120) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_device_checks, NULL, 100000);
+  cr_assert_eq(bad, 0, "PE failed: %s", skv_test_statuses(&job));
+}
+
+/* ---- large batches (several launches) and many fetches in flight ---- */
+
+static int pe_large(int rank, int npes, void *arg) {
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
+  int dev = skv_ctx_device(ctx);
+  PE_CHECK(dev >= 0, "device");
+  skv_geometry_t g = geom_make(SKV_KV_SPLIT, 1, 1, 16, 2, 4); /* 256-byte pages */
+  enum { N = 5000, BURST = 40, PER = 16 };
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.backend = SKV_BACKEND_CUDA;
+  o.pages_per_pe = N + 8;
+  skv_kv_t *kv;
+  PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "kv");
+  skv_namespace_t *ns;
+  PE_CHECK(skv_namespace_create("large", &g, NULL, 0, "s", 1, &ns) == 0, "ns");
+  dengine_t src, dst, ref;
+  PE_CHECK(de_new(&src, &g, SKV_LAYOUT_VLLM_FLASH_NHD, 4, N, dev) == 0, "src");
+  PE_CHECK(de_new(&dst, &g, SKV_LAYOUT_VLLM_FLASH_NHD, 4, N, dev) == 0, "dst");
+  PE_CHECK(de_new(&ref, &g, SKV_LAYOUT_VLLM_FLASH_NHD, 4, N, -1) == 0, "ref");
+  uint64_t seed = skv_test_seed(), seeds[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(ctx, &seed, seeds, sizeof seed) == 0, "seeds");
+  PE_CHECK(de_fill(&src, seed) == 0, "fill");
+  skv_key_t *keys = malloc(N * sizeof *keys);
+  uint64_t *blocks = malloc(N * sizeof *blocks), *dblocks = malloc(N * sizeof *dblocks);
+  skv_page_ref_t *refs = malloc(N * sizeof *refs);
+  for (uint64_t i = 0; i < N; i++) {
+    uint64_t id = ((uint64_t)rank << 32) | i;
+    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
+    blocks[i] = (i * 7919) % N; /* a permutation */
+  }
+  cudaStream_t st;
+  CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  size_t ins;
+  PE_CHECK(skv_publish(kv, ns, keys, N, src.lay, blocks, st, &ins) == 0 && ins == N, "publish %zu",
+           ins);
+  PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  int from = (rank + 1) % npes;
+  for (uint64_t i = 0; i < N; i++) {
+    uint64_t id = ((uint64_t)from << 32) | i;
+    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
+    dblocks[i] = (i * 104729 + 13) % N;
+  }
+  size_t nhit;
+  PE_CHECK(skv_lookup(kv, ns, keys, N, 0, refs, &nhit) == 0 && nhit == N, "lookup %zu", nhit);
+  PE_CHECK(de_fill(&ref, seeds[from]) == 0, "ref");
+  uint64_t fblocks[N];
+  for (uint64_t i = 0; i < N; i++) fblocks[i] = (i * 7919) % N; /* the publisher's blocks */
+  /* one call of 5000 pages: more than one launch */
+  PE_CHECK(de_poison(&dst) == 0, "poison");
+  PE_CHECK(skv_fetch(kv, refs, N, dst.lay, dblocks, 0, st) == 0, "large fetch");
+  CU_OK(cudaStreamSynchronize(st));
+  PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+  PE_CHECK(de_download(&dst) == 0, "download");
+  for (uint64_t i = 0; i < N; i++)
+    PE_CHECK(pages_equal(&ref, &fblocks[i], &dst, &dblocks[i]), "page %llu differs",
+             (unsigned long long)i);
+  /* many small fetches back to back: more than the argument slots, nothing synchronised */
+  PE_CHECK(de_poison(&dst) == 0, "poison");
+  for (int b = 0; b < BURST; b++)
+    PE_CHECK(skv_fetch(kv, refs + b * PER, PER, dst.lay, dblocks + b * PER, 0, st) == 0, "burst %d",
+             b);
+  CU_OK(cudaStreamSynchronize(st));
+  PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+  PE_CHECK(de_download(&dst) == 0, "download");
+  for (uint64_t i = 0; i < BURST * PER; i++)
+    PE_CHECK(pages_equal(&ref, &fblocks[i], &dst, &dblocks[i]), "burst page %llu differs",
+             (unsigned long long)i);
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  skv_kv_stats_t stats;
+  skv_kv_get_stats(kv, &stats);
+  PE_CHECK(stats.pages_pinned == 0, "pinned %llu", (unsigned long long)stats.pages_pinned);
+  free(keys);
+  free(blocks);
+  free(dblocks);
+  free(refs);
+  CU_OK(cudaStreamDestroy(st));
+  de_free(&src);
+  de_free(&dst);
+  de_free(&ref);
+  skv_namespace_destroy(ns);
+  PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(gpu_kv, large_batches_and_many_in_flight, .timeout = 180) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_large, NULL, 150000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* ---- concurrent GPU publishes of the same keys are deduplicated ---- */
+
+static int pe_dedup(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 64, 64) == 0, "fixture: %s", skv_last_error());
+  skv_key_t keys[32];
+  uint64_t blocks[32];
+  for (int i = 0; i < 32; i++) keys[i] = key_of(&f, 1000 + (uint64_t)i), blocks[i] = (uint64_t)i;
+  PE_CHECK(de_fill(&f.eng, 4242) == 0, "fill"); /* the same data everywhere */
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  size_t queued;
+  PE_CHECK(skv_publish(f.kv, f.ns, keys, 32, f.eng.lay, blocks, f.st, &queued) == 0, "publish");
+  PE_CHECK(skv_kv_sync(f.kv) == 0, "sync");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  skv_kv_stats_t st;
+  skv_kv_get_stats(f.kv, &st);
+  uint64_t pub[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(f.ctx, &st.published, pub, sizeof st.published) == 0, "ag");
+  uint64_t total = 0;
+  for (int r = 0; r < npes; r++) total += pub[r];
+  PE_CHECK(total == 32, "every key inserted exactly once in all: %llu", (unsigned long long)total);
+  PE_CHECK(st.pages_used == st.published, "losers freed their pages: used %llu published %llu",
+           (unsigned long long)st.pages_used, (unsigned long long)st.published);
+  PE_CHECK(queued >= st.published && queued - st.published == st.deduplicated,
+           "queued %zu = %llu + %llu", queued, (unsigned long long)st.published,
+           (unsigned long long)st.deduplicated);
+  PE_CHECK(st.index_entries == 32 && skv__index_check(&f.kv->index) == 32, "entries %llu",
+           (unsigned long long)st.index_entries);
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(gpu_kv, concurrent_publish_of_the_same_keys_is_deduplicated, .timeout = 120) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 4, pe_dedup, NULL, 100000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
