@@ -332,9 +332,15 @@ int bench_allreduce(bench_t *b) {
                     "--backend host times the host backend's protocol instead");
 #endif
   const char *dt = bench_opt(b, "--dtype");
-  a.dtype = !dt || strcmp(dt, "bf16") == 0 ? SKV_DTYPE_BF16
-            : strcmp(dt, "fp16") == 0      ? SKV_DTYPE_FP16
-                                           : SKV_DTYPE_FP32;
+  if (!dt || strcmp(dt, "bf16") == 0)
+    a.dtype = SKV_DTYPE_BF16;
+  else if (strcmp(dt, "fp16") == 0)
+    a.dtype = SKV_DTYPE_FP16;
+  else if (strcmp(dt, "fp32") == 0)
+    a.dtype = SKV_DTYPE_FP32;
+  else
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH, "allreduce: --dtype %s: use bf16, fp16 or fp32",
+                    dt);
   a.reps = (int)bench_opt_int(b, "--reps", 7);
   a.calls = (int)bench_opt_int(b, "--calls", 100);
   if (a.reps < 1) a.reps = 1;
@@ -362,10 +368,17 @@ int bench_allreduce(bench_t *b) {
         cudaStreamCreateWithFlags(&a.s, cudaStreamNonBlocking) || cudaEventCreate(&a.e0) ||
         cudaEventCreate(&a.e1))
       rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "allocating the benchmark's buffers failed");
+    /* values in [-2, 2] of the benchmark's dtype */
     uint16_t *host = malloc(o.max_bytes);
     uint64_t s = 0x5eed + (uint64_t)a.rank;
-    for (uint64_t i = 0; host && i < o.max_bytes / 2; i++)
-      host[i] = skv__float_to_bf16((float)((int)(bench_rand(&s) % 2001) - 1000) / 500.0f);
+    const uint32_t es = skv__dtype_size(a.dtype);
+    for (uint64_t i = 0; host && i < o.max_bytes / es; i++) {
+      float v = (float)((int)(bench_rand(&s) % 2001) - 1000) / 500.0f;
+      if (a.dtype == SKV_DTYPE_FP32)
+        memcpy((char *)host + i * 4, &v, sizeof v);
+      else
+        host[i] = a.dtype == SKV_DTYPE_BF16 ? skv__float_to_bf16(v) : skv__float_to_fp16(v);
+    }
     if (rc == 0 &&
         (!host || cudaMemcpy(a.in, host, o.max_bytes, cudaMemcpyHostToDevice) != cudaSuccess))
       rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "filling the input failed");

@@ -371,7 +371,7 @@ static const skv_kv_variant_t variants_list[] = {
     {BULK, 4, 1, 128, SKV_KV_ARGS_AUTO, 0},  {VEC, 4, 4, 256, SKV_KV_ARGS_AUTO, 0},
     {CE, 4, 4, 256, SKV_KV_ARGS_AUTO, 0},    {VEC, 8, 4, 256, SKV_KV_ARGS_AUTO, 0},
     {VEC, 4, 4, 256, SKV_KV_ARGS_AUTO, 1},   {VEC, 4, 4, 256, SKV_KV_ARGS_MAPPED, 0},
-    {VEC, 4, 4, 256, SKV_KV_ARGS_DEVICE, 0},
+    {VEC, 4, 4, 256, SKV_KV_ARGS_DEVICE, 0}, {VEC, 4, 8, 128, SKV_KV_ARGS_AUTO, 0},
 };
 
 int bench_fetch(bench_t *b) {
@@ -476,7 +476,7 @@ int bench_fetch(bench_t *b) {
         }
         if (rc == 0 && c->ps == (64u << 10) && c->n == 16) {
           rc = time_op(&f, M_EMPTY, &bt, reps, &floor_empty);
-          rc = time_e2e(&f, M_FETCH, &bt, reps, &e2e_fetch);
+          if (rc == 0) rc = time_e2e(&f, M_FETCH, &bt, reps, &e2e_fetch);
           if (rc == 0) rc = time_e2e(&f, M_CE, &bt, reps, &e2e_ce);
           have_lat = 1;
         }

@@ -74,13 +74,13 @@ int bench_report(bench_t *b) {
   json_t *o = to_json(b);
   int rc = 0;
   if (b->json_out) {
-    if (json_dump_file(o, b->json_out, JSON_INDENT(1) | JSON_REAL_PRECISION(6)) != 0) {
+    if (json_dump_file(o, b->json_out, JSON_INDENT(1) | JSON_REAL_PRECISION(10)) != 0) {
       fprintf(stderr, "symkv-bench: cannot write %s\n", b->json_out);
       rc = 1;
     }
   }
   if (b->json) {
-    json_dumpf(o, stdout, JSON_COMPACT | JSON_REAL_PRECISION(6));
+    json_dumpf(o, stdout, JSON_COMPACT | JSON_REAL_PRECISION(10));
     fputc('\n', stdout);
   } else {
     printf("%-40s %14s %-6s  %-34s %14s %8s\n", "name", "value", "unit", "baseline", "baseline", "ratio");

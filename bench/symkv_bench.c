@@ -23,7 +23,7 @@ static const command_t commands[] = {
      "      [--bytes N (64M)] [--reps N (5)] [--backend host]"},
     {"micro", bench_micro,
      "index lookup/insert rates, page alloc/free, host fetch bandwidth vs memcpy\n"
-     "      [--keys N (1M)] [--seconds S (1)] [--page-bytes N,...]"},
+     "      [--keys N (1M)] [--seconds S (1)] [--batch-bytes N (64M)] [--reps N (5)]"},
     {"fetch", bench_fetch,
      "GPU fetch of random peer pages (GB/s) vs the copy engine's contiguous copy, a per-page\n"
      "      cudaMemcpyAsync loop and a local gather; 1 MiB latency; kernel variants\n"

@@ -26,6 +26,9 @@ echo
 echo "== Criterion summaries ($build) =="
 grep -E "^\[====\] Synthesis|Tested:|skipped" "$build/ctest.log" | sed 's/\x1b\[[0-9;]*m//g' || true
 grep -E "tests passed|tests failed" "$build/ctest.log" || true
+skips=$(grep -h "\[SKIP\]" "$build"/Testing/Temporary/LastTest*.log 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' |
+  sed -E 's/^\[SKIP\] ([^:]+)::[^:]+: /\1: /' | sort | uniq -c || true)
+if [ -n "$skips" ]; then echo "== Skipped tests (count, suite: reason) =="; echo "$skips"; fi
 if [ -z "$san" ] && [ -d bindings/python/tests ]; then
   echo "== Python tests =="
   SKV_LIBRARY="$PWD/$build/libsymkv.so" SKV_RUN="$PWD/$build/symkv-run" \

@@ -4,7 +4,8 @@
 # and the runtime libraries carried (../shared/gpu-host-libs.sh):
 #   bench/gpu/session.sh BUILD_DIR LIB_DIR STEP...
 # Steps: tests (every test_gpu_* suite), test_gpu_NAME (one suite), allreduce, torch, fetch,
-# fetch-quick, trace. A step gets its own time limit; a step that fails does not stop the others.
+# fetch-quick, trace, pytest (the Python tests; pytest importable, e.g. PYTHONPATH=.gpupy).
+# A step gets its own time limit; a step that fails does not stop the others.
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
 set -u
 B=${1:?build dir}; L=${2:?lib dir}; shift 2
@@ -43,6 +44,9 @@ for step in "$@"; do
   trace)
     run trace 240 "$R" -n 2 --timeout 230 -- "$SB" trace "${SKV_TRACE:-.gpudata/mooncake_synthetic_trace.jsonl}" --backend cuda \
       --json-out "$OUT/trace_$kind.json" ;;
+  pytest) # the Python bindings' tests against the CUDA build (pytest from PYTHONPATH, e.g. .gpupy)
+    SKV_LIBRARY="$PWD/$B/libsymkv.so" SKV_RUN="$PWD/$R" PYTHONPATH="${PYTHONPATH:-}:$PWD/bindings/python" \
+      run pytest 300 python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests ;;
   *) echo "unknown step $step" | tee -a "$OUT/summary.txt" ;;
   esac
 done

@@ -7,7 +7,7 @@
 
 #ifdef SKV_WITH_CUDA
 
-/* The process-wide kernel variant (kernels/kv_copy.h): kernel SKV_KV_KERNEL_VEC or _BULK,
+/* The process-wide kernel variant (kernels/kv_copy.h): kernel SKV_KV_KERNEL_VEC, _BULK or _CE,
  * 16-byte loads in flight per thread (VEC: 4 or 8), CTAs per multiprocessor (1..32, fewer when
  * the kernel's occupancy allows fewer), threads per CTA (VEC: 128, 256 or 512) and where the
  * arguments travel (SKV_KV_ARGS_*). Read once from SKV_FETCH_KERNEL, _UNROLL, _CTAS and

@@ -86,7 +86,7 @@ def run_pes(n, script, *args, env=None, timeout=120, launcher_args=()):
     if not os.access(run, os.X_OK):
         pytest.fail("SKV_RUN=%s is not an executable symkv-run (build it, or set SKV_RUN)" % run)
     e = dict(os.environ)
-    e.pop("SKV_RUN", None)  # ours, not symkv's: PEs would warn about an unknown SKV_* variable
+    e.pop("SKV_RUN", None)  # the tests' variable: the PEs do not need it
     e["PYTHONPATH"] = PKG + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("SKV_TIMEOUT_MS", "20000")
     e["PYTHONUNBUFFERED"] = "1"
