@@ -65,6 +65,10 @@ int bench_heap(bench_t *b);
 int bench_micro(bench_t *b);
 /* GPU fetch bandwidth and latency vs the copy engine (bench_fetch.c). */
 int bench_fetch(bench_t *b);
+/* Workloads (bench_workload.c, docs/workloads.md): trace replay and synthetic long-context. */
+int bench_trace(bench_t *b);
+int bench_longdoc(bench_t *b);
+int bench_multiround(bench_t *b);
 /* All-reduce latency in CUDA graphs vs NCCL, crossovers, barrier, signals (bench_allreduce.c). */
 int bench_allreduce(bench_t *b);
 

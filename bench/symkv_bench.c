@@ -29,6 +29,20 @@ static const command_t commands[] = {
      "      cudaMemcpyAsync loop and a local gather; 1 MiB latency; kernel variants\n"
      "      [--quick] [--page-sizes 16K,...,4M] [--batches 1,...,4096] [--max-batch-bytes 1G]\n"
      "      [--reps N (15)] [--layout nhd|hnd|flashinfer] [--no-variants]"},
+    {"trace", bench_trace,
+     "replay a Mooncake JSONL trace (request i on PE i mod N); policies none, per_pe, shared\n"
+     "      FILE [--model tiny|llama-3-8b|llama-3-70b|qwen2.5-32b|deepseek-v3] [--tp N]\n"
+     "      [--capacity-pages N|unbounded | --capacity-fraction F] [--ordered | --realtime --speed X]\n"
+     "      [--backend host|cuda|cuda_host] [--prefill-tflops T] [--requests N] [--plot FILE.png]\n"
+     "      (docs/workloads.md has every option)"},
+    {"longdoc", bench_longdoc,
+     "D documents of L tokens queried repeatedly; same policies and options as trace\n"
+     "      [--docs 16] [--doc-tokens 32768] [--repeats 4] [--order random|tile|interleave]\n"
+     "      [--question-tokens 64]"},
+    {"multiround", bench_multiround,
+     "U users x R rounds of a conversation with growing histories; same policies and options\n"
+     "      [--users 10] [--rounds 8] [--system-tokens 2048] [--message-tokens 640]\n"
+     "      [--answer-tokens 320]"},
     {"allreduce", bench_allreduce,
      "skv_allreduce latency in CUDA graphs per algorithm and AUTO vs ncclAllReduce (same run),\n"
      "      measured crossovers, barrier latency, signal ping-pong round trips\n"
