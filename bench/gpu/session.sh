@@ -4,7 +4,7 @@
 # and the runtime libraries carried (../shared/gpu-host-libs.sh):
 #   bench/gpu/session.sh BUILD_DIR LIB_DIR STEP...
 # Steps: tests (every test_gpu_* suite), test_gpu_NAME (one suite), allreduce, torch, fetch,
-# fetch-quick, trace, pytest (the Python tests; pytest importable, e.g. PYTHONPATH=.gpupy).
+# fetch-quick, trace (SKV_TRACE_PES, default 4), pytest (the Python tests; pytest importable, e.g. PYTHONPATH=.gpupy).
 # A step gets its own time limit; a step that fails does not stop the others.
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
 set -u
@@ -41,9 +41,14 @@ for step in "$@"; do
       --json-out "$OUT/torch_symm_mem_$kind.json" ;;
   fetch) run fetch 400 "$R" -n 2 --timeout 390 -- "$SB" fetch --json-out "$OUT/fetch_$kind.json" ;;
   fetch-quick) run fetch_quick 200 "$R" -n 2 --timeout 190 -- "$SB" fetch --quick --json-out "$OUT/fetch_quick.json" ;;
-  trace)
-    run trace 240 "$R" -n 2 --timeout 230 -- "$SB" trace "${SKV_TRACE:-.gpudata/mooncake_synthetic_trace.jsonl}" --backend cuda \
-      --json-out "$OUT/trace_$kind.json" ;;
+  trace) # the trace on SKV_TRACE_PES (4) PEs over the GPUs: unbounded, a quarter of the pages, llama-3-8b
+    T=${SKV_TRACE:-bench/data/mooncake_synthetic_trace.jsonl}; n=${SKV_TRACE_PES:-4}
+    run trace 200 "$R" -n "$n" --timeout 190 -- "$SB" trace "$T" --backend cuda \
+      --json-out "$OUT/trace_$kind.json"
+    run trace_quarter 200 "$R" -n "$n" --timeout 190 -- "$SB" trace "$T" --backend cuda \
+      --capacity-fraction 0.25 --json-out "$OUT/trace_quarter_$kind.json"
+    run trace_llama 240 "$R" -n "$n" --timeout 230 -- "$SB" trace "$T" --backend cuda \
+      --model llama-3-8b --requests 400 --json-out "$OUT/trace_llama-3-8b_$kind.json" ;;
   pytest) # the Python bindings' tests against the CUDA build (pytest from PYTHONPATH, e.g. .gpupy)
     SKV_LIBRARY="$PWD/$B/libsymkv.so" SKV_RUN="$PWD/$R" PYTHONPATH="${PYTHONPATH:-}:$PWD/bindings/python" \
       run pytest 300 python3 -m pytest -q -rs -p no:cacheprovider bindings/python/tests ;;
