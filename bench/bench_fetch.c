@@ -20,6 +20,7 @@ int bench_fetch(bench_t *b) {
 #else
 
 #include "../kernels/kv_copy.h"
+#include "heap/device_cuda.h"
 #include "kv/kv_cuda.h"
 
 #include <cuda_runtime_api.h>
@@ -60,15 +61,7 @@ typedef struct fb {
   size_t *bsize;
 } fb_t;
 
-#define BCUDA(call)                                                        \
-  do {                                                                     \
-    cudaError_t e_ = (call);                                               \
-    if (e_ != cudaSuccess) {                                               \
-      (void)cudaGetLastError();                                            \
-      return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "%s failed: %s", #call, \
-                      cudaGetErrorString(e_));                             \
-    }                                                                      \
-  } while (0)
+#define BCUDA(call) SKV_CUDA_CHECK((call), SKV_SUBSYS_BENCH)
 
 /* ---- one page size: the cache, a pool of published pages on every PE, the engine ---------- */
 

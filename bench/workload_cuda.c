@@ -7,18 +7,12 @@
 #include <string.h>
 
 #ifdef SKV_WITH_CUDA
+#include "heap/device_cuda.h"
+
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
-#define WL_CUDA(call)                                                      \
-  do {                                                                     \
-    cudaError_t e_ = (call);                                               \
-    if (e_ != cudaSuccess) {                                               \
-      (void)cudaGetLastError();                                            \
-      return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "%s failed: %s", #call, \
-                      cudaGetErrorString(e_));                             \
-    }                                                                      \
-  } while (0)
+#define WL_CUDA(call) SKV_CUDA_CHECK((call), SKV_SUBSYS_BENCH)
 
 bool wl_dev_present(void) {
   int n = 0;
