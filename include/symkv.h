@@ -411,7 +411,9 @@ SKV_EXTERN int skv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n);
 enum { SKV_FETCH_UNPIN = 1u }; /* also release the caller's lookup pins once copied */
 
 /* Copy pages refs[0..n) into the engine's blocks: page i fills blocks
- * block_ids[i*m .. i*m+m) with m = page_tokens / block_tokens. Each page is pinned (its
+ * block_ids[i*m .. i*m+m) with m = page_tokens / block_tokens; the ids must be distinct (they
+ * are range-checked, not checked for duplicates: a block named twice ends up with either page's
+ * bytes, on a GPU possibly a mix of both). Each page is pinned (its
  * generation checked) for the copy: a stale reference fails with SKV_ESTALE before any byte
  * is written. `stream`: a cudaStream_t for GPU layouts (NULL: the legacy default stream): the
  * copy is one kernel launch per batch of up to 4096 pages, stream-ordered, and the pins are
