@@ -48,6 +48,27 @@ void skv__copy_stream_fence(void) {
  * memcpy, which the compiler turns into a few vector moves instead of a library call. */
 static SKV_ALWAYS_INLINE void copy_rows(char *restrict d, int64_t dstep, const char *restrict s,
                                         int64_t sstep, uint64_t n, size_t bytes, bool stream) {
+#if defined(__SSE2__)
+  /* Short rows of whole, aligned destination lines: non-temporal stores skip their
+   * read-for-ownership, and each row fills its write-combining buffers completely. */
+  if (stream && bytes < 256 && bytes % 64 == 0 && dstep % 64 == 0 && ((uintptr_t)d & 63) == 0) {
+    for (uint64_t i = 0; i < n; i++, s += sstep, d += dstep - (int64_t)bytes)
+      for (size_t o = 0; o < bytes; o += 64, d += 64) {
+        /* 2 KiB ahead, one line per line copied: the hardware prefetcher stops at every
+         * 4 KiB, and a burst of prefetches stalls on the fill buffers */
+        if (sstep == (int64_t)bytes) __builtin_prefetch(s + o + 2048);
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + o)),
+                b = _mm_loadu_si128((const __m128i *)(s + o + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32)),
+                e = _mm_loadu_si128((const __m128i *)(s + o + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+      }
+    return;
+  }
+#endif
   if (stream && bytes >= 256) {
     for (uint64_t i = 0; i < n; i++, d += dstep, s += sstep) {
       if (i + 1 < n) /* the next row's source, which no hardware prefetcher predicts */
@@ -105,6 +126,11 @@ static SKV_ALWAYS_INLINE void copy_page(const skv_layout_t *lay, char *page,
           copy_rows(b, st, pg, (int64_t)tok, T, tok, stream);
         else
           copy_rows(pg, (int64_t)tok, b, st, T, tok, stream);
+      } else if (st <= sh && to_blocks && stream && row < 256 && row % 64 == 0) {
+        /* HND-like, short rows, large copy: walk the page in order (the source streams in) and
+         * scatter whole-line rows with non-temporal stores */
+        for (uint64_t t = 0; t < T; t++)
+          copy_rows(b + (int64_t)t * st, sh, pg + t * tok, (int64_t)row, H, row, true);
       } else if (st <= sh) { /* HND-like: for each head, its tokens */
         for (uint64_t h = 0; h < H; h++) {
           char *bh = b + (int64_t)h * sh, *ph = pg + h * row;
