@@ -308,6 +308,37 @@ static int time_op(fb_t *f, int method, const batch_t *bt, int reps, double *sec
   return 0;
 }
 
+/* Back to back: B2B_K operations behind one gate, events before the first and after the last;
+ * the time per operation (seconds, median over groups). What an operation costs a stream that
+ * the host keeps fed, as in an engine's step: launch processing overlaps the previous operation,
+ * the wait for that operation to complete does not. Every operation reads batch r's own random
+ * pages (bt made with MAX_REPS repetitions: 66 MiB of distinct 1 MiB batches, beyond the L2).
+ * B2B_K stays within the cache's ring of argument slots, which the gate holds. */
+#define B2B_K       8
+static int time_b2b(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
+  double t[MAX_REPS];
+  const int groups = (WARM + reps) / B2B_K;
+  int ng = 0;
+  for (int g = 0; g < groups; g++) {
+    SKV_CHECK(skv_kv_sync(f->kv)); /* every slot back in the ring */
+    *f->flag = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    BCUDA((cudaError_t)skv__kv_gate_launch(f->st, f->flag, GATE_MIN_NS, GATE_NS));
+    BCUDA(cudaEventRecord(f->e0, f->st));
+    int rc = 0;
+    for (int k = 0; k < B2B_K && rc == 0; k++) rc = run_op(f, method, bt, g * B2B_K + k);
+    BCUDA(cudaEventRecord(f->e1, f->st));
+    __atomic_store_n((uint32_t *)f->flag, 1, __ATOMIC_SEQ_CST);
+    BCUDA(cudaEventSynchronize(f->e1));
+    if (rc) return rc;
+    float ms;
+    BCUDA(cudaEventElapsedTime(&ms, f->e0, f->e1));
+    if (g > 0) t[ng++] = (double)ms * 1e-3 / B2B_K; /* group 0 warms up */
+  }
+  *sec = bench_median(t, (size_t)ng);
+  return 0;
+}
+
 /* Wall time (seconds) of a call and its completion (host enqueue, GPU, stream synchronised). */
 static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
   double t[MAX_REPS];
@@ -439,7 +470,7 @@ int bench_fetch(bench_t *b) {
   double var_t[NCASES][SKV_ARRAY_LEN(variants_list)];
   memset(var_t, 0, sizeof var_t);
   double e2e_fetch = 0, e2e_ce = 0, floor_empty = 0, e2e_big_fetch = 0, e2e_big_ce = 0,
-         e2e_big_batch = 0;
+         e2e_big_batch = 0, b2b_fetch = 0, b2b_ce = 0, b2b_empty = 0;
   int have_lat = 0;
 
   for (int si = 0; si < nsizes && rc == 0; si++) {
@@ -471,6 +502,12 @@ int bench_fetch(bench_t *b) {
           rc = time_op(&f, M_EMPTY, &bt, reps, &floor_empty);
           if (rc == 0) rc = time_e2e(&f, M_FETCH, &bt, reps, &e2e_fetch);
           if (rc == 0) rc = time_e2e(&f, M_CE, &bt, reps, &e2e_ce);
+          batch_t bb; /* back to back: fresh pages, MAX_REPS batches */
+          if (rc == 0) rc = batch_make(&f, &bb, c->n, MAX_REPS);
+          if (rc == 0) rc = time_b2b(&f, M_FETCH, &bb, MAX_REPS, &b2b_fetch);
+          if (rc == 0) rc = time_b2b(&f, M_CE, &bb, MAX_REPS, &b2b_ce);
+          if (rc == 0) rc = time_b2b(&f, M_EMPTY, &bb, MAX_REPS, &b2b_empty);
+          batch_free(&bb, MAX_REPS);
           have_lat = 1;
         }
         batch_free(&bt, reps);
@@ -565,6 +602,13 @@ int bench_fetch(bench_t *b) {
                 "cudaMemcpyAsync 1 MiB + sync, wall", e2e_ce * 1e6);
       bench_row(b, "gpu_floor/empty_kernel", floor_empty * 1e6, "us", "lower",
                 "fetch of 1 MiB of 64 KiB pages", c->t[M_FETCH] * 1e6);
+      if (ce_bw > 0)
+        bench_row(b, "fetch_latency_b2b/64KiB/x16", b2b_fetch * 1e6, "us", "lower",
+                  "target 1.5 x bytes / CE bandwidth + 5 us", 1.5 * (1 << 20) / ce_bw * 1e6 + 5);
+      bench_row(b, "fetch_latency_b2b_vs_ce/64KiB/x16", b2b_fetch * 1e6, "us", "lower",
+                "copy-engine contiguous 1 MiB, back to back", b2b_ce * 1e6);
+      bench_row(b, "gpu_floor_b2b/empty_kernel", b2b_empty * 1e6, "us", "lower",
+                "fetch of 1 MiB of 64 KiB pages, back to back", b2b_fetch * 1e6);
     }
     if (e2e_big_fetch > 0)
       bench_row(b, "fetch_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_fetch / 1e9, "GB/s",

@@ -417,7 +417,8 @@ enum { SKV_FETCH_UNPIN = 1u }; /* also release the caller's lookup pins once cop
  * generation checked) for the copy: a stale reference fails with SKV_ESTALE before any byte
  * is written. `stream`: a cudaStream_t for GPU layouts (NULL: the legacy default stream): the
  * copy is one kernel launch per batch of up to 4096 pages, stream-ordered, and the pins are
- * released by a host callback once it completes; host layouts copy synchronously.
+ * released by the cache's completion thread once it completes (the stream carries only the
+ * copy and an event); host layouts copy synchronously.
  * While `stream` is being captured into a CUDA graph, every reference must already be pinned
  * by this PE (skv_lookup with SKV_LOOKUP_PIN; else SKV_ECAPTURE): a captured fetch takes no
  * pins, so the caller keeps them for as long as it replays the graph, and releases them with
@@ -431,7 +432,7 @@ SKV_EXTERN int skv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
  * complete. A key already cached (by any PE) is skipped; one that another PE inserts first
  * is deduplicated and its page freed. Least recently used unpinned pages of this PE are
  * evicted to make room. *ninserted (optional) counts keys this call inserted; for GPU layouts
- * the copy is stream-ordered and the keys are inserted by a host callback after it, so
+ * the copy is stream-ordered and the keys are inserted by the completion thread after it, so
  * *ninserted counts the pages queued (skv_kv_sync waits for the inserts; the stats count
  * what was inserted and deduplicated). Refused (SKV_ECAPTURE) while `stream` is being
  * captured: a replay would write into pages that may have been evicted and reused since. */

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 TestSuite(gpu_kv, .timeout = 300);
 
@@ -994,6 +995,55 @@ Test(gpu_kv, large_batches_and_many_in_flight, .timeout = 180) {
   SKV_TEST_REQUIRE_GPUS(1);
   skv_test_job_t job;
   int bad = skv_test_run(&job, 2, pe_large, NULL, 150000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* ---- pins and keys wait for the copy: a held stream keeps them until it ran ---- */
+
+static int pe_wait_copy(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  PE_CHECK(fix_init(&f, 16, 16) == 0, "fixture: %s", skv_last_error());
+  const uint64_t ids[4] = {500, 501, 502, 503};
+  PE_CHECK(publish_ids(&f, ids, 4) == 0, "publish: %s", skv_last_error());
+  skv_key_t keys[4], nk = key_of(&f, 600);
+  skv_page_ref_t refs[4], nref;
+  size_t nhit, queued;
+  for (int i = 0; i < 4; i++) keys[i] = key_of(&f, ids[i]);
+  PE_CHECK(skv_lookup(f.kv, f.ns, keys, 4, 0, refs, &nhit) == 0 && nhit == 4, "lookup");
+  uint32_t *flag;
+  CU_OK(cudaHostAlloc((void **)&flag, 64, cudaHostAllocMapped));
+  __atomic_store_n(flag, 0, __ATOMIC_SEQ_CST);
+  /* the stream waits for the flag (20 s at most) */
+  CU_OK((cudaError_t)skv__kv_gate_launch(f.st, flag, 0, 20ull * 1000 * 1000 * 1000));
+  PE_CHECK(skv_fetch(f.kv, refs, 4, f.eng.lay, (uint64_t[]){8, 9, 10, 11}, 0, f.st) == 0,
+           "fetch: %s", skv_last_error());
+  PE_CHECK(skv_publish(f.kv, f.ns, &nk, 1, f.eng.lay, (uint64_t[]){12}, f.st, &queued) == 0 &&
+               queued == 1,
+           "publish: %s", skv_last_error());
+  usleep(100 * 1000);
+  skv_kv_stats_t st;
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.pages_pinned == 4, "pins released before the copy ran: %llu pinned",
+           (unsigned long long)st.pages_pinned);
+  PE_CHECK(skv_lookup(f.kv, f.ns, &nk, 1, 0, &nref, &nhit) == 0 && nhit == 0,
+           "a key was inserted before its page was written");
+  __atomic_store_n(flag, 1, __ATOMIC_SEQ_CST);
+  PE_CHECK(skv_kv_sync(f.kv) == 0, "sync: %s", skv_last_error());
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.pages_pinned == 0, "pins left after the copy: %llu",
+           (unsigned long long)st.pages_pinned);
+  PE_CHECK(skv_lookup(f.kv, f.ns, &nk, 1, 0, &nref, &nhit) == 0 && nhit == 1,
+           "the published key is missing after the copy");
+  cudaFreeHost(flag);
+  fix_fini(&f);
+  return 0;
+}
+
+Test(gpu_kv, pins_and_keys_wait_for_the_copy, .timeout = 120) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_wait_copy, NULL, 100000);
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 

@@ -1,6 +1,7 @@
 /* The CUDA data path of the KV cache: fetch into and publish from engine blocks in GPU memory
  * (pages on any PE), one kernel launch per batch on the caller's stream, pins released and keys
- * inserted by host callbacks once the copy is complete; host layouts over GPU pages. */
+ * inserted by the cache's completion thread once the copy is complete; host layouts over GPU
+ * pages. */
 #define _GNU_SOURCE
 #include "kv/kv_cuda.h"
 
@@ -10,6 +11,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,18 +25,22 @@
  * pages of one block) travel in the kernel's parameters (no memory round trip before the first
  * page load); larger ones are read by the kernels from the slot over PCIe, a few bytes per 8 KiB
  * chunk (measured faster than copying them to device memory first, SKV_KV_ARGS_DEVICE).
- * RING_SLOTS slots serve ordinary calls; a slot is handed back by the host callback of the
- * launch that used it, and a call that finds none free waits for one, bounded by the context's
- * timeout. Batches larger than a slot (beyond 4096 pages, or fewer when pages have many blocks)
- * are split into several launches.
+ * RING_SLOTS slots serve ordinary calls; a slot is handed back once the launch that used it
+ * completed, and a call that finds none free waits for one, bounded by the context's timeout.
+ * Batches larger than a slot (beyond 4096 pages, or fewer when pages have many blocks) are split
+ * into several launches.
  *
  * Fetch. Every reference is pinned on the host first (the generation check): a stale one
  * fails with SKV_ESTALE before anything is enqueued. Then, per launch: the copy on the caller's
- * stream, an event recorded after it, and on a private side stream a wait for that event
- * followed by cudaLaunchHostFunc. The callback releases the launch's pins (and the caller's,
- * with SKV_FETCH_UNPIN) and the slot. Running the callback on the side stream keeps the
- * caller's stream free: the engine's next kernel does not wait for a host round trip, yet pins
- * are released only once the copy is complete.
+ * stream and an event recorded after it. The cache's completion thread watches the events of
+ * the launches in flight (cudaEventQuery, sleeping 2 us doubling to 100 us while any is
+ * pending, on a condition variable while none is) and, once a launch's event has completed,
+ * releases its pins (and the caller's, with SKV_FETCH_UNPIN) and hands its slot back. Pins are
+ * thus released only once the copy is complete, and the caller's stream carries nothing but
+ * the copy and an event. (The first version enqueued cudaLaunchHostFunc on a side stream
+ * waiting for the event: measured on 2 H200, that callback cost the caller's stream 2-3 us per
+ * launch, even on another stream of another priority; the event and the wait alone cost
+ * nothing. bench/gpu/latency_probe.cu shows it.)
  *
  * The copy (the process-wide variant, SKV_FETCH_KERNEL): "bulk" (default), the TMA kernel for
  * 16-byte aligned runs of 128 bytes and more, else the vec kernel; "vec"; or "ce", the copy
@@ -46,13 +52,14 @@
  * copies; they leave the SMs to the engine, which is why they stay an option.
  *
  * Publish. The host allocates the pages (WRITING: no one can pin or evict them), launches the
- * blocks -> pages kernel, and the callback makes each page READY and inserts its key, then
- * commits it (LRU) or frees it (key present: deduplicated; no index slot), exactly the steps
- * the host path takes synchronously. *ninserted counts the pages queued; skv_kv_sync waits for
- * the callbacks and the stats count what was inserted.
+ * blocks -> pages kernel, and once it completed the completion thread makes each page READY
+ * and inserts its key, then commits it (LRU) or frees it (key present: deduplicated; no index
+ * slot), exactly the steps the host path takes synchronously. *ninserted counts the pages
+ * queued; skv_kv_sync waits for the launches to be completed and the stats count what was
+ * inserted.
  *
  * Graph capture. While the caller's stream is being captured a fetch takes no pins and
- * enqueues no callback (the graph may be replayed any number of times, much later): every
+ * leaves nothing to complete (the graph may be replayed any number of times, much later): every
  * reference must already be pinned by this PE (skv_lookup with SKV_LOOKUP_PIN), and stays so
  * while the graph is replayed. Its arguments go to a slot of a separate pool, dedicated to
  * that graph for the cache's lifetime. Publish is refused while capturing: a replay would
@@ -65,13 +72,14 @@
  * What can go wrong
  * -----------------
  * - A stream that never completes (blocked on an event, a hung kernel): calls that need a slot
- *   and skv_kv_sync time out with SKV_ETIMEDOUT; at destroy the state that callbacks still
- *   reference is leaked (never freed under them) and the callbacks skip their pool work.
- * - Callbacks must not call CUDA: they only touch the pool, the index and this file's lock.
- *   The caller's thread never holds that lock across a CUDA call, so a callback never waits
- *   for something that waits for it.
- * - A launch that fails after the kernel was enqueued (event or callback enqueue): the call
- *   waits for the stream and runs the callback itself, so pins never leak.
+ *   and skv_kv_sync time out with SKV_ETIMEDOUT; at destroy the completion thread is stopped
+ *   and the slots of launches still pending are leaked (a kernel may still read them).
+ * - The completion thread queries events without the lock and completes launches with it; no
+ *   thread holds the lock across a CUDA call. A query failing with an error other than "not
+ *   ready" (a broken context) completes the launch anyway and records the error for
+ *   skv_kv_sync: the pins go, since no copy will ever run again.
+ * - A launch whose event cannot be recorded after the kernel was enqueued: the call waits for
+ *   the stream and completes the launch itself, so pins never leak.
  * - A kernel refusing corrupted arguments (device-side checks) sets the cache's error word;
  *   skv_kv_sync reports it. */
 
@@ -101,25 +109,28 @@ typedef struct slot {
   uint32_t refs_off; /* byte offset of the (pe, page) pairs in args */
   bool unpin_caller; /* SKV_FETCH_UNPIN */
   skv_key_t *keys;   /* publish: the pages' keys (ring slots only) */
-  struct slot *next;
+  struct slot *next; /* in the free ring, or in the pending list */
 } slot_t;
 
 typedef struct kv_cuda {
   skv_kv_t *kv;
   int device, sms;
-  cudaStream_t side; /* host callbacks, off the caller's stream */
-  uint8_t *pinned;   /* the slots, then the error word */
+  uint8_t *pinned; /* the slots, then the error word */
   uint8_t *pinned_dev;
   uint8_t *mirrors; /* device memory: one argument mirror per slot */
   uint32_t *err, *err_dev;
   slot_t slots[NSLOTS];
-  pthread_mutex_t mu; /* free ring, inflight, graph slots, callback error, closed */
-  pthread_cond_t cv;
+  pthread_mutex_t mu;  /* free ring, pending list, inflight, graph slots, errors, closed, stop */
+  pthread_cond_t cv;   /* a slot was handed back */
+  pthread_cond_t work; /* the completion thread: a launch is pending, or stop */
   bool sync_init;
   slot_t *free_ring;
+  slot_t *pending;  /* ring slots whose launch was enqueued, not yet completed */
+  pthread_t reaper; /* the completion thread */
+  bool reaper_on, stop;
   int graph_used;
   uint64_t inflight; /* ring slots taken and not yet handed back */
-  int cb_err;        /* first failure inside a callback */
+  int cb_err;        /* first failure while completing a launch */
   char cb_msg[384];
   bool closed;
   int ce_off; /* the copy-engine path failed once (driver without cudaMemcpyBatchAsync) */
@@ -214,21 +225,34 @@ uint32_t *skv__kv_cuda_err_word(skv_kv_t *kv) {
 
 /* ---- set-up --------------------------------------------------------------------------------- */
 
+static void reaper_stop(kv_cuda_t *kc) {
+  if (!kc->reaper_on) return;
+  pthread_mutex_lock(&kc->mu);
+  kc->stop = true;
+  pthread_cond_broadcast(&kc->work);
+  pthread_mutex_unlock(&kc->mu);
+  pthread_join(kc->reaper, NULL);
+  kc->reaper_on = false;
+}
+
 static void kc_free(kv_cuda_t *kc) {
+  reaper_stop(kc);
   for (int i = 0; i < NSLOTS; i++) {
     if (kc->slots[i].done) cudaEventDestroy(kc->slots[i].done);
     free(kc->slots[i].keys);
   }
-  if (kc->side) cudaStreamDestroy(kc->side);
   if (kc->pinned) cudaFreeHost(kc->pinned);
   if (kc->mirrors) cudaFree(kc->mirrors);
   (void)cudaGetLastError();
   if (kc->sync_init) {
     pthread_mutex_destroy(&kc->mu);
     pthread_cond_destroy(&kc->cv);
+    pthread_cond_destroy(&kc->work);
   }
   free(kc);
 }
+
+static void *reaper_main(void *arg);
 
 int skv__kv_cuda_init(skv_kv_t *kv) {
   kv->cuda = NULL;
@@ -242,8 +266,6 @@ int skv__kv_cuda_init(skv_kv_t *kv) {
   kc->device = kv->ctx->device;
   SKV_CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&kc->sms, cudaDevAttrMultiProcessorCount, kc->device),
                       SKV_SUBSYS_KV, rc, fail);
-  SKV_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&kc->side, cudaStreamNonBlocking), SKV_SUBSYS_KV,
-                      rc, fail);
   SKV_CUDA_CHECK_GOTO((cudaError_t)skv__kv_copy_preload(), SKV_SUBSYS_KV, rc, fail);
   size_t bytes = (size_t)NSLOTS * SLOT_BYTES + ERR_BYTES;
   SKV_CUDA_CHECK_GOTO(
@@ -280,8 +302,21 @@ int skv__kv_cuda_init(skv_kv_t *kv) {
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_mutex_init(&kc->mu, NULL);
   pthread_cond_init(&kc->cv, &ca);
+  pthread_cond_init(&kc->work, &ca);
   pthread_condattr_destroy(&ca);
   kc->sync_init = true;
+  /* the completion thread takes no signals: they stay the engine's threads' */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int te = pthread_create(&kc->reaper, NULL, reaper_main, kc);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (te) {
+    rc = SKV_FAIL(-te, SKV_SUBSYS_KV, "skv_kv_create: starting the completion thread failed: %s",
+                  strerror(te));
+    goto fail;
+  }
+  kc->reaper_on = true;
   kv->cuda = kc;
   char vb[32];
   SKV_INFO(SKV_SUBSYS_KV,
@@ -299,22 +334,23 @@ void skv__kv_cuda_fini(skv_kv_t *kv) {
   if (!kc) return;
   kv->cuda = NULL;
   (void)skv__cuda_use(kv->ctx);
+  reaper_stop(kc);
   pthread_mutex_lock(&kc->mu);
   uint64_t busy = kc->inflight;
   kc->closed = true;
   pthread_mutex_unlock(&kc->mu);
   if (busy) {
-    SKV_WARN(
-        SKV_SUBSYS_KV,
-        "skv_kv_destroy: %" PRIu64 " stream-ordered fetches or publishes never completed; their "
-        "argument slots are leaked so that their callbacks find them (the streams must be stuck)",
-        busy);
+    SKV_WARN(SKV_SUBSYS_KV,
+             "skv_kv_destroy: %" PRIu64 " stream-ordered fetches or publishes never completed; "
+             "their argument slots are leaked, since their kernels may still read them (the "
+             "streams must be stuck)",
+             busy);
     return;
   }
   kc_free(kc);
 }
 
-/* ---- slots and callbacks -------------------------------------------------------------------- */
+/* ---- slots and their completion ------------------------------------------------------------- */
 
 static void deadline_in(struct timespec *ts, int ms) {
   clock_gettime(CLOCK_MONOTONIC, ts);
@@ -394,7 +430,7 @@ static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
   return 0;
 }
 
-/* What a launch's callback does, with kc->mu held: release pins or finish the pages. */
+/* A launch completed, with kc->mu held: release pins or finish the pages. */
 static void slot_complete_locked(kv_cuda_t *kc, slot_t *s) {
   if (kc->closed) return; /* the cache is gone: nothing left to update */
   skv_kv_t *kv = kc->kv;
@@ -411,14 +447,78 @@ static void slot_complete_locked(kv_cuda_t *kc, slot_t *s) {
   }
 }
 
-/* The host callback of a launch (runs on CUDA's callback thread: no CUDA calls here). */
-static void CUDART_CB slot_done(void *arg) {
-  slot_t *s = arg;
+/* Complete a launch that is in no list (its enqueue failed half way). */
+static void slot_done(slot_t *s) {
   kv_cuda_t *kc = s->kc;
   pthread_mutex_lock(&kc->mu);
   slot_complete_locked(kc, s);
   slot_put_locked(kc, s);
   pthread_mutex_unlock(&kc->mu);
+}
+
+/* Hand a launch whose event was recorded to the completion thread. */
+static void slot_pending(kv_cuda_t *kc, slot_t *s) {
+  pthread_mutex_lock(&kc->mu);
+  s->next = kc->pending;
+  kc->pending = s;
+  pthread_cond_signal(&kc->work);
+  pthread_mutex_unlock(&kc->mu);
+}
+
+/* The completion thread: completes pending launches once their events have completed, in any
+ * order (they may be on different streams). Sleeps 2 us doubling to 100 us while some are
+ * pending and none completed; waits for work when none is pending. */
+static void *reaper_main(void *arg) {
+  kv_cuda_t *kc = arg;
+  (void)cudaSetDevice(kc->device);
+  long nap_ns = 2000;
+  pthread_mutex_lock(&kc->mu);
+  while (!kc->stop) {
+    if (!kc->pending) {
+      pthread_cond_wait(&kc->work, &kc->mu);
+      nap_ns = 2000;
+      continue;
+    }
+    /* the pending slots stay ours: only this thread takes them off the list */
+    slot_t *snap[RING_SLOTS];
+    int n = 0;
+    for (slot_t *s = kc->pending; s && n < RING_SLOTS; s = s->next) snap[n++] = s;
+    pthread_mutex_unlock(&kc->mu);
+    cudaError_t st[RING_SLOTS];
+    bool any = false;
+    for (int i = 0; i < n; i++) {
+      st[i] = cudaEventQuery(snap[i]->done);
+      if (st[i] != cudaErrorNotReady) any = true;
+    }
+    if (any) (void)cudaGetLastError();
+    pthread_mutex_lock(&kc->mu);
+    for (int i = 0; i < n; i++) {
+      if (st[i] == cudaErrorNotReady) continue;
+      slot_t **pp = &kc->pending;
+      while (*pp != snap[i]) pp = &(*pp)->next;
+      *pp = snap[i]->next;
+      if (st[i] != cudaSuccess && !kc->cb_err) {
+        kc->cb_err = SKV_ECUDA;
+        snprintf(kc->cb_msg, sizeof kc->cb_msg,
+                 "a fetch or publish could not be confirmed complete: %s (%s); its pins were "
+                 "released",
+                 cudaGetErrorString(st[i]), cudaGetErrorName(st[i]));
+      }
+      slot_complete_locked(kc, snap[i]);
+      slot_put_locked(kc, snap[i]);
+    }
+    if (any) {
+      nap_ns = 2000;
+      continue;
+    }
+    pthread_mutex_unlock(&kc->mu);
+    struct timespec ts = {0, nap_ns};
+    nanosleep(&ts, NULL);
+    nap_ns = nap_ns * 2 > 100000 ? 100000 : nap_ns * 2;
+    pthread_mutex_lock(&kc->mu);
+  }
+  pthread_mutex_unlock(&kc->mu);
+  return NULL;
 }
 
 /* ---- launches ------------------------------------------------------------------------------- */
@@ -610,9 +710,9 @@ out:
   return rc;
 }
 
-/* Start the copy of ring slot `s` (copy engines or kernel), then its callback after it.
- * *consumed: the slot (and the launch's pins or pages) now belong to the callback, which ran or
- * will run. */
+/* Start the copy of ring slot `s` (copy engines or kernel), and record its event for the
+ * completion thread. *consumed: the slot (and the launch's pins or pages) now belong to its
+ * completion, which ran or will run. */
 static int enqueue(kv_cuda_t *kc, slot_t *s, plan_t *pl, void *stream, bool *consumed,
                    const char *fn) {
   *consumed = false;
@@ -634,14 +734,15 @@ static int enqueue(kv_cuda_t *kc, slot_t *s, plan_t *pl, void *stream, bool *con
   if (!pl->ce) SKV_CHECK(launch_kernel(s, pl, stream, fn));
   *consumed = true;
   cudaError_t e = cudaEventRecord(s->done, (cudaStream_t)stream);
-  if (e == cudaSuccess) e = cudaStreamWaitEvent(kc->side, s->done, 0);
-  if (e == cudaSuccess) e = cudaLaunchHostFunc(kc->side, slot_done, s);
-  if (e == cudaSuccess) return rc;
-  /* the copy is enqueued but no callback will follow: complete it here */
+  if (e == cudaSuccess) {
+    slot_pending(kc, s);
+    return rc;
+  }
+  /* the copy is enqueued but nothing marks its end: complete it here */
   (void)cudaGetLastError();
   int r2 = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV,
-                    "%s: enqueueing the completion of a copy failed: %s (%s); waited for "
-                    "the stream instead",
+                    "%s: recording the event that marks the end of a copy failed: %s (%s); "
+                    "waited for the stream instead",
                     fn, cudaGetErrorString(e), cudaGetErrorName(e));
   if (cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess) (void)cudaGetLastError();
   slot_done(s);
