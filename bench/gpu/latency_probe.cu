@@ -76,6 +76,21 @@ template <int U> __device__ __forceinline__ void gather_body(const gp_t &p) {
 template <int U> __global__ void gather(const __grid_constant__ gp_t p) {
   gather_body<U>(p);
 }
+/* A contiguous stream copy, grid-stride, U 16-byte loads in flight per lane. */
+template <int U>
+__global__ void stream_copy(const uint4 *__restrict__ s, uint4 *__restrict__ d, size_t n16) {
+  const size_t step = (size_t)gridDim.x * blockDim.x * U;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x * U + threadIdx.x; i < n16; i += step) {
+    uint4 v[U];
+#pragma unroll
+    for (int k = 0; k < U; k++)
+      if (i + (size_t)k * blockDim.x < n16) v[k] = s[i + (size_t)k * blockDim.x];
+#pragma unroll
+    for (int k = 0; k < U; k++)
+      if (i + (size_t)k * blockDim.x < n16) d[i + (size_t)k * blockDim.x] = v[k];
+  }
+}
+
 template <int U> __global__ void gather_big(const __grid_constant__ gp_big_t p) {
   gather_body<U>(p.g);
 }
@@ -252,6 +267,39 @@ int main() {
       if (r >= WARM) b.push_back(t);
     }
     printf("%-45s %10.2f %10.2f\n", names[op], median(s), median(b));
+  }
+  /* The bandwidth ceiling of SM loads from the peer against the copy engines: 256 MiB
+   * contiguous, one operation behind a gate, median of REPS. */
+  const size_t big = 256ull << 20;
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  printf("\n%-45s %10s\n", "peer -> local, 256 MiB contiguous", "GB/s");
+  for (int v = 0; v < 4; v++) {
+    std::vector<double> t;
+    for (int r = 0; r < WARM + REPS; r++) {
+      const char *src = P.peer + (P.rnd() % 3) * big;
+      *P.flag = 0;
+      __atomic_thread_fence(__ATOMIC_SEQ_CST);
+      gate<<<1, 1, 0, P.st>>>(P.flag, 1000000ull, 100000000ull);
+      CK(cudaEventRecord(P.e0, P.st));
+      const uint4 *s4 = reinterpret_cast<const uint4 *>(src);
+      uint4 *d4 = reinterpret_cast<uint4 *>(P.dst);
+      if (v == 0) CK(cudaMemcpyAsync(P.dst, src, big, cudaMemcpyDeviceToDevice, P.st));
+      if (v == 1) stream_copy<4><<<sms * 4, 256, 0, P.st>>>(s4, d4, big / 16);
+      if (v == 2) stream_copy<8><<<sms * 4, 256, 0, P.st>>>(s4, d4, big / 16);
+      if (v == 3) stream_copy<4><<<sms * 16, 128, 0, P.st>>>(s4, d4, big / 16);
+      CK(cudaGetLastError());
+      CK(cudaEventRecord(P.e1, P.st));
+      __atomic_store_n((uint32_t *)P.flag, 1, __ATOMIC_SEQ_CST);
+      CK(cudaEventSynchronize(P.e1));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, P.e0, P.e1));
+      if (r >= WARM) t.push_back(big / (ms * 1e-3) / 1e9);
+    }
+    static const char *vn[] = {
+        "copy engine (cudaMemcpyAsync)", "SM loads, U4, 4 x 256-thread CTAs/SM",
+        "SM loads, U8, 4 x 256-thread CTAs/SM", "SM loads, U4, 16 x 128-thread CTAs/SM"};
+    printf("%-45s %10.1f\n", vn[v], median(t));
   }
   return 0;
 }

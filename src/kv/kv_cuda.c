@@ -35,8 +35,11 @@
  * stream and an event recorded after it. The cache's completion thread watches the events of
  * the launches in flight (cudaEventQuery, sleeping 2 us doubling to 100 us while any is
  * pending, on a condition variable while none is) and, once a launch's event has completed,
- * releases its pins (and the caller's, with SKV_FETCH_UNPIN) and hands its slot back. Pins are
- * thus released only once the copy is complete, and the caller's stream carries nothing but
+ * releases its pins (and the caller's, with SKV_FETCH_UNPIN) and hands its slot back. Callers
+ * do the same for what has completed: each fetch and publish first (the previous step's pins go
+ * at once, not at the thread's next look), a call waiting for a slot, and skv_kv_sync (every
+ * 20 us); each use of a slot has a sequence number, so one completion never counts twice. Pins
+ * are thus released only once the copy is complete, and the caller's stream carries nothing but
  * the copy and an event. (The first version enqueued cudaLaunchHostFunc on a side stream
  * waiting for the event: measured on 2 H200, that callback cost the caller's stream 2-3 us per
  * launch, even on another stream of another priority; the event and the wait alone cost
@@ -110,6 +113,7 @@ typedef struct slot {
   bool unpin_caller; /* SKV_FETCH_UNPIN */
   skv_key_t *keys;   /* publish: the pages' keys (ring slots only) */
   struct slot *next; /* in the free ring, or in the pending list */
+  uint64_t seq;      /* uses of the slot: a completion names the use it saw */
 } slot_t;
 
 typedef struct kv_cuda {
@@ -362,11 +366,14 @@ static void deadline_in(struct timespec *ts, int ms) {
   }
 }
 
+static int reap_locked(kv_cuda_t *kc);
+
 static int slot_get(kv_cuda_t *kc, slot_t **out, const char *fn) {
   int ms = kc->kv->ctx->cfg.timeout_ms;
   struct timespec dl;
   deadline_in(&dl, ms);
   pthread_mutex_lock(&kc->mu);
+  if (!kc->free_ring) (void)reap_locked(kc);
   while (!kc->free_ring) {
     if (pthread_cond_timedwait(&kc->cv, &kc->mu, &dl) == ETIMEDOUT && !kc->free_ring) {
       pthread_mutex_unlock(&kc->mu);
@@ -459,15 +466,63 @@ static void slot_done(slot_t *s) {
 /* Hand a launch whose event was recorded to the completion thread. */
 static void slot_pending(kv_cuda_t *kc, slot_t *s) {
   pthread_mutex_lock(&kc->mu);
+  s->seq++;
   s->next = kc->pending;
   kc->pending = s;
   pthread_cond_signal(&kc->work);
   pthread_mutex_unlock(&kc->mu);
 }
 
-/* The completion thread: completes pending launches once their events have completed, in any
- * order (they may be on different streams). Sleeps 2 us doubling to 100 us while some are
- * pending and none completed; waits for work when none is pending. */
+/* Complete the pending launches whose events have completed (in any order: they may be on
+ * different streams). Called with kc->mu held, which it drops around the event queries; a
+ * launch whose slot left the list or was used again meanwhile (another thread completed it) is
+ * left alone: each use of a slot has its own sequence number. Returns how many it completed. */
+static int reap_locked(kv_cuda_t *kc) {
+  slot_t *snap[RING_SLOTS];
+  uint64_t seq[RING_SLOTS];
+  int n = 0;
+  for (slot_t *s = kc->pending; s && n < RING_SLOTS; s = s->next) snap[n] = s, seq[n++] = s->seq;
+  if (n == 0) return 0;
+  pthread_mutex_unlock(&kc->mu);
+  cudaError_t st[RING_SLOTS];
+  bool any = false;
+  for (int i = 0; i < n; i++) {
+    st[i] = cudaEventQuery(snap[i]->done);
+    if (st[i] != cudaErrorNotReady) any = true;
+  }
+  if (any) (void)cudaGetLastError();
+  pthread_mutex_lock(&kc->mu);
+  int done = 0;
+  for (int i = 0; i < n && any; i++) {
+    if (st[i] == cudaErrorNotReady) continue;
+    slot_t **pp = &kc->pending;
+    while (*pp && *pp != snap[i]) pp = &(*pp)->next;
+    if (!*pp || snap[i]->seq != seq[i]) continue; /* completed by another thread */
+    *pp = snap[i]->next;
+    if (st[i] != cudaSuccess && !kc->cb_err) {
+      kc->cb_err = SKV_ECUDA;
+      snprintf(kc->cb_msg, sizeof kc->cb_msg,
+               "a fetch or publish could not be confirmed complete: %s (%s); its pins were "
+               "released",
+               cudaGetErrorString(st[i]), cudaGetErrorName(st[i]));
+    }
+    slot_complete_locked(kc, snap[i]);
+    slot_put_locked(kc, snap[i]);
+    done++;
+  }
+  return done;
+}
+
+/* What a caller does first: complete what has completed (e.g. the previous step's fetch), so
+ * that its pins go now rather than at the completion thread's next look. */
+static void reap(kv_cuda_t *kc) {
+  pthread_mutex_lock(&kc->mu);
+  if (kc->pending) (void)reap_locked(kc);
+  pthread_mutex_unlock(&kc->mu);
+}
+
+/* The completion thread: sleeps 2 us doubling to 100 us while launches are pending and none
+ * completed; waits for work when none is pending. */
 static void *reaper_main(void *arg) {
   kv_cuda_t *kc = arg;
   (void)cudaSetDevice(kc->device);
@@ -479,35 +534,7 @@ static void *reaper_main(void *arg) {
       nap_ns = 2000;
       continue;
     }
-    /* the pending slots stay ours: only this thread takes them off the list */
-    slot_t *snap[RING_SLOTS];
-    int n = 0;
-    for (slot_t *s = kc->pending; s && n < RING_SLOTS; s = s->next) snap[n++] = s;
-    pthread_mutex_unlock(&kc->mu);
-    cudaError_t st[RING_SLOTS];
-    bool any = false;
-    for (int i = 0; i < n; i++) {
-      st[i] = cudaEventQuery(snap[i]->done);
-      if (st[i] != cudaErrorNotReady) any = true;
-    }
-    if (any) (void)cudaGetLastError();
-    pthread_mutex_lock(&kc->mu);
-    for (int i = 0; i < n; i++) {
-      if (st[i] == cudaErrorNotReady) continue;
-      slot_t **pp = &kc->pending;
-      while (*pp != snap[i]) pp = &(*pp)->next;
-      *pp = snap[i]->next;
-      if (st[i] != cudaSuccess && !kc->cb_err) {
-        kc->cb_err = SKV_ECUDA;
-        snprintf(kc->cb_msg, sizeof kc->cb_msg,
-                 "a fetch or publish could not be confirmed complete: %s (%s); its pins were "
-                 "released",
-                 cudaGetErrorString(st[i]), cudaGetErrorName(st[i]));
-      }
-      slot_complete_locked(kc, snap[i]);
-      slot_put_locked(kc, snap[i]);
-    }
-    if (any) {
+    if (reap_locked(kc) > 0) {
       nap_ns = 2000;
       continue;
     }
@@ -939,6 +966,7 @@ int skv__kv_cuda_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const
     return bounce_fetch(kv, refs, n, dst, block_ids, flags, stream);
   }
   if (capturing) return capture_fetch(kc, refs, n, dst, block_ids, flags, stream);
+  reap(kc);
   plan_t pl;
   SKV_CHECK(plan_make(kc, dst, SKV_KV_COPY_FETCH, &pl, fn));
   SKV_CHECK(pin_all(kv, refs, n, fn));
@@ -986,6 +1014,7 @@ int skv__kv_cuda_publish(skv_kv_t *kv, const skv_key_t *keys, size_t n, const sk
         "evicted and reused since; publish outside the capture (it is stream-ordered)",
         fn);
   if (src->device < 0) return bounce_publish(kv, keys, n, src, block_ids, stream, ninserted);
+  reap(kc); /* pages that completed launches free go back first */
   plan_t pl;
   SKV_CHECK(plan_make(kc, src, SKV_KV_COPY_PUBLISH, &pl, fn));
   uint32_t *pages = malloc(n * sizeof *pages);
@@ -1044,11 +1073,18 @@ int skv__kv_cuda_sync(skv_kv_t *kv) {
   kv_cuda_t *kc = kv->cuda;
   if (!kc) return 0;
   int ms = kv->ctx->cfg.timeout_ms;
-  struct timespec dl;
+  struct timespec dl, now;
   deadline_in(&dl, ms);
   pthread_mutex_lock(&kc->mu);
-  while (kc->inflight > 0)
-    if (pthread_cond_timedwait(&kc->cv, &kc->mu, &dl) == ETIMEDOUT) break;
+  /* look at the events every 20 us (the completion thread may be napping longer) */
+  while (kc->inflight > 0 && (reap_locked(kc), kc->inflight > 0)) {
+    deadline_in(&now, 0);
+    if (now.tv_sec > dl.tv_sec || (now.tv_sec == dl.tv_sec && now.tv_nsec >= dl.tv_nsec)) break;
+    struct timespec t = now;
+    t.tv_nsec += 20000;
+    if (t.tv_nsec >= 1000000000L) t.tv_sec++, t.tv_nsec -= 1000000000L;
+    (void)pthread_cond_timedwait(&kc->cv, &kc->mu, &t);
+  }
   uint64_t pending = kc->inflight;
   int cb_err = kc->cb_err;
   char msg[sizeof kc->cb_msg];
