@@ -280,60 +280,58 @@ static int run_op(fb_t *f, int method, const batch_t *bt, int r) {
   }
 }
 
+/* GPU time (seconds) of operations first..first+k-1 of `method`, enqueued behind one gate with
+ * an event before the first and after the last. */
+static int time_gated(fb_t *f, int method, const batch_t *bt, int first, int k, double *sec) {
+  *f->flag = 0;
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  BCUDA((cudaError_t)skv__kv_gate_launch(f->st, f->flag, GATE_MIN_NS, GATE_NS));
+  BCUDA(cudaEventRecord(f->e0, f->st));
+  double h0 = bench_now();
+  int rc = 0;
+  for (int i = 0; i < k && rc == 0; i++) rc = run_op(f, method, bt, first + i);
+  double h1 = bench_now();
+  BCUDA(cudaEventRecord(f->e1, f->st));
+  __atomic_store_n((uint32_t *)f->flag, 1, __ATOMIC_SEQ_CST);
+  BCUDA(cudaEventSynchronize(f->e1));
+  if (rc) return rc;
+  float ms;
+  BCUDA(cudaEventElapsedTime(&ms, f->e0, f->e1));
+  if (h1 - h0 > 0.5 * (double)GATE_NS * 1e-9)
+    fprintf(stderr,
+            "symkv-bench fetch: enqueueing took %.0f ms, longer than the gate holds: that time "
+            "counts\n",
+            (h1 - h0) * 1e3);
+  *sec = (double)ms * 1e-3;
+  return 0;
+}
+
 /* Median GPU time (seconds) of `method` over the repetitions, each behind a gate. */
 static int time_op(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
-  double t[MAX_REPS];
+  double t[MAX_REPS], x = 0;
   for (int r = 0; r < WARM + reps; r++) {
-    *f->flag = 0;
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    BCUDA((cudaError_t)skv__kv_gate_launch(f->st, f->flag, GATE_MIN_NS, GATE_NS));
-    BCUDA(cudaEventRecord(f->e0, f->st));
-    double h0 = bench_now();
-    int rc = run_op(f, method, bt, r);
-    double h1 = bench_now();
-    BCUDA(cudaEventRecord(f->e1, f->st));
-    __atomic_store_n((uint32_t *)f->flag, 1, __ATOMIC_SEQ_CST);
-    BCUDA(cudaEventSynchronize(f->e1));
-    if (rc) return rc;
-    float ms;
-    BCUDA(cudaEventElapsedTime(&ms, f->e0, f->e1));
-    if (h1 - h0 > 0.5 * (double)GATE_NS * 1e-9)
-      fprintf(stderr,
-              "symkv-bench fetch: enqueueing took %.0f ms, longer than the gate holds: that time "
-              "counts\n",
-              (h1 - h0) * 1e3);
-    if (r >= WARM) t[r - WARM] = (double)ms * 1e-3;
+    SKV_CHECK(time_gated(f, method, bt, r, 1, &x));
+    if (r >= WARM) t[r - WARM] = x;
   }
   *sec = bench_median(t, (size_t)reps);
   return 0;
 }
 
-/* Back to back: B2B_K operations behind one gate, events before the first and after the last;
- * the time per operation (seconds, median over groups). What an operation costs a stream that
- * the host keeps fed, as in an engine's step: launch processing overlaps the previous operation,
- * the wait for that operation to complete does not. Every operation reads batch r's own random
- * pages (bt made with MAX_REPS repetitions: 66 MiB of distinct 1 MiB batches, beyond the L2).
- * B2B_K stays within the cache's ring of argument slots, which the gate holds. */
+/* Back to back: B2B_K operations behind one gate; the time per operation (seconds, median over
+ * groups). What an operation costs a stream that the host keeps fed, as in an engine's step:
+ * launch processing overlaps the previous operation, the wait for that operation to complete
+ * does not. Every operation reads batch r's own random pages (bt made with MAX_REPS
+ * repetitions: 66 MiB of distinct 1 MiB batches, beyond the L2). B2B_K stays within the cache's
+ * ring of argument slots, which the gate holds. */
 #define B2B_K       8
 static int time_b2b(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
-  double t[MAX_REPS];
+  double t[MAX_REPS], x = 0;
   const int groups = (WARM + reps) / B2B_K;
   int ng = 0;
   for (int g = 0; g < groups; g++) {
     SKV_CHECK(skv_kv_sync(f->kv)); /* every slot back in the ring */
-    *f->flag = 0;
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    BCUDA((cudaError_t)skv__kv_gate_launch(f->st, f->flag, GATE_MIN_NS, GATE_NS));
-    BCUDA(cudaEventRecord(f->e0, f->st));
-    int rc = 0;
-    for (int k = 0; k < B2B_K && rc == 0; k++) rc = run_op(f, method, bt, g * B2B_K + k);
-    BCUDA(cudaEventRecord(f->e1, f->st));
-    __atomic_store_n((uint32_t *)f->flag, 1, __ATOMIC_SEQ_CST);
-    BCUDA(cudaEventSynchronize(f->e1));
-    if (rc) return rc;
-    float ms;
-    BCUDA(cudaEventElapsedTime(&ms, f->e0, f->e1));
-    if (g > 0) t[ng++] = (double)ms * 1e-3 / B2B_K; /* group 0 warms up */
+    SKV_CHECK(time_gated(f, method, bt, g * B2B_K, B2B_K, &x));
+    if (g > 0) t[ng++] = x / B2B_K; /* group 0 warms up */
   }
   *sec = bench_median(t, (size_t)ng);
   return 0;
