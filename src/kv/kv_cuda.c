@@ -356,22 +356,17 @@ void skv__kv_cuda_fini(skv_kv_t *kv) {
 
 /* ---- slots and their completion ------------------------------------------------------------- */
 
-static void deadline_in(struct timespec *ts, int ms) {
-  clock_gettime(CLOCK_MONOTONIC, ts);
-  ts->tv_sec += ms / 1000;
-  ts->tv_nsec += (long)(ms % 1000) * 1000000L;
-  if (ts->tv_nsec >= 1000000000L) {
-    ts->tv_sec++;
-    ts->tv_nsec -= 1000000000L;
-  }
+/* The time skv__now_ns() reads as `ns` (CLOCK_MONOTONIC, the condition variables' clock). */
+static struct timespec ts_at(uint64_t ns) {
+  struct timespec t = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+  return t;
 }
 
 static int reap_locked(kv_cuda_t *kc);
 
 static int slot_get(kv_cuda_t *kc, slot_t **out, const char *fn) {
   int ms = kc->kv->ctx->cfg.timeout_ms;
-  struct timespec dl;
-  deadline_in(&dl, ms);
+  const struct timespec dl = ts_at(skv__now_ns() + (uint64_t)ms * 1000000u);
   pthread_mutex_lock(&kc->mu);
   if (!kc->free_ring) (void)reap_locked(kc);
   while (!kc->free_ring) {
@@ -1073,16 +1068,13 @@ int skv__kv_cuda_sync(skv_kv_t *kv) {
   kv_cuda_t *kc = kv->cuda;
   if (!kc) return 0;
   int ms = kv->ctx->cfg.timeout_ms;
-  struct timespec dl, now;
-  deadline_in(&dl, ms);
+  const uint64_t dl = skv__now_ns() + (uint64_t)ms * 1000000u;
   pthread_mutex_lock(&kc->mu);
   /* look at the events every 20 us (the completion thread may be napping longer) */
   while (kc->inflight > 0 && (reap_locked(kc), kc->inflight > 0)) {
-    deadline_in(&now, 0);
-    if (now.tv_sec > dl.tv_sec || (now.tv_sec == dl.tv_sec && now.tv_nsec >= dl.tv_nsec)) break;
-    struct timespec t = now;
-    t.tv_nsec += 20000;
-    if (t.tv_nsec >= 1000000000L) t.tv_sec++, t.tv_nsec -= 1000000000L;
+    const uint64_t now = skv__now_ns();
+    if (now >= dl) break;
+    const struct timespec t = ts_at(SKV_MIN(now + 20000u, dl));
     (void)pthread_cond_timedwait(&kc->cv, &kc->mu, &t);
   }
   uint64_t pending = kc->inflight;
