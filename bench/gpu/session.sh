@@ -8,11 +8,9 @@
 # A step gets its own time limit; a step that fails does not stop the others.
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
 set -u
-B=${1:?build dir}; L=${2:?lib dir}; shift 2
-OUT=${OUT:-/tmp/skv-out}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/common.sh"; shift 2
 nccl=$(python3 -c "import nvidia.nccl as m; print(m.__path__[0])" 2>/dev/null)/lib
-export LD_LIBRARY_PATH="$PWD/$L:$nccl:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$PWD/$L:$nccl:${LD_LIBRARY_PATH#"$PWD/$L:"}"
 export SKV_TEST_BIN_DIR="$PWD/$B"
 ngpu=$(nvidia-smi -L | wc -l)
 kind=${SKV_HOST_KIND:-nvidia-h200-x$ngpu}

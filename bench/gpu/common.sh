@@ -1,0 +1,21 @@
+# shellcheck shell=bash
+# Sourced by the bench/gpu scripts, with the build folder and the runtime-library folder (both
+# relative to the repository root, carried to the GPU host) as $1 and $2: sets B, L and OUT,
+# keeps NVLink multicast off everywhere (it can take a shared host's GPUs down) and puts the
+# carried libraries on the loader's path.
+B=${1:?build dir}; L=${2:?lib dir}
+OUT=${OUT:-/tmp/skv-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LD_LIBRARY_PATH="$PWD/$L:${LD_LIBRARY_PATH:-}"
+
+# fetch_variant NAME "FETCH ARGS" ENV...: one `symkv-bench fetch` on 2 PEs with ENV set, its
+# log and JSON under $OUT as NAME.*, the rows on stdout.
+fetch_variant() {
+  local name=$1 args=$2; shift 2
+  echo "== $name $*"
+  # shellcheck disable=SC2086  # the bench arguments are split on purpose
+  env "$@" timeout 150 "$B/symkv-run" -n 2 --timeout 140 -- "$B/bench/symkv-bench" fetch \
+    $args --no-variants --json-out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "rc=$?"
+  grep -E '^\[0\] (fetch|fetch_local|fetch_latency|gpu_floor)[/_]' "$OUT/$name.log"
+}
