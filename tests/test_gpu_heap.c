@@ -1,6 +1,7 @@
 /* GPU tests of the CUDA heap backends (skipped without a GPU): PEs write into peers' device
  * segments through symmetric addresses and read back what peers wrote; cuda_host segments are
- * reached by kernels and by the CPU at the same address; destroy gives the memory back. */
+ * reached by kernels and by the CPU at the same address; destroy gives the memory back, also
+ * after a PE died. */
 #define _GNU_SOURCE
 #include "skv_test.h"
 
@@ -8,10 +9,12 @@
 
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <signal.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 TestSuite(gpu_heap, .timeout = 180);
 
@@ -109,4 +112,86 @@ Test(gpu_heap, allocation_failure_is_reported) {
   skv_test_job_t job;
   int bad = skv_test_run(&job, 2, pe_bad, NULL, 120000);
   cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
+}
+
+/* Free bytes of device `dev` (the current device is kept). */
+static size_t dev_free(int dev) {
+  int cur = -1;
+  size_t fr = 0, total = 0;
+  if (cudaGetDevice(&cur) != cudaSuccess || cudaSetDevice(dev) != cudaSuccess ||
+      cudaMemGetInfo(&fr, &total) != cudaSuccess)
+    fr = 0;
+  if (cur >= 0) cudaSetDevice(cur);
+  return fr;
+}
+
+#define DEAD_SEG (2ull << 30)
+
+/* PE 1 dies holding a cuda heap of 2 GiB segments. PE 0 still reads its segment (its mapping
+ * keeps the memory), destroy reports the dead peer, and then both devices have the memory back:
+ * PE 0's own segment and PE 1's, which only PE 0's mapping held. */
+static int pe_dies_with_cuda_heap(int rank, int npes, void *arg) {
+  (void)npes, (void)arg;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 5000) == 0, "init");
+  int devs[2], dev = skv_ctx_device(ctx);
+  PE_CHECK(skv_ctx_allgather(ctx, &dev, devs, sizeof dev) == 0, "devices");
+  PE_CHECK(devs[0] != devs[1], "both PEs on device %d: this test needs one GPU per PE", dev);
+  const int peer_dev = devs[1 - rank];
+  /* contexts on both devices first, then the free memory when every PE has its contexts */
+  PE_CHECK(dev_free(dev) > 0 && dev_free(peer_dev) > 0, "meminfo");
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  const size_t own0 = dev_free(dev), peer0 = dev_free(peer_dev);
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  skv_heap_t *heap;
+  PE_CHECK(skv_heap_create(ctx, DEAD_SEG, SKV_BACKEND_CUDA, &heap) == 0, "create: %s",
+           skv_last_error());
+  skv_heap_info_t in;
+  skv_heap_get_info(heap, &in);
+  PE_CHECK(cudaMemset(skv_heap_ptr(heap, rank, in.data_offset), 0x40 + rank, DEAD_SEG) ==
+               cudaSuccess,
+           "fill");
+  PE_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  if (rank == 1) raise(SIGKILL);
+  /* the dead PE's segment is still mapped here and holds what it wrote */
+  uint8_t head[4096], tail[4096];
+  const uint8_t *dead = skv_heap_ptr(heap, 1, in.data_offset);
+  PE_CHECK(cudaMemcpy(head, dead, sizeof head, cudaMemcpyDefault) == cudaSuccess &&
+               cudaMemcpy(tail, dead + DEAD_SEG - sizeof tail, sizeof tail, cudaMemcpyDefault) ==
+                   cudaSuccess,
+           "read the dead PE's segment: %s", cudaGetErrorString(cudaGetLastError()));
+  for (size_t i = 0; i < sizeof head; i++)
+    PE_CHECK(head[i] == 0x41 && tail[i] == 0x41, "the dead PE's segment holds %#x / %#x", head[i],
+             tail[i]);
+  /* which keeps its memory in use (the check below could see a leak) */
+  PE_CHECK(dev_free(peer_dev) + (1ull << 30) < peer0,
+           "the dead PE's segment is not counted on device %d", peer_dev);
+  int rc = skv_heap_destroy(heap);
+  PE_CHECK(rc == SKV_EPEERDEAD || rc == SKV_ETIMEDOUT, "destroy with a dead peer: %s",
+           skv_err_name(rc));
+  /* the dead process's own context may take a moment to go: wait up to 20 s */
+  size_t own1 = 0, peer1 = 0;
+  for (int i = 0; i < 200; i++) {
+    own1 = dev_free(dev);
+    peer1 = dev_free(peer_dev);
+    if (own1 + (64u << 20) >= own0 && peer1 + (64u << 20) >= peer0) break;
+    usleep(100000);
+  }
+  PE_CHECK(own1 + (64u << 20) >= own0, "device %d: %zu MiB free before the heap, %zu after destroy",
+           dev, own0 >> 20, own1 >> 20);
+  PE_CHECK(peer1 + (64u << 20) >= peer0,
+           "device %d (the dead PE's): %zu MiB free before, %zu after destroy", peer_dev,
+           peer0 >> 20, peer1 >> 20);
+  skv_finalize(ctx);
+  return 0;
+}
+
+Test(gpu_heap, a_dead_pe_s_segment_is_released_with_the_survivor_s_destroy) {
+  SKV_TEST_REQUIRE_GPUS(2);
+  skv_test_job_t job;
+  skv_test_spawn(&job, 2, pe_dies_with_cuda_heap, NULL);
+  skv_test_wait(&job, 120000);
+  cr_assert_eq(job.status[1], 128 + SIGKILL, "%s", skv_test_statuses(&job));
+  cr_assert_eq(job.status[0], 0, "survivor: %s", skv_test_statuses(&job));
 }

@@ -1,0 +1,301 @@
+/* bandwidth_probe: what limits a large peer -> local copy on a host with 2 GPUs.
+ *
+ * symkv's fetch kernels level off at ~372 GB/s from a peer while the copy engines reach ~390:
+ * this times 256 MiB contiguous peer -> local copies on GPU 0 (plain cudaMalloc memory and peer
+ * access, no symkv) to see where that ceiling lies:
+ *   - the copy engine alone, and two copy-engine copies at once on two streams;
+ *   - SM loads (16-byte vectors) on all multiprocessors and on fewer, with the 256-byte L2 hint;
+ *   - TMA bulk copies (cp.async.bulk global -> shared -> global) with several chunk sizes;
+ *   - the copy engine and an SM kernel at once, each taking a share of the bytes;
+ *   - SM stores pushed by a kernel on GPU 1 into GPU 0 (the same link, the other way round).
+ * Each operation runs behind a gate kernel between events; median of REPS, GB/s.
+ *
+ *   nvcc -O3 -arch=sm_90 -o bandwidth_probe bench/gpu/bandwidth_probe.cu && ./bandwidth_probe
+ */
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#define CK(x)                                                                             \
+  do {                                                                                    \
+    cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                              \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                            \
+    }                                                                                     \
+  } while (0)
+
+constexpr size_t BIG = 256ull << 20; /* bytes per copy */
+constexpr size_t POOL = 4 * BIG;     /* sources drawn from this much peer memory */
+constexpr int REPS = 15, WARM = 2;
+
+__global__ void gate(const volatile uint32_t *flag, uint64_t min_ns, uint64_t max_ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (;;) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 >= max_ns || (t - t0 >= min_ns && *flag != 0)) break;
+    __nanosleep(500);
+  }
+}
+
+__device__ __forceinline__ uint4 ld_nc(const uint4 *p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 ld_nc256(const uint4 *p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+/* Grid-stride contiguous copy, U 16-byte loads in flight per lane. */
+template <int U, bool L256>
+__global__ void stream_copy(const uint4 *__restrict__ s, uint4 *__restrict__ d, size_t n16) {
+  const size_t step = (size_t)gridDim.x * blockDim.x * U;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x * U + threadIdx.x; i < n16; i += step) {
+    uint4 v[U];
+#pragma unroll
+    for (int k = 0; k < U; k++)
+      if (i + (size_t)k * blockDim.x < n16)
+        v[k] =
+            L256 ? ld_nc256(s + i + (size_t)k * blockDim.x) : ld_nc(s + i + (size_t)k * blockDim.x);
+#pragma unroll
+    for (int k = 0; k < U; k++)
+      if (i + (size_t)k * blockDim.x < n16) d[i + (size_t)k * blockDim.x] = v[k];
+  }
+}
+
+/* TMA: per warp a pipeline of S shared buffers of C bytes; lane 0 loads chunks with
+ * cp.async.bulk (mbarrier completion) and writes them back with cp.async.bulk shared -> global. */
+__device__ __forceinline__ uint32_t su32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+template <int S>
+__global__ void tma_copy(const char *__restrict__ s, char *__restrict__ d, size_t bytes,
+                         uint32_t C) {
+  extern __shared__ __align__(128) uint8_t sm[];
+  __shared__ uint64_t bars[32 * S];
+  const uint32_t lane = threadIdx.x & 31, wid = threadIdx.x >> 5, wpc = blockDim.x >> 5;
+  const uint64_t nw = (uint64_t)gridDim.x * wpc, gw = (uint64_t)blockIdx.x * wpc + wid;
+  const uint64_t items = bytes / C;
+  uint8_t *buf = sm + (size_t)wid * S * C;
+  uint64_t *bar = bars + wid * S;
+  if (lane != 0) return;
+  for (int k = 0; k < S; k++)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(su32(&bar[k])) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  auto issue = [&](uint64_t it, int st) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(su32(&bar[st])),
+                 "r"(C)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                 "%2, [%3];" ::"r"(su32(buf + (size_t)st * C)),
+                 "l"(s + it * C), "r"(C), "r"(su32(&bar[st]))
+                 : "memory");
+  };
+  for (int k = 0; k < S; k++)
+    if (gw + k * nw < items) issue(gw + k * nw, k);
+  uint32_t phase = 0;
+  for (uint64_t k = 0;; k++) {
+    const uint64_t it = gw + k * nw;
+    if (it >= items) break;
+    const int st = (int)(k % S);
+    uint32_t done = 0;
+    while (!done)
+      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                   " selp.u32 %0, 1, 0, p;\n}"
+                   : "=r"(done)
+                   : "r"(su32(&bar[st])), "r"((phase >> st) & 1u)
+                   : "memory");
+    phase ^= 1u << st;
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d + it * C),
+                 "r"(su32(buf + (size_t)st * C)), "r"(C)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    const uint64_t next = gw + (k + S) * nw;
+    if (next < items) issue(next, st);
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+struct probe {
+  cudaStream_t st, side, peer_st;
+  cudaEvent_t e0, e1, fork, join, pfork, pjoin;
+  volatile uint32_t *flag;
+  char *peer, *dst;
+  int sms;
+  uint64_t rng = 0x9e3779b97f4a7c15ull;
+  const char *src() {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return peer + (rng % (POOL / BIG)) * BIG;
+  }
+};
+
+/* GB/s of `body(src)`, enqueued behind a gate on P.st between events; median of REPS. */
+static double timed(probe &P, const std::function<void(const char *)> &body) {
+  std::vector<double> t;
+  for (int r = 0; r < WARM + REPS; r++) {
+    const char *src = P.src();
+    *P.flag = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    gate<<<1, 1, 0, P.st>>>(P.flag, 1000000ull, 100000000ull);
+    CK(cudaEventRecord(P.e0, P.st));
+    body(src);
+    CK(cudaGetLastError());
+    CK(cudaEventRecord(P.e1, P.st));
+    __atomic_store_n((uint32_t *)P.flag, 1, __ATOMIC_SEQ_CST);
+    CK(cudaEventSynchronize(P.e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, P.e0, P.e1));
+    if (r >= WARM) t.push_back(BIG / (ms * 1e-3) / 1e9);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+/* The side stream starts with the main one (after the gate) and the main one ends after it. */
+static void fork_side(probe &P) {
+  CK(cudaEventRecord(P.fork, P.st));
+  CK(cudaStreamWaitEvent(P.side, P.fork, 0));
+}
+static void join_side(probe &P) {
+  CK(cudaEventRecord(P.join, P.side));
+  CK(cudaStreamWaitEvent(P.st, P.join, 0));
+}
+
+static void sm_copy(probe &P, cudaStream_t s, const char *src, char *dst, size_t bytes, int ctas,
+                    bool l256 = false) {
+  const uint4 *s4 = reinterpret_cast<const uint4 *>(src);
+  uint4 *d4 = reinterpret_cast<uint4 *>(dst);
+  if (l256)
+    stream_copy<4, true><<<ctas, 256, 0, s>>>(s4, d4, bytes / 16);
+  else
+    stream_copy<4, false><<<ctas, 256, 0, s>>>(s4, d4, bytes / 16);
+}
+
+int main() {
+  int n = 0;
+  CK(cudaGetDeviceCount(&n));
+  if (n < 2) {
+    fprintf(stderr, "bandwidth_probe: needs 2 GPUs, found %d\n", n);
+    return 2;
+  }
+  probe P;
+  CK(cudaSetDevice(1));
+  CK(cudaDeviceEnablePeerAccess(0, 0));
+  CK(cudaMalloc(&P.peer, POOL));
+  CK(cudaMemset(P.peer, 1, POOL));
+  CK(cudaStreamCreateWithFlags(&P.peer_st, cudaStreamNonBlocking));
+  CK(cudaEventCreateWithFlags(&P.pfork, cudaEventDisableTiming));
+  CK(cudaEventCreateWithFlags(&P.pjoin, cudaEventDisableTiming));
+  CK(cudaSetDevice(0));
+  CK(cudaDeviceEnablePeerAccess(1, 0));
+  CK(cudaMalloc(&P.dst, BIG));
+  CK(cudaDeviceGetAttribute(&P.sms, cudaDevAttrMultiProcessorCount, 0));
+  CK(cudaStreamCreateWithFlags(&P.st, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&P.side, cudaStreamNonBlocking));
+  CK(cudaEventCreate(&P.e0));
+  CK(cudaEventCreate(&P.e1));
+  CK(cudaEventCreateWithFlags(&P.fork, cudaEventDisableTiming));
+  CK(cudaEventCreateWithFlags(&P.join, cudaEventDisableTiming));
+  uint32_t *f;
+  CK(cudaHostAlloc((void **)&f, 64, cudaHostAllocMapped));
+  P.flag = f;
+  for (int S : {2, 4})
+    CK(cudaFuncSetAttribute((const void *)(S == 2 ? tma_copy<2> : tma_copy<4>),
+                            cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
+  CK(cudaDeviceSynchronize());
+  const int sms = P.sms;
+  printf("%-58s %8s\n", "peer (GPU 1) -> local (GPU 0), 256 MiB contiguous", "GB/s");
+  auto row = [](const char *name, double v) { printf("%-58s %8.1f\n", name, v); };
+  const double ce = timed(P, [&](const char *s) {
+    CK(cudaMemcpyAsync(P.dst, s, BIG, cudaMemcpyDeviceToDevice, P.st));
+  });
+  row("copy engine, one cudaMemcpyAsync", ce);
+  row("copy engine, two halves on two streams at once", timed(P, [&](const char *s) {
+        fork_side(P);
+        CK(cudaMemcpyAsync(P.dst, s, BIG / 2, cudaMemcpyDeviceToDevice, P.st));
+        CK(cudaMemcpyAsync(P.dst + BIG / 2, s + BIG / 2, BIG / 2, cudaMemcpyDeviceToDevice,
+                           P.side));
+        join_side(P);
+      }));
+  row("copy engine, 64 copies of 4 MiB on one stream", timed(P, [&](const char *s) {
+        for (int i = 0; i < 64; i++)
+          CK(cudaMemcpyAsync(P.dst + i * (BIG / 64), s + i * (BIG / 64), BIG / 64,
+                             cudaMemcpyDeviceToDevice, P.st));
+      }));
+  char name[96];
+  for (int div : {1, 2, 3, 4}) {
+    const int g = sms * 4 / div;
+    snprintf(name, sizeof name, "SM loads U4, %d CTAs of 256 (%d SMs' worth)", g, sms / div);
+    row(name, timed(P, [&](const char *s) { sm_copy(P, P.st, s, P.dst, BIG, g); }));
+  }
+  row("SM loads U4 + L2::256B hint, 4 CTAs/SM",
+      timed(P, [&](const char *s) { sm_copy(P, P.st, s, P.dst, BIG, sms * 4, true); }));
+  struct {
+    int S, warps;
+    uint32_t C;
+  } tc[] = {{4, 4, 8192}, {4, 2, 16384}, {4, 1, 32768}, {2, 4, 16384}, {4, 4, 4096}};
+  for (auto &c : tc) {
+    snprintf(name, sizeof name, "TMA bulk, %d warps/CTA, %d x %u B stages/warp, 1 CTA/SM", c.warps,
+             c.S, c.C);
+    const size_t smem = (size_t)c.S * c.warps * c.C;
+    row(name, timed(P, [&](const char *s) {
+          if (c.S == 2)
+            tma_copy<2><<<sms, 32 * c.warps, smem, P.st>>>(s, P.dst, BIG, c.C);
+          else
+            tma_copy<4><<<sms, 32 * c.warps, smem, P.st>>>(s, P.dst, BIG, c.C);
+        }));
+  }
+  /* copy engine and SMs at once: the engine takes a share of the bytes on the side stream */
+  for (int pct : {10, 20, 30, 50}) {
+    for (int div : {1, 2}) {
+      const size_t ceb = (BIG * pct / 100) & ~(size_t)0xfffff;
+      snprintf(name, sizeof name, "copy engine %d%% + SM loads %d%% (%d SMs), at once", pct,
+               100 - pct, sms / div);
+      row(name, timed(P, [&](const char *s) {
+            fork_side(P);
+            CK(cudaMemcpyAsync(P.dst, s, ceb, cudaMemcpyDeviceToDevice, P.side));
+            sm_copy(P, P.st, s + ceb, P.dst + ceb, BIG - ceb, sms * 4 / div);
+            join_side(P);
+          }));
+    }
+  }
+  /* GPU 1's SMs store into GPU 0 (a push over the same link) */
+  row("SM stores pushed from GPU 1 into GPU 0, 4 CTAs/SM", timed(P, [&](const char *s) {
+        CK(cudaEventRecord(P.fork, P.st));
+        CK(cudaSetDevice(1));
+        CK(cudaStreamWaitEvent(P.peer_st, P.fork, 0));
+        sm_copy(P, P.peer_st, s, P.dst, BIG, sms * 4);
+        CK(cudaEventRecord(P.pjoin, P.peer_st));
+        CK(cudaSetDevice(0));
+        CK(cudaStreamWaitEvent(P.st, P.pjoin, 0));
+      }));
+  row("copy engine of GPU 1 pushing into GPU 0", timed(P, [&](const char *s) {
+        CK(cudaEventRecord(P.fork, P.st));
+        CK(cudaSetDevice(1));
+        CK(cudaStreamWaitEvent(P.peer_st, P.fork, 0));
+        CK(cudaMemcpyAsync(P.dst, s, BIG, cudaMemcpyDeviceToDevice, P.peer_st));
+        CK(cudaEventRecord(P.pjoin, P.peer_st));
+        CK(cudaSetDevice(0));
+        CK(cudaStreamWaitEvent(P.st, P.pjoin, 0));
+      }));
+  row("copy engine again (drift check)", timed(P, [&](const char *s) {
+        CK(cudaMemcpyAsync(P.dst, s, BIG, cudaMemcpyDeviceToDevice, P.st));
+      }));
+  return 0;
+}
