@@ -1,6 +1,7 @@
 /* symkv-bench fetch: GB/s of skv_fetch of random pages of a peer into engine blocks, against the
  * copy engine's contiguous copy of the same bytes, a per-page cudaMemcpyAsync loop and the same
- * kernel gathering local pages, all in this run; the latency of a 1 MiB batch; kernel variants. */
+ * kernel gathering local pages, all in this run; the latency of a 1 MiB batch; kernel variants;
+ * skv_publish of random engine blocks into new pages, against the contiguous local copy. */
 #define _GNU_SOURCE
 #include "bench.h"
 
@@ -38,7 +39,17 @@ int bench_fetch(bench_t *b) {
 #define WARM        2
 #define MAX_REPS    64
 
-enum { M_FETCH, M_CE, M_LOOP, M_LOCAL, M_CE_LOCAL, M_CE_BATCH, M_COUNT, M_EMPTY = M_COUNT };
+enum {
+  M_FETCH,
+  M_CE,
+  M_LOOP,
+  M_LOCAL,
+  M_CE_LOCAL,
+  M_CE_BATCH,
+  M_COUNT,
+  M_EMPTY = M_COUNT,
+  M_PUBLISH
+};
 
 typedef struct fb {
   bench_t *b;
@@ -59,6 +70,8 @@ typedef struct fb {
   uint64_t rng;
   void **bdst, **bsrc; /* cudaMemcpyBatchAsync: one copy per (page, tensor, block) */
   size_t *bsize;
+  skv_key_t *pkeys;  /* publish: fresh keys for a batch */
+  uint64_t pub_next; /* publish: the next fresh page id */
 } fb_t;
 
 #define BCUDA(call) SKV_CUDA_CHECK((call), SKV_SUBSYS_BENCH)
@@ -123,12 +136,13 @@ static int fb_setup(fb_t *f, uint64_t ps, uint64_t max_batch_bytes) {
   f->bdst = malloc(ncopies * sizeof *f->bdst);
   f->bsrc = malloc(ncopies * sizeof *f->bsrc);
   f->bsize = malloc(ncopies * sizeof *f->bsize);
+  f->pkeys = malloc(f->max_batch * sizeof *f->pkeys);
   /* every PE publishes its pool (the GPU path), page i from block i % nb */
   skv_key_t *keys = malloc(4096 * sizeof *keys);
   uint64_t *blocks = malloc(4096 * sizeof *blocks);
   f->peer_refs = malloc(f->pool * sizeof *f->peer_refs);
   f->own_refs = malloc(f->pool * sizeof *f->own_refs);
-  if (!keys || !blocks || !f->peer_refs || !f->own_refs)
+  if (!keys || !blocks || !f->peer_refs || !f->own_refs || !f->pkeys)
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
   for (uint64_t i = 0; i < f->pool; i += 4096) {
     uint64_t n = SKV_MIN(4096, f->pool - i);
@@ -173,8 +187,10 @@ static int fb_teardown(fb_t *f) {
   free(f->bdst);
   free(f->bsrc);
   free(f->bsize);
+  free(f->pkeys);
   f->bdst = f->bsrc = NULL;
   f->bsize = NULL;
+  f->pkeys = NULL;
   skv_namespace_destroy(f->ns);
   int rc = skv_kv_destroy(f->kv);
   f->kv = NULL;
@@ -244,6 +260,18 @@ static int run_op(fb_t *f, int method, const batch_t *bt, int r) {
         (const char *)skv__kv_page(kv, (uint32_t)(method == M_CE ? f->peer : f->rank), 0) +
         bt->off[r];
     BCUDA(cudaMemcpyAsync(f->dst, src, bytes, cudaMemcpyDeviceToDevice, f->st));
+    return 0;
+  }
+  case M_PUBLISH: { /* pages never published before (ids past the pool's), LRU pages evicted */
+    for (uint32_t i = 0; i < bt->n; i++) {
+      const uint64_t id = ((uint64_t)f->rank << 40) | (1ull << 39) | f->pub_next++;
+      skv_key_from_bytes(f->ns, &id, sizeof id, &f->pkeys[i]);
+    }
+    size_t ins = 0;
+    SKV_CHECK(skv_publish(kv, f->ns, f->pkeys, bt->n, f->lay, bt->blocks[r], f->st, &ins));
+    if (ins != bt->n)
+      return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "publish: %zu of %u pages queued", ins,
+                      bt->n);
     return 0;
   }
   case M_EMPTY: /* a kernel that does nothing: the floor of these measurements */
@@ -337,7 +365,8 @@ static int time_b2b(fb_t *f, int method, const batch_t *bt, int reps, double *se
   return 0;
 }
 
-/* Wall time (seconds) of a call and its completion (host enqueue, GPU, stream synchronised). */
+/* Wall time (seconds) of a call and its completion (host enqueue, GPU, stream synchronised;
+ * for publish, the keys inserted too). */
 static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
   double t[MAX_REPS];
   for (int r = 0; r < WARM + reps; r++) {
@@ -345,6 +374,7 @@ static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *se
     double h0 = bench_now();
     SKV_CHECK(run_op(f, method, bt, r));
     BCUDA(cudaStreamSynchronize(f->st));
+    if (method == M_PUBLISH) SKV_CHECK(skv_kv_sync(f->kv)); /* the keys are in the index */
     if (r >= WARM) t[r - WARM] = bench_now() - h0;
   }
   *sec = bench_median(t, (size_t)reps);
@@ -383,6 +413,8 @@ typedef struct cell {
   uint64_t ps;
   uint32_t n;
   double t[M_COUNT];
+  double t_pub;                        /* skv_publish of n pages (GPU time) */
+  double t_local_mapped, t_pub_mapped; /* the same with arguments read over PCIe (>= 64 MiB) */
 } cell_t;
 
 #define VEC  SKV_KV_KERNEL_VEC
@@ -468,11 +500,13 @@ int bench_fetch(bench_t *b) {
   double var_t[NCASES][SKV_ARRAY_LEN(variants_list)];
   memset(var_t, 0, sizeof var_t);
   double e2e_fetch = 0, e2e_ce = 0, floor_empty = 0, e2e_big_fetch = 0, e2e_big_ce = 0,
-         e2e_big_batch = 0, b2b_fetch = 0, b2b_ce = 0, b2b_empty = 0;
+         e2e_big_batch = 0, b2b_fetch = 0, b2b_ce = 0, b2b_empty = 0, e2e_big_pub = 0,
+         e2e_big_ce_local = 0;
   int have_lat = 0;
 
   for (int si = 0; si < nsizes && rc == 0; si++) {
     rc = fb_setup(&f, sizes[si], max_bytes);
+    const int first_cell = ncells;
     for (int bi = 0; bi < nbatches && rc == 0; bi++) {
       if (batches[bi] > f.max_batch || batches[bi] == 0) continue;
       cell_t *c = &cells[ncells];
@@ -530,6 +564,42 @@ int bench_fetch(bench_t *b) {
       if (rc == 0) rc = r2;
       if (rc == 0) rc = skv_kv_sync(f.kv);
     }
+    /* Local batches of >= 64 MiB read their arguments from a device copy (the default): the
+     * same fetch with them read over PCIe (mapped), for comparison. */
+    skv_kv_variant_t mapped = def_var;
+    mapped.args = SKV_KV_ARGS_MAPPED;
+    for (int i = first_cell; i < ncells && rc == 0 && f.rank == 0; i++) {
+      cell_t *c = &cells[i];
+      if ((uint64_t)c->n * c->ps < (64u << 20)) continue;
+      batch_t bt;
+      rc = batch_make(&f, &bt, c->n, reps);
+      if (rc == 0) rc = skv__kv_cuda_variant_set(&mapped);
+      if (rc == 0) rc = time_op(&f, M_LOCAL, &bt, reps, &c->t_local_mapped);
+      int r2 = skv__kv_cuda_variant_set(&def_var);
+      if (rc == 0) rc = r2;
+      if (rc == 0) rc = skv_kv_sync(f.kv);
+      batch_free(&bt, reps);
+    }
+    /* publish last: its new pages evict the pool's (fetches of this page size are done) */
+    for (int i = first_cell; i < ncells && rc == 0 && f.rank == 0; i++) {
+      cell_t *c = &cells[i];
+      batch_t bt;
+      rc = batch_make(&f, &bt, c->n, reps);
+      if (rc == 0) rc = time_op(&f, M_PUBLISH, &bt, reps, &c->t_pub);
+      if (rc == 0) rc = skv_kv_sync(f.kv);
+      if (rc == 0 && (uint64_t)c->n * c->ps >= (64u << 20)) {
+        rc = skv__kv_cuda_variant_set(&mapped);
+        if (rc == 0) rc = time_op(&f, M_PUBLISH, &bt, reps, &c->t_pub_mapped);
+        int r2 = skv__kv_cuda_variant_set(&def_var);
+        if (rc == 0) rc = r2;
+        if (rc == 0) rc = skv_kv_sync(f.kv);
+      }
+      if (rc == 0 && c->ps == (64u << 10) && c->n == 1024) {
+        rc = time_e2e(&f, M_PUBLISH, &bt, reps, &e2e_big_pub);
+        if (rc == 0) rc = time_e2e(&f, M_CE_LOCAL, &bt, reps, &e2e_big_ce_local);
+      }
+      batch_free(&bt, reps);
+    }
     int b2 = skv_ctx_barrier(ctx);
     if (f.kv) {
       int r2 = fb_teardown(&f);
@@ -583,6 +653,21 @@ int bench_fetch(bench_t *b) {
         bench_row(b, name, bytes / c->t[M_CE_BATCH] / 1e9, "GB/s", "higher",
                   "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
       }
+      if (c->t_pub > 0) {
+        snprintf(name, sizeof name, "publish/%s/x%u", sz, c->n);
+        bench_row(b, name, bytes / c->t_pub / 1e9, "GB/s", "higher", "copy-engine contiguous local",
+                  bytes / c->t[M_CE_LOCAL] / 1e9);
+      }
+      if (c->t_local_mapped > 0) {
+        snprintf(name, sizeof name, "fetch_local_mapped_args/%s/x%u", sz, c->n);
+        bench_row(b, name, bytes / c->t_local_mapped / 1e9, "GB/s", "higher",
+                  "fetch_local (arguments copied to the GPU first)", bytes / c->t[M_LOCAL] / 1e9);
+      }
+      if (c->t_pub_mapped > 0) {
+        snprintf(name, sizeof name, "publish_mapped_args/%s/x%u", sz, c->n);
+        bench_row(b, name, bytes / c->t_pub_mapped / 1e9, "GB/s", "higher",
+                  "publish (arguments copied to the GPU first)", bytes / c->t_pub / 1e9);
+      }
     }
     /* the latency target: 1 MiB of 64 KiB pages within 1.5 x bytes / CE bandwidth + 5 us */
     double ce_bw = 0;
@@ -616,6 +701,10 @@ int bench_fetch(bench_t *b) {
       bench_row(b, "ce_batch_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_batch / 1e9, "GB/s",
                 "higher", "cudaMemcpyAsync 64 MiB contiguous + sync, wall",
                 (64.0 * 1024 * 1024) / e2e_big_ce / 1e9);
+    if (e2e_big_pub > 0)
+      bench_row(b, "publish_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_pub / 1e9, "GB/s",
+                "higher", "cudaMemcpyAsync 64 MiB contiguous local + sync, wall",
+                (64.0 * 1024 * 1024) / e2e_big_ce_local / 1e9);
     char base[64], vn[48];
     snprintf(base, sizeof base, "variant %s",
              skv__kv_cuda_variant_name(&variants_list[0], vn, sizeof vn));

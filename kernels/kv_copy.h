@@ -57,7 +57,8 @@ typedef struct skv_kv_copy_desc {
 } skv_kv_copy_desc_t;
 
 enum {
-  SKV_KV_ARGS_AUTO = 0,   /* in the kernel parameters when they fit, else as MAPPED */
+  SKV_KV_ARGS_AUTO = 0,   /* in the kernel parameters when they fit, else as MAPPED (the
+                             caller, src/kv/kv_cuda.c, makes a device copy of a local batch's) */
   SKV_KV_ARGS_MAPPED = 1, /* read args_dev, pinned host memory, over PCIe (zero copy) */
   SKV_KV_ARGS_DEVICE = 2, /* read args_dev, a device copy the caller made */
 };

@@ -962,6 +962,27 @@ static int pe_large(int rank, int npes, void *arg) {
   for (uint64_t i = 0; i < N; i++)
     PE_CHECK(pages_equal(&ref, &fblocks[i], &dst, &dblocks[i]), "page %llu differs",
              (unsigned long long)i);
+  /* the same of this PE's own pages: a local batch, its arguments copied to the GPU first */
+  skv_page_ref_t *own = malloc(N * sizeof *own);
+  skv_key_t *okeys = malloc(N * sizeof *okeys);
+  for (uint64_t i = 0; i < N; i++) {
+    uint64_t id = ((uint64_t)rank << 32) | i;
+    skv_key_from_bytes(ns, &id, sizeof id, &okeys[i]);
+  }
+  PE_CHECK(skv_lookup(kv, ns, okeys, N, 0, own, &nhit) == 0 && nhit == N, "own lookup %zu", nhit);
+  for (uint64_t i = 0; i < N; i++) PE_CHECK(own[i].pe == (uint32_t)rank, "own page on PE %u", own[i].pe);
+  PE_CHECK(de_fill(&ref, seed) == 0, "ref");
+  PE_CHECK(de_poison(&dst) == 0, "poison");
+  PE_CHECK(skv_fetch(kv, own, N, dst.lay, dblocks, 0, st) == 0, "large local fetch");
+  CU_OK(cudaStreamSynchronize(st));
+  PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+  PE_CHECK(de_download(&dst) == 0, "download");
+  for (uint64_t i = 0; i < N; i++)
+    PE_CHECK(pages_equal(&ref, &fblocks[i], &dst, &dblocks[i]), "own page %llu differs",
+             (unsigned long long)i);
+  free(own);
+  free(okeys);
+  PE_CHECK(de_fill(&ref, seeds[from]) == 0, "ref");
   /* many small fetches back to back: more than the argument slots, nothing synchronised */
   PE_CHECK(de_poison(&dst) == 0, "poison");
   for (int b = 0; b < BURST; b++)

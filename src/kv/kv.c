@@ -73,7 +73,12 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
                                  geom->elem_bytes, geom->page_tokens, skv__backend_name(opts->backend), pages,
                                  opts->index_slots),
                  rc, fail);
-  SKV_CHECK_GOTO(skv_heap_create(ctx, pages * stride, opts->backend, &kv->data), rc, fail);
+  /* the pages only: no collectives' scratch (a cuda heap's default is 8 MiB) */
+  skv_heap_opts_t ho = SKV_HEAP_OPTS_INIT;
+  ho.backend = opts->backend;
+  ho.data_bytes = pages * stride;
+  ho.scratch_bytes = 256;
+  SKV_CHECK_GOTO(skv_heap_create_ex(ctx, &ho, &kv->data), rc, fail);
   uint64_t meta_bytes = meta_pool_bytes(pages) + skv__index_shard_bytes(sps);
   SKV_CHECK_GOTO(skv_heap_create(ctx, meta_bytes, SKV_BACKEND_HOST, &kv->meta), rc, fail);
 

@@ -23,8 +23,14 @@
  * block ids) are written into an argument slot of pinned, device-mapped host memory owned by the
  * cache: nothing to allocate per call. Small batches (up to 3.4 KiB of arguments, e.g. 300
  * pages of one block) travel in the kernel's parameters (no memory round trip before the first
- * page load); larger ones are read by the kernels from the slot over PCIe, a few bytes per 8 KiB
- * chunk (measured faster than copying them to device memory first, SKV_KV_ARGS_DEVICE).
+ * page load). Larger ones of a batch that reads a peer's pages are read by the kernels from the
+ * slot over PCIe, a few bytes per 8 KiB chunk: the NVLink transfer hides those reads (measured
+ * faster than copying the arguments to device memory first). A batch that stays in this GPU
+ * (publish; a fetch of this PE's own pages) would wait on them instead, a copy within HBM
+ * running five times faster than NVLink: its arguments are copied to the slot's device mirror
+ * first, one DMA on the caller's stream (measured on 2 H200, batches of 64 MiB to 1 GiB: local
+ * fetches 1.06-2.4x and publishes 1.0-2.2x faster than with the arguments read over PCIe;
+ * docs/gpu.md).
  * RING_SLOTS slots serve ordinary calls; a slot is handed back once the launch that used it
  * completed, and a call that finds none free waits for one, bounded by the context's timeout.
  * Batches larger than a slot (beyond 4096 pages, or fewer when pages have many blocks) are split
@@ -552,6 +558,7 @@ typedef struct plan {
   uint32_t bid_bytes;   /* 4 or 8 */
   uint32_t ppl;         /* pages per launch */
   bool ce;              /* fetch with the copy engines (dense runs, not capturing) */
+  bool local;           /* the launch's pages are all this PE's (set by slot_fill) */
 } plan_t;
 
 /* Describe copies between this cache's pages and `lay` (a device layout on this PE's GPU). */
@@ -626,10 +633,14 @@ static void slot_fill(slot_t *s, plan_t *pl, const skv_layout_t *lay, uint32_t k
   uint64_t *bases = (uint64_t *)s->args;
   for (uint32_t t = 0; t < pl->d.ntensors; t++) bases[t] = (uint64_t)(uintptr_t)lay->base[t];
   uint32_t *pp = (uint32_t *)(s->args + pl->bases_bytes);
+  const uint32_t me = (uint32_t)s->kc->kv->pool.me;
+  bool local = true;
   for (uint32_t q = 0; q < k; q++) {
     pp[2 * q] = pe[q * pe_step];
     pp[2 * q + 1] = page[q * page_step];
+    local = local && pe[q * pe_step] == me;
   }
+  pl->local = local;
   const uint32_t m = pl->d.blocks_per_page;
   uint8_t *bp = s->args + pl->bases_bytes + 8 * (size_t)k;
   for (uint32_t q = 0; q < k; q++) {
@@ -650,11 +661,14 @@ static void slot_fill(slot_t *s, plan_t *pl, const skv_layout_t *lay, uint32_t k
 }
 
 /* Launch the batch of slot `s`: its arguments go in the kernel parameters when they fit, else
- * they are read in place (mapped), or copied to the slot's device mirror first (one DMA on the
- * stream) with SKV_KV_ARGS_DEVICE. */
+ * they are read in place (mapped) when the batch reads a peer's pages, or copied to the slot's
+ * device mirror first (one DMA on the stream) when it stays in this GPU, or with
+ * SKV_KV_ARGS_DEVICE. */
 static int launch_kernel(slot_t *s, plan_t *pl, void *stream, const char *fn) {
   int e = 0;
-  if (!skv__kv_copy_args_inline(&pl->d, &pl->cfg) && pl->cfg.args == SKV_KV_ARGS_DEVICE) {
+  const int mode = pl->cfg.args;
+  if (!skv__kv_copy_args_inline(&pl->d, &pl->cfg) &&
+      (mode == SKV_KV_ARGS_DEVICE || (mode == SKV_KV_ARGS_AUTO && pl->local))) {
     e = (int)cudaMemcpyAsync(s->mirror, s->args, pl->d.args_bytes, cudaMemcpyHostToDevice,
                              (cudaStream_t)stream);
     pl->d.args_dev = s->mirror;
