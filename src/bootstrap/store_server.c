@@ -1238,14 +1238,7 @@ int skv__store_server_port(const skv_store_server_t *srv) {
 int skv__store_server_stop(skv_store_server_t *srv, int timeout_ms) {
   if (!srv) return 0;
   if (timeout_ms < 0) timeout_ms = 0;
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  ts.tv_sec += timeout_ms / 1000;
-  ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-  if (ts.tv_nsec >= 1000000000L) {
-    ts.tv_sec++;
-    ts.tv_nsec -= 1000000000L;
-  }
+  const struct timespec ts = skv__ts_at(skv__now_ns() + (uint64_t)timeout_ms * 1000000u);
   char live[256] = "";
   pthread_mutex_lock(&srv->mu);
   while (srv->nlive > 0) {

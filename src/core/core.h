@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 
 #define SKV_UNUSED(x) ((void)(x))
 #define SKV_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
@@ -178,6 +179,12 @@ int skv__parse_bootstrap(const char *addr, const char *what, char *host, size_t 
 /* Monotonic clock in nanoseconds / milliseconds. */
 uint64_t skv__now_ns(void);
 static inline uint64_t skv__now_ms(void) { return skv__now_ns() / 1000000u; }
+/* The time skv__now_ns() reads as `ns`, as a timespec of CLOCK_MONOTONIC: a deadline for
+ * pthread_cond_timedwait on condition variables set to that clock. */
+static inline struct timespec skv__ts_at(uint64_t ns) {
+  struct timespec t = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+  return t;
+}
 /* Parse a decimal integer in [lo, hi] with an optional K/M/G/T (binary) suffix when
  * `allow_suffix`; returns false on junk or overflow. */
 bool skv__parse_int(const char *s, long long lo, long long hi, bool allow_suffix, long long *out);

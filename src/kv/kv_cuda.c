@@ -362,17 +362,11 @@ void skv__kv_cuda_fini(skv_kv_t *kv) {
 
 /* ---- slots and their completion ------------------------------------------------------------- */
 
-/* The time skv__now_ns() reads as `ns` (CLOCK_MONOTONIC, the condition variables' clock). */
-static struct timespec ts_at(uint64_t ns) {
-  struct timespec t = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
-  return t;
-}
-
 static int reap_locked(kv_cuda_t *kc);
 
 static int slot_get(kv_cuda_t *kc, slot_t **out, const char *fn) {
   int ms = kc->kv->ctx->cfg.timeout_ms;
-  const struct timespec dl = ts_at(skv__now_ns() + (uint64_t)ms * 1000000u);
+  const struct timespec dl = skv__ts_at(skv__now_ns() + (uint64_t)ms * 1000000u);
   pthread_mutex_lock(&kc->mu);
   if (!kc->free_ring) (void)reap_locked(kc);
   while (!kc->free_ring) {
@@ -1088,7 +1082,7 @@ int skv__kv_cuda_sync(skv_kv_t *kv) {
   while (kc->inflight > 0 && (reap_locked(kc), kc->inflight > 0)) {
     const uint64_t now = skv__now_ns();
     if (now >= dl) break;
-    const struct timespec t = ts_at(SKV_MIN(now + 20000u, dl));
+    const struct timespec t = skv__ts_at(SKV_MIN(now + 20000u, dl));
     (void)pthread_cond_timedwait(&kc->cv, &kc->mu, &t);
   }
   uint64_t pending = kc->inflight;
