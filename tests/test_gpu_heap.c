@@ -9,6 +9,7 @@
 
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <errno.h>
 #include <signal.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -136,6 +137,8 @@ static int pe_dies_with_cuda_heap(int rank, int npes, void *arg) {
   PE_CHECK(skv_test_init(&ctx, 5000) == 0, "init");
   int devs[2], dev = skv_ctx_device(ctx);
   PE_CHECK(skv_ctx_allgather(ctx, &dev, devs, sizeof dev) == 0, "devices");
+  int32_t pid = (int32_t)getpid(), pids[2];
+  PE_CHECK(skv_ctx_allgather(ctx, &pid, pids, sizeof pid) == 0, "pids");
   PE_CHECK(devs[0] != devs[1], "both PEs on device %d: this test needs one GPU per PE", dev);
   const int peer_dev = devs[1 - rank];
   /* contexts on both devices first, then the free memory when every PE has its contexts */
@@ -154,6 +157,9 @@ static int pe_dies_with_cuda_heap(int rank, int npes, void *arg) {
   PE_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   if (rank == 1) raise(SIGKILL);
+  /* wait until PE 1's process is gone (the test harness reaps it), up to 20 s */
+  for (int i = 0; i < 2000 && kill((pid_t)pids[1], 0) == 0; i++) usleep(10000);
+  PE_CHECK(kill((pid_t)pids[1], 0) != 0 && errno == ESRCH, "PE 1 (pid %d) is still there", pids[1]);
   /* the dead PE's segment is still mapped here and holds what it wrote */
   uint8_t head[4096], tail[4096];
   const uint8_t *dead = skv_heap_ptr(heap, 1, in.data_offset);

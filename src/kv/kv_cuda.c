@@ -29,7 +29,7 @@
  * (publish; a fetch of this PE's own pages) would wait on them instead, a copy within HBM
  * running five times faster than NVLink: its arguments are copied to the slot's device mirror
  * first, one DMA on the caller's stream (measured on 2 H200, batches of 64 MiB to 1 GiB: local
- * fetches 1.06-2.4x and publishes 1.0-2.2x faster than with the arguments read over PCIe;
+ * fetches 1.06-2.4x and publishes 0.99-2.2x the speed with the arguments read over PCIe;
  * docs/gpu.md).
  * RING_SLOTS slots serve ordinary calls; a slot is handed back once the launch that used it
  * completed, and a call that finds none free waits for one, bounded by the context's timeout.
