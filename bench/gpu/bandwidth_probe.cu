@@ -12,69 +12,13 @@
  *
  *   nvcc -O3 -arch=sm_90 -o bandwidth_probe bench/gpu/bandwidth_probe.cu && ./bandwidth_probe
  */
-#include <cuda_runtime.h>
+#include "probe.cuh"
 
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <functional>
-#include <vector>
-
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                            \
-    }                                                                                     \
-  } while (0)
 
 constexpr size_t BIG = 256ull << 20; /* bytes per copy */
 constexpr size_t POOL = 4 * BIG;     /* sources drawn from this much peer memory */
 constexpr int REPS = 15, WARM = 2;
-
-__global__ void gate(const volatile uint32_t *flag, uint64_t min_ns, uint64_t max_ns) {
-  uint64_t t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  for (;;) {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t - t0 >= max_ns || (t - t0 >= min_ns && *flag != 0)) break;
-    __nanosleep(500);
-  }
-}
-
-__device__ __forceinline__ uint4 ld_nc(const uint4 *p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint4 ld_nc256(const uint4 *p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-/* Grid-stride contiguous copy, U 16-byte loads in flight per lane. */
-template <int U, bool L256>
-__global__ void stream_copy(const uint4 *__restrict__ s, uint4 *__restrict__ d, size_t n16) {
-  const size_t step = (size_t)gridDim.x * blockDim.x * U;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x * U + threadIdx.x; i < n16; i += step) {
-    uint4 v[U];
-#pragma unroll
-    for (int k = 0; k < U; k++)
-      if (i + (size_t)k * blockDim.x < n16)
-        v[k] =
-            L256 ? ld_nc256(s + i + (size_t)k * blockDim.x) : ld_nc(s + i + (size_t)k * blockDim.x);
-#pragma unroll
-    for (int k = 0; k < U; k++)
-      if (i + (size_t)k * blockDim.x < n16) d[i + (size_t)k * blockDim.x] = v[k];
-  }
-}
 
 /* TMA: per warp a pipeline of S shared buffers of C bytes; lane 0 loads chunks with
  * cp.async.bulk (mbarrier completion) and writes them back with cp.async.bulk shared -> global. */
@@ -131,9 +75,9 @@ __global__ void tma_copy(const char *__restrict__ s, char *__restrict__ d, size_
 }
 
 struct probe {
-  cudaStream_t st, side, peer_st;
-  cudaEvent_t e0, e1, fork, join, pfork, pjoin;
-  volatile uint32_t *flag;
+  gated_t g; /* the measured stream (GPU 0) */
+  cudaStream_t side, peer_st;
+  cudaEvent_t fork, join, pjoin;
   char *peer, *dst;
   int sms;
   uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -145,36 +89,25 @@ struct probe {
   }
 };
 
-/* GB/s of `body(src)`, enqueued behind a gate on P.st between events; median of REPS. */
+/* GB/s of `body(src)`, enqueued behind a gate on P.g.st between events; median of REPS. */
 static double timed(probe &P, const std::function<void(const char *)> &body) {
   std::vector<double> t;
   for (int r = 0; r < WARM + REPS; r++) {
     const char *src = P.src();
-    *P.flag = 0;
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    gate<<<1, 1, 0, P.st>>>(P.flag, 1000000ull, 100000000ull);
-    CK(cudaEventRecord(P.e0, P.st));
-    body(src);
-    CK(cudaGetLastError());
-    CK(cudaEventRecord(P.e1, P.st));
-    __atomic_store_n((uint32_t *)P.flag, 1, __ATOMIC_SEQ_CST);
-    CK(cudaEventSynchronize(P.e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, P.e0, P.e1));
+    const double ms = gated_ms(P.g, [&] { body(src); });
     if (r >= WARM) t.push_back(BIG / (ms * 1e-3) / 1e9);
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return median(t);
 }
 
 /* The side stream starts with the main one (after the gate) and the main one ends after it. */
 static void fork_side(probe &P) {
-  CK(cudaEventRecord(P.fork, P.st));
+  CK(cudaEventRecord(P.fork, P.g.st));
   CK(cudaStreamWaitEvent(P.side, P.fork, 0));
 }
 static void join_side(probe &P) {
   CK(cudaEventRecord(P.join, P.side));
-  CK(cudaStreamWaitEvent(P.st, P.join, 0));
+  CK(cudaStreamWaitEvent(P.g.st, P.join, 0));
 }
 
 static void sm_copy(probe &P, cudaStream_t s, const char *src, char *dst, size_t bytes, int ctas,
@@ -182,9 +115,9 @@ static void sm_copy(probe &P, cudaStream_t s, const char *src, char *dst, size_t
   const uint4 *s4 = reinterpret_cast<const uint4 *>(src);
   uint4 *d4 = reinterpret_cast<uint4 *>(dst);
   if (l256)
-    stream_copy<4, true><<<ctas, 256, 0, s>>>(s4, d4, bytes / 16);
+    stream_copy<4, LD_NC_L2_256><<<ctas, 256, 0, s>>>(s4, d4, bytes / 16);
   else
-    stream_copy<4, false><<<ctas, 256, 0, s>>>(s4, d4, bytes / 16);
+    stream_copy<4, LD_NC><<<ctas, 256, 0, s>>>(s4, d4, bytes / 16);
 }
 
 int main() {
@@ -200,21 +133,15 @@ int main() {
   CK(cudaMalloc(&P.peer, POOL));
   CK(cudaMemset(P.peer, 1, POOL));
   CK(cudaStreamCreateWithFlags(&P.peer_st, cudaStreamNonBlocking));
-  CK(cudaEventCreateWithFlags(&P.pfork, cudaEventDisableTiming));
   CK(cudaEventCreateWithFlags(&P.pjoin, cudaEventDisableTiming));
   CK(cudaSetDevice(0));
   CK(cudaDeviceEnablePeerAccess(1, 0));
   CK(cudaMalloc(&P.dst, BIG));
   CK(cudaDeviceGetAttribute(&P.sms, cudaDevAttrMultiProcessorCount, 0));
-  CK(cudaStreamCreateWithFlags(&P.st, cudaStreamNonBlocking));
+  gated_init(P.g);
   CK(cudaStreamCreateWithFlags(&P.side, cudaStreamNonBlocking));
-  CK(cudaEventCreate(&P.e0));
-  CK(cudaEventCreate(&P.e1));
   CK(cudaEventCreateWithFlags(&P.fork, cudaEventDisableTiming));
   CK(cudaEventCreateWithFlags(&P.join, cudaEventDisableTiming));
-  uint32_t *f;
-  CK(cudaHostAlloc((void **)&f, 64, cudaHostAllocMapped));
-  P.flag = f;
   for (int S : {2, 4})
     CK(cudaFuncSetAttribute((const void *)(S == 2 ? tma_copy<2> : tma_copy<4>),
                             cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
@@ -223,12 +150,12 @@ int main() {
   printf("%-58s %8s\n", "peer (GPU 1) -> local (GPU 0), 256 MiB contiguous", "GB/s");
   auto row = [](const char *name, double v) { printf("%-58s %8.1f\n", name, v); };
   const double ce = timed(P, [&](const char *s) {
-    CK(cudaMemcpyAsync(P.dst, s, BIG, cudaMemcpyDeviceToDevice, P.st));
+    CK(cudaMemcpyAsync(P.dst, s, BIG, cudaMemcpyDeviceToDevice, P.g.st));
   });
   row("copy engine, one cudaMemcpyAsync", ce);
   row("copy engine, two halves on two streams at once", timed(P, [&](const char *s) {
         fork_side(P);
-        CK(cudaMemcpyAsync(P.dst, s, BIG / 2, cudaMemcpyDeviceToDevice, P.st));
+        CK(cudaMemcpyAsync(P.dst, s, BIG / 2, cudaMemcpyDeviceToDevice, P.g.st));
         CK(cudaMemcpyAsync(P.dst + BIG / 2, s + BIG / 2, BIG / 2, cudaMemcpyDeviceToDevice,
                            P.side));
         join_side(P);
@@ -236,16 +163,16 @@ int main() {
   row("copy engine, 64 copies of 4 MiB on one stream", timed(P, [&](const char *s) {
         for (int i = 0; i < 64; i++)
           CK(cudaMemcpyAsync(P.dst + i * (BIG / 64), s + i * (BIG / 64), BIG / 64,
-                             cudaMemcpyDeviceToDevice, P.st));
+                             cudaMemcpyDeviceToDevice, P.g.st));
       }));
   char name[96];
   for (int div : {1, 2, 3, 4}) {
     const int g = sms * 4 / div;
     snprintf(name, sizeof name, "SM loads U4, %d CTAs of 256 (%d SMs' worth)", g, sms / div);
-    row(name, timed(P, [&](const char *s) { sm_copy(P, P.st, s, P.dst, BIG, g); }));
+    row(name, timed(P, [&](const char *s) { sm_copy(P, P.g.st, s, P.dst, BIG, g); }));
   }
   row("SM loads U4 + L2::256B hint, 4 CTAs/SM",
-      timed(P, [&](const char *s) { sm_copy(P, P.st, s, P.dst, BIG, sms * 4, true); }));
+      timed(P, [&](const char *s) { sm_copy(P, P.g.st, s, P.dst, BIG, sms * 4, true); }));
   struct {
     int S, warps;
     uint32_t C;
@@ -256,9 +183,9 @@ int main() {
     const size_t smem = (size_t)c.S * c.warps * c.C;
     row(name, timed(P, [&](const char *s) {
           if (c.S == 2)
-            tma_copy<2><<<sms, 32 * c.warps, smem, P.st>>>(s, P.dst, BIG, c.C);
+            tma_copy<2><<<sms, 32 * c.warps, smem, P.g.st>>>(s, P.dst, BIG, c.C);
           else
-            tma_copy<4><<<sms, 32 * c.warps, smem, P.st>>>(s, P.dst, BIG, c.C);
+            tma_copy<4><<<sms, 32 * c.warps, smem, P.g.st>>>(s, P.dst, BIG, c.C);
         }));
   }
   /* copy engine and SMs at once: the engine takes a share of the bytes on the side stream */
@@ -270,32 +197,32 @@ int main() {
       row(name, timed(P, [&](const char *s) {
             fork_side(P);
             CK(cudaMemcpyAsync(P.dst, s, ceb, cudaMemcpyDeviceToDevice, P.side));
-            sm_copy(P, P.st, s + ceb, P.dst + ceb, BIG - ceb, sms * 4 / div);
+            sm_copy(P, P.g.st, s + ceb, P.dst + ceb, BIG - ceb, sms * 4 / div);
             join_side(P);
           }));
     }
   }
   /* GPU 1's SMs store into GPU 0 (a push over the same link) */
   row("SM stores pushed from GPU 1 into GPU 0, 4 CTAs/SM", timed(P, [&](const char *s) {
-        CK(cudaEventRecord(P.fork, P.st));
+        CK(cudaEventRecord(P.fork, P.g.st));
         CK(cudaSetDevice(1));
         CK(cudaStreamWaitEvent(P.peer_st, P.fork, 0));
         sm_copy(P, P.peer_st, s, P.dst, BIG, sms * 4);
         CK(cudaEventRecord(P.pjoin, P.peer_st));
         CK(cudaSetDevice(0));
-        CK(cudaStreamWaitEvent(P.st, P.pjoin, 0));
+        CK(cudaStreamWaitEvent(P.g.st, P.pjoin, 0));
       }));
   row("copy engine of GPU 1 pushing into GPU 0", timed(P, [&](const char *s) {
-        CK(cudaEventRecord(P.fork, P.st));
+        CK(cudaEventRecord(P.fork, P.g.st));
         CK(cudaSetDevice(1));
         CK(cudaStreamWaitEvent(P.peer_st, P.fork, 0));
         CK(cudaMemcpyAsync(P.dst, s, BIG, cudaMemcpyDeviceToDevice, P.peer_st));
         CK(cudaEventRecord(P.pjoin, P.peer_st));
         CK(cudaSetDevice(0));
-        CK(cudaStreamWaitEvent(P.st, P.pjoin, 0));
+        CK(cudaStreamWaitEvent(P.g.st, P.pjoin, 0));
       }));
   row("copy engine again (drift check)", timed(P, [&](const char *s) {
-        CK(cudaMemcpyAsync(P.dst, s, BIG, cudaMemcpyDeviceToDevice, P.st));
+        CK(cudaMemcpyAsync(P.dst, s, BIG, cudaMemcpyDeviceToDevice, P.g.st));
       }));
   return 0;
 }

@@ -8,22 +8,7 @@
  *
  *   nvcc -O3 -arch=sm_90 -o latency_probe bench/gpu/latency_probe.cu && ./latency_probe
  */
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                            \
-    }                                                                                     \
-  } while (0)
+#include "probe.cuh"
 
 constexpr int NP = 16;                    /* pages per gather */
 constexpr size_t PAGE = 64 << 10;         /* bytes per page */
@@ -41,15 +26,6 @@ struct gp_big_t {
   uint8_t pad[4000 - sizeof(gp_t)];
 };
 
-__global__ void gate(const volatile uint32_t *flag, uint64_t min_ns, uint64_t max_ns) {
-  uint64_t t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  for (;;) {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t - t0 >= max_ns || (t - t0 >= min_ns && *flag != 0)) break;
-    __nanosleep(500);
-  }
-}
 __global__ void empty1() {}
 __global__ void empty_big(const __grid_constant__ gp_big_t p) {
   if (threadIdx.x == 1000000) printf("%d", p.pad[0]);
@@ -76,21 +52,6 @@ template <int U> __device__ __forceinline__ void gather_body(const gp_t &p) {
 template <int U> __global__ void gather(const __grid_constant__ gp_t p) {
   gather_body<U>(p);
 }
-/* A contiguous stream copy, grid-stride, U 16-byte loads in flight per lane. */
-template <int U>
-__global__ void stream_copy(const uint4 *__restrict__ s, uint4 *__restrict__ d, size_t n16) {
-  const size_t step = (size_t)gridDim.x * blockDim.x * U;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x * U + threadIdx.x; i < n16; i += step) {
-    uint4 v[U];
-#pragma unroll
-    for (int k = 0; k < U; k++)
-      if (i + (size_t)k * blockDim.x < n16) v[k] = s[i + (size_t)k * blockDim.x];
-#pragma unroll
-    for (int k = 0; k < U; k++)
-      if (i + (size_t)k * blockDim.x < n16) d[i + (size_t)k * blockDim.x] = v[k];
-  }
-}
-
 template <int U> __global__ void gather_big(const __grid_constant__ gp_big_t p) {
   gather_body<U>(p.g);
 }
@@ -98,10 +59,10 @@ template <int U> __global__ void gather_big(const __grid_constant__ gp_big_t p) 
 static void CUDART_CB noop(void *) {}
 
 struct probe {
-  cudaStream_t st, side, side_prio;
-  cudaEvent_t e0, e1, done[64];
+  gated_t g; /* the measured stream */
+  cudaStream_t side, side_prio;
+  cudaEvent_t done[64];
   int di = 0;
-  volatile uint32_t *flag;
   char *local, *peer, *dst;
   uint64_t rng = 0x1234567;
   uint64_t rnd() {
@@ -159,70 +120,60 @@ static void launch(probe &P, int op) {
   }
   switch (op) {
   case EMPTY1:
-    empty1<<<1, 1, 0, P.st>>>();
+    empty1<<<1, 1, 0, P.g.st>>>();
     break;
   case EMPTY_BIG: {
     gp_big_t b;
     b.g = g;
-    empty_big<<<1, 1, 0, P.st>>>(b);
+    empty_big<<<1, 1, 0, P.g.st>>>(b);
     break;
   }
   case EMPTY_SMEM:
-    empty_smem<<<32, 128, 128 << 10, P.st>>>();
+    empty_smem<<<32, 128, 128 << 10, P.g.st>>>();
     break;
   case G_PEER_WIDE:
     g.chunk = 512;
-    gather<1><<<NP * PAGE / 512 / 4, 128, 0, P.st>>>(g);
+    gather<1><<<NP * PAGE / 512 / 4, 128, 0, P.g.st>>>(g);
     break;
   case G_PEER_U8:
     g.chunk = 4096;
-    gather<8><<<NP * PAGE / 4096 / 4, 128, 0, P.st>>>(g);
+    gather<8><<<NP * PAGE / 4096 / 4, 128, 0, P.g.st>>>(g);
     break;
   case G_PEER_BIG: {
     gp_big_t b;
     g.chunk = 2048;
     b.g = g;
-    gather_big<4><<<NP * PAGE / 2048 / 4, 128, 0, P.st>>>(b);
+    gather_big<4><<<NP * PAGE / 2048 / 4, 128, 0, P.g.st>>>(b);
     break;
   }
   case CE_PEER:
   case CE_LOCAL:
     CK(cudaMemcpyAsync(P.dst + (P.rnd() % (NPOOL / 4 - NP)) * PAGE,
                        (op == CE_PEER ? P.peer : P.local) + first * PAGE, NP * PAGE,
-                       cudaMemcpyDeviceToDevice, P.st));
+                       cudaMemcpyDeviceToDevice, P.g.st));
     break;
   default:
     g.chunk = 2048;
-    gather<4><<<NP * PAGE / 2048 / 4, 128, 0, P.st>>>(g);
+    gather<4><<<NP * PAGE / 2048 / 4, 128, 0, P.g.st>>>(g);
   }
   CK(cudaGetLastError());
   if (op >= G_PEER_EV && op <= G_PEER_CB_PRIO) { /* symkv's completion: event, side stream */
     cudaEvent_t ev = P.done[P.di++ % 64];
     cudaStream_t side = op == G_PEER_CB_PRIO ? P.side_prio : P.side;
-    CK(cudaEventRecord(ev, P.st));
+    CK(cudaEventRecord(ev, P.g.st));
     if (op != G_PEER_EV) CK(cudaStreamWaitEvent(side, ev, 0));
     if (op == G_PEER_CB || op == G_PEER_CB_PRIO) CK(cudaLaunchHostFunc(side, noop, nullptr));
   }
-  if (op == G_PEER_CB_MAIN) CK(cudaLaunchHostFunc(P.st, noop, nullptr));
+  if (op == G_PEER_CB_MAIN) CK(cudaLaunchHostFunc(P.g.st, noop, nullptr));
 }
 
+/* Microseconds per operation of n operations behind one gate. */
 static double timed(probe &P, int op, int n) {
-  *P.flag = 0;
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
-  gate<<<1, 1, 0, P.st>>>(P.flag, 1000000ull, 100000000ull);
-  CK(cudaEventRecord(P.e0, P.st));
-  for (int k = 0; k < n; k++) launch(P, op);
-  CK(cudaEventRecord(P.e1, P.st));
-  __atomic_store_n((uint32_t *)P.flag, 1, __ATOMIC_SEQ_CST);
-  CK(cudaEventSynchronize(P.e1));
-  float ms;
-  CK(cudaEventElapsedTime(&ms, P.e0, P.e1));
-  return ms * 1e3 / n;
-}
-
-static double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return gated_ms(P.g,
+                  [&] {
+                    for (int k = 0; k < n; k++) launch(P, op);
+                  }) *
+         1e3 / n;
 }
 
 int main() {
@@ -243,17 +194,12 @@ int main() {
   CK(cudaMalloc(&P.dst, POOL / 4));
   CK(cudaFuncSetAttribute((const void *)empty_smem, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           128 << 10));
-  CK(cudaStreamCreateWithFlags(&P.st, cudaStreamNonBlocking));
+  gated_init(P.g);
   CK(cudaStreamCreateWithFlags(&P.side, cudaStreamNonBlocking));
   int lo, hi;
   CK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
   CK(cudaStreamCreateWithPriority(&P.side_prio, cudaStreamNonBlocking, hi));
   for (auto &e : P.done) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  CK(cudaEventCreate(&P.e0));
-  CK(cudaEventCreate(&P.e1));
-  uint32_t *f;
-  CK(cudaHostAlloc((void **)&f, 64, cudaHostAllocMapped));
-  P.flag = f;
   CK(cudaDeviceSynchronize());
   printf("%-45s %10s %10s\n", "operation (1 MiB = 16 x 64 KiB)", "single us", "b2b us");
   for (int op = 0; op < NOPS; op++) {
@@ -278,22 +224,15 @@ int main() {
     std::vector<double> t;
     for (int r = 0; r < WARM + REPS; r++) {
       const char *src = P.peer + (P.rnd() % 3) * big;
-      *P.flag = 0;
-      __atomic_thread_fence(__ATOMIC_SEQ_CST);
-      gate<<<1, 1, 0, P.st>>>(P.flag, 1000000ull, 100000000ull);
-      CK(cudaEventRecord(P.e0, P.st));
       const uint4 *s4 = reinterpret_cast<const uint4 *>(src);
       uint4 *d4 = reinterpret_cast<uint4 *>(P.dst);
-      if (v == 0) CK(cudaMemcpyAsync(P.dst, src, big, cudaMemcpyDeviceToDevice, P.st));
-      if (v == 1) stream_copy<4><<<sms * 4, 256, 0, P.st>>>(s4, d4, big / 16);
-      if (v == 2) stream_copy<8><<<sms * 4, 256, 0, P.st>>>(s4, d4, big / 16);
-      if (v == 3) stream_copy<4><<<sms * 16, 128, 0, P.st>>>(s4, d4, big / 16);
-      CK(cudaGetLastError());
-      CK(cudaEventRecord(P.e1, P.st));
-      __atomic_store_n((uint32_t *)P.flag, 1, __ATOMIC_SEQ_CST);
-      CK(cudaEventSynchronize(P.e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, P.e0, P.e1));
+      const cudaStream_t st = P.g.st;
+      const double ms = gated_ms(P.g, [&] {
+        if (v == 0) CK(cudaMemcpyAsync(P.dst, src, big, cudaMemcpyDeviceToDevice, st));
+        if (v == 1) stream_copy<4, LD_PLAIN><<<sms * 4, 256, 0, st>>>(s4, d4, big / 16);
+        if (v == 2) stream_copy<8, LD_PLAIN><<<sms * 4, 256, 0, st>>>(s4, d4, big / 16);
+        if (v == 3) stream_copy<4, LD_PLAIN><<<sms * 16, 128, 0, st>>>(s4, d4, big / 16);
+      });
       if (r >= WARM) t.push_back(big / (ms * 1e-3) / 1e9);
     }
     static const char *vn[] = {
