@@ -345,6 +345,18 @@ static int time_op(fb_t *f, int method, const batch_t *bt, int reps, double *sec
   return 0;
 }
 
+/* time_op with kernel variant `v`; the variant `def` is restored afterwards, whatever happened,
+ * and the cache synchronised. */
+static int time_variant(fb_t *f, const skv_kv_variant_t *v, const skv_kv_variant_t *def, int method,
+                        const batch_t *bt, int reps, double *sec) {
+  int rc = skv__kv_cuda_variant_set(v);
+  if (rc == 0) rc = time_op(f, method, bt, reps, sec);
+  int r2 = skv__kv_cuda_variant_set(def);
+  if (rc == 0) rc = r2;
+  if (rc == 0) rc = skv_kv_sync(f->kv);
+  return rc;
+}
+
 /* Back to back: B2B_K operations behind one gate; the time per operation (seconds, median over
  * groups). What an operation costs a stream that the host keeps fed, as in an engine's step:
  * launch processing overlaps the previous operation, the wait for that operation to complete
@@ -555,14 +567,9 @@ int bench_fetch(bench_t *b) {
       if (var_cases[k][0] != sizes[si] || var_cases[k][1] > f.max_batch) continue;
       batch_t bt;
       rc = batch_make(&f, &bt, (uint32_t)var_cases[k][1], reps);
-      for (int v = 0; v < nvar && rc == 0; v++) {
-        rc = skv__kv_cuda_variant_set(&variants_list[v]);
-        if (rc == 0) rc = time_op(&f, M_FETCH, &bt, reps, &var_t[k][v]);
-      }
+      for (int v = 0; v < nvar && rc == 0; v++)
+        rc = time_variant(&f, &variants_list[v], &def_var, M_FETCH, &bt, reps, &var_t[k][v]);
       batch_free(&bt, reps);
-      int r2 = skv__kv_cuda_variant_set(&def_var);
-      if (rc == 0) rc = r2;
-      if (rc == 0) rc = skv_kv_sync(f.kv);
     }
     /* Local batches of >= 64 MiB read their arguments from a device copy (the default): the
      * same fetch with them read over PCIe (mapped), for comparison. */
@@ -573,11 +580,7 @@ int bench_fetch(bench_t *b) {
       if ((uint64_t)c->n * c->ps < (64u << 20)) continue;
       batch_t bt;
       rc = batch_make(&f, &bt, c->n, reps);
-      if (rc == 0) rc = skv__kv_cuda_variant_set(&mapped);
-      if (rc == 0) rc = time_op(&f, M_LOCAL, &bt, reps, &c->t_local_mapped);
-      int r2 = skv__kv_cuda_variant_set(&def_var);
-      if (rc == 0) rc = r2;
-      if (rc == 0) rc = skv_kv_sync(f.kv);
+      if (rc == 0) rc = time_variant(&f, &mapped, &def_var, M_LOCAL, &bt, reps, &c->t_local_mapped);
       batch_free(&bt, reps);
     }
     /* publish last: its new pages evict the pool's (fetches of this page size are done) */
@@ -587,13 +590,8 @@ int bench_fetch(bench_t *b) {
       rc = batch_make(&f, &bt, c->n, reps);
       if (rc == 0) rc = time_op(&f, M_PUBLISH, &bt, reps, &c->t_pub);
       if (rc == 0) rc = skv_kv_sync(f.kv);
-      if (rc == 0 && (uint64_t)c->n * c->ps >= (64u << 20)) {
-        rc = skv__kv_cuda_variant_set(&mapped);
-        if (rc == 0) rc = time_op(&f, M_PUBLISH, &bt, reps, &c->t_pub_mapped);
-        int r2 = skv__kv_cuda_variant_set(&def_var);
-        if (rc == 0) rc = r2;
-        if (rc == 0) rc = skv_kv_sync(f.kv);
-      }
+      if (rc == 0 && (uint64_t)c->n * c->ps >= (64u << 20))
+        rc = time_variant(&f, &mapped, &def_var, M_PUBLISH, &bt, reps, &c->t_pub_mapped);
       if (rc == 0 && c->ps == (64u << 10) && c->n == 1024) {
         rc = time_e2e(&f, M_PUBLISH, &bt, reps, &e2e_big_pub);
         if (rc == 0) rc = time_e2e(&f, M_CE_LOCAL, &bt, reps, &e2e_big_ce_local);
