@@ -431,6 +431,14 @@ typedef struct graph_param {
   int npes, variant;
 } graph_param_t;
 
+/* The keys of pages 0..n-1 of PE `pe`: ids (pe << 32) | i. */
+static void pe_keys(const skv_namespace_t *ns, int pe, uint64_t n, skv_key_t *keys) {
+  for (uint64_t i = 0; i < n; i++) {
+    uint64_t id = ((uint64_t)pe << 32) | i;
+    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
+  }
+}
+
 static int pe_graph(int rank, int npes, void *arg) {
   const graph_param_t *gp = arg;
   skv_ctx_t *ctx;
@@ -456,10 +464,7 @@ static int pe_graph(int rank, int npes, void *arg) {
   PE_CHECK(de_fill(&src, seed) == 0, "fill");
   skv_key_t keys[NP];
   uint64_t sblocks[NP * 2];
-  for (int i = 0; i < NP; i++) {
-    uint64_t id = ((uint64_t)rank << 32) | (uint64_t)i;
-    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
-  }
+  pe_keys(ns, rank, NP, keys);
   for (uint32_t i = 0; i < NP * m; i++) sblocks[i] = i;
   cudaStream_t st;
   CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -468,18 +473,12 @@ static int pe_graph(int rank, int npes, void *arg) {
   PE_CHECK(skv_kv_sync(kv) == 0, "sync");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   int from = (rank + 1) % npes;
-  for (int i = 0; i < NP; i++) {
-    uint64_t id = ((uint64_t)from << 32) | (uint64_t)i;
-    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
-  }
+  pe_keys(ns, from, NP, keys);
   skv_page_ref_t refs[NP], own[NP];
   size_t nhit;
   PE_CHECK(skv_lookup(kv, ns, keys, NP, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NP,
            "pinned lookup");
-  for (int i = 0; i < NP; i++) {
-    uint64_t id = ((uint64_t)rank << 32) | (uint64_t)i;
-    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
-  }
+  pe_keys(ns, rank, NP, keys);
   PE_CHECK(skv_lookup(kv, ns, keys, NP, 0, own, &nhit) == 0 && nhit == NP, "unpinned lookup");
   uint64_t dblocks[NP * 2];
   uint64_t s = skv_test_seed();
@@ -930,11 +929,8 @@ static int pe_large(int rank, int npes, void *arg) {
   skv_key_t *keys = malloc(N * sizeof *keys);
   uint64_t *blocks = malloc(N * sizeof *blocks), *dblocks = malloc(N * sizeof *dblocks);
   skv_page_ref_t *refs = malloc(N * sizeof *refs);
-  for (uint64_t i = 0; i < N; i++) {
-    uint64_t id = ((uint64_t)rank << 32) | i;
-    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
-    blocks[i] = (i * 7919) % N; /* a permutation */
-  }
+  pe_keys(ns, rank, N, keys);
+  for (uint64_t i = 0; i < N; i++) blocks[i] = (i * 7919) % N; /* a permutation */
   cudaStream_t st;
   CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   size_t ins;
@@ -943,11 +939,8 @@ static int pe_large(int rank, int npes, void *arg) {
   PE_CHECK(skv_kv_sync(kv) == 0, "sync");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   int from = (rank + 1) % npes;
-  for (uint64_t i = 0; i < N; i++) {
-    uint64_t id = ((uint64_t)from << 32) | i;
-    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
-    dblocks[i] = (i * 104729 + 13) % N;
-  }
+  pe_keys(ns, from, N, keys);
+  for (uint64_t i = 0; i < N; i++) dblocks[i] = (i * 104729 + 13) % N;
   size_t nhit;
   PE_CHECK(skv_lookup(kv, ns, keys, N, 0, refs, &nhit) == 0 && nhit == N, "lookup %zu", nhit);
   PE_CHECK(de_fill(&ref, seeds[from]) == 0, "ref");
@@ -964,12 +957,8 @@ static int pe_large(int rank, int npes, void *arg) {
              (unsigned long long)i);
   /* the same of this PE's own pages: a local batch, its arguments copied to the GPU first */
   skv_page_ref_t *own = malloc(N * sizeof *own);
-  skv_key_t *okeys = malloc(N * sizeof *okeys);
-  for (uint64_t i = 0; i < N; i++) {
-    uint64_t id = ((uint64_t)rank << 32) | i;
-    skv_key_from_bytes(ns, &id, sizeof id, &okeys[i]);
-  }
-  PE_CHECK(skv_lookup(kv, ns, okeys, N, 0, own, &nhit) == 0 && nhit == N, "own lookup %zu", nhit);
+  pe_keys(ns, rank, N, keys);
+  PE_CHECK(skv_lookup(kv, ns, keys, N, 0, own, &nhit) == 0 && nhit == N, "own lookup %zu", nhit);
   for (uint64_t i = 0; i < N; i++) PE_CHECK(own[i].pe == (uint32_t)rank, "own page on PE %u", own[i].pe);
   PE_CHECK(de_fill(&ref, seed) == 0, "ref");
   PE_CHECK(de_poison(&dst) == 0, "poison");
@@ -981,7 +970,6 @@ static int pe_large(int rank, int npes, void *arg) {
     PE_CHECK(pages_equal(&ref, &fblocks[i], &dst, &dblocks[i]), "own page %llu differs",
              (unsigned long long)i);
   free(own);
-  free(okeys);
   PE_CHECK(de_fill(&ref, seeds[from]) == 0, "ref");
   /* many small fetches back to back: more than the argument slots, nothing synchronised */
   PE_CHECK(de_poison(&dst) == 0, "poison");
