@@ -7,7 +7,7 @@ from ctypes import byref, c_size_t, c_uint64, c_void_p
 
 import numpy as np
 
-from . import _arrays, _lib
+from . import _arrays, _lib, errors
 from ._lib import lib
 from ._resource import (BACKEND_NAMES, CollectiveResource, LocalResource, backend_id,
                         check_uint)
@@ -194,6 +194,11 @@ def _check_ndim(spec, info, what):
                      % (what, info.shape, spec["name"], spec["ndim"], spec["shape"]))
 
 
+def _keep_writable(objs):
+    """False if a numpy array among `objs` is read-only (fetch would write into it)."""
+    return not any(isinstance(o, np.ndarray) and not o.flags.writeable for o in objs)
+
+
 class Layout(LocalResource):
     """How the engine stores its paged KV cache (skv_layout_t). Keeps the arrays / tensors it
     was made from alive as long as it lives. Make one with Layout.from_tensors (what engines
@@ -327,35 +332,52 @@ class Layout(LocalResource):
                keep=()):
         """skv_layout_create_preset: `preset` a LAYOUTS name or SKV_LAYOUT_* number;
         `layer_ptrs` addresses (ints) or arrays/tensors (their data pointers; kept alive).
-        `keep`: more objects to keep alive with the layout."""
+        Exactly one entry for `contiguous`, else geometry.num_layers (checked before C reads
+        them). `keep`: more objects to keep alive with the layout. fetch refuses the layout if
+        a numpy array among layer_ptrs or keep is read-only."""
         geometry = _as_geometry(geometry)
         pid = _layout_spec(preset)["preset"] if isinstance(preset, str) else int(preset)
+        name = [n for n, s in LAYOUTS.items() if s["preset"] == pid]
+        name = name[0] if name else str(pid)
         objs = list(keep)
         ptrs = []
+        writable = True
         if not isinstance(layer_ptrs, (list, tuple)):
             layer_ptrs = [layer_ptrs]
+        # skv_layout_create_preset reads exactly this many addresses (V bases are offsets).
+        nptr = 1 if pid == _lib.LAYOUT_CONTIGUOUS else geometry.num_layers
+        if len(layer_ptrs) != nptr:
+            _lib.invalid("Layout.preset: %d layer_ptrs given; preset %s needs exactly %d (%s)"
+                         % (len(layer_ptrs), name, nptr,
+                            "one cache for all layers" if pid == _lib.LAYOUT_CONTIGUOUS
+                            else "geometry.num_layers, one per layer"))
         for i, p in enumerate(layer_ptrs):
-            if isinstance(p, int) or p is None:
+            if p is None:
+                _lib.invalid("Layout.preset: layer_ptrs[%d] is NULL (None); preset %s needs %d "
+                             "addresses" % (i, name, nptr))
+            if isinstance(p, int):
                 ptrs.append(p)
             else:
                 inf = _arrays.describe(p, "layer_ptrs[%d]" % i)
                 ptrs.append(inf.ptr)
                 objs.append(p)
-        arr = (c_void_p * max(1, len(ptrs)))(*ptrs)
+                writable = writable and inf.writable
+        arr = (c_void_p * nptr)(*ptrs)
         h = c_void_p()
         lib.skv_layout_create_preset(byref(geometry.struct()), pid,
                                      check_uint("block_tokens", block_tokens, 32),
-                                     check_uint("num_blocks", num_blocks), arr if ptrs else None,
+                                     check_uint("num_blocks", num_blocks), arr,
                                      int(device), byref(h))
-        name = [n for n, s in LAYOUTS.items() if s["preset"] == pid]
-        return cls(geometry, h.value, block_tokens, num_blocks, int(device),
-                   name[0] if name else str(pid), objs)
+        return cls(geometry, h.value, block_tokens, num_blocks, int(device), name, objs,
+                   writable=writable and _keep_writable(keep))
 
     @classmethod
     def custom(cls, geometry, block_tokens, num_blocks, k_base, v_base, stride_block,
                stride_token, stride_head, device=-1, keep=()):
         """skv_layout_create from raw values: k_base / v_base lists of per-layer addresses
-        (v_base None for MLA), strides in elements. `keep`: objects to keep alive."""
+        (v_base None for MLA), strides in elements. `keep`: objects to keep alive; fetch
+        refuses the layout if a numpy array among them is read-only (the raw addresses
+        themselves cannot be checked)."""
         geometry = _as_geometry(geometry)
         kb = (c_void_p * max(1, len(k_base)))(*k_base)
         vb = None if v_base is None else (c_void_p * max(1, len(v_base)))(*v_base)
@@ -373,7 +395,8 @@ class Layout(LocalResource):
         desc.device = int(device)
         h = c_void_p()
         lib.skv_layout_create(byref(geometry.struct()), byref(desc), byref(h))
-        return cls(geometry, h.value, block_tokens, num_blocks, int(device), "custom", keep)
+        return cls(geometry, h.value, block_tokens, num_blocks, int(device), "custom", keep,
+                   writable=_keep_writable(keep))
 
 
 def layer_bytes(geometry, layout, block_tokens, num_blocks):
@@ -460,8 +483,16 @@ def keys_to_hex(keys):
 
 
 def as_tokens(tokens):
-    """Tokens as a C-contiguous uint32 array (zero copy when they are one)."""
-    return _arrays.as_uint_array(tokens, np.uint32, "tokens")
+    """Tokens of one sequence as a C-contiguous 1-D uint32 array (zero copy when they are
+    one). A (1, n) batch of one (what tokenizers return) is taken as its row; any other shape
+    with more than one dimension is an InvalidArgument (hash each sequence on its own)."""
+    tok = _arrays.as_uint_array(tokens, np.uint32, "tokens")
+    if tok.ndim == 2 and tok.shape[0] == 1:
+        tok = tok.reshape(-1)
+    if tok.ndim != 1:
+        _lib.invalid("tokens: shape %s is not one sequence: pass a 1-D array (or a (1, n) "
+                     "batch of one); hash each sequence of a batch separately" % (tok.shape,))
+    return tok
 
 
 def _bytes_arg(v, what):
@@ -681,7 +712,14 @@ class KVCache(CollectiveResource):
         return Lookup(self, refs[:nhit.value], bool(pin) and nhit.value > 0)
 
     def unpin(self, refs):
+        """Release pins: a pinned Lookup's (InvalidState if it holds none), or raw refs whose
+        pins this caller took (pin counts are shared by every request of the PE)."""
         r = as_refs(refs)
+        if len(r) and isinstance(refs, Lookup) and not refs.pinned:
+            _lib.raise_error(errors.InvalidState.code,
+                             "unpin: this Lookup holds no pins (looked up without pin=True, or "
+                             "already unpinned); unpinning would release pins other requests "
+                             "hold (SKV_ESTATE, python)")
         lib.skv_unpin(self.handle, _arrays.ptr(r, _lib.PageRef), len(r))
         if isinstance(refs, Lookup):
             refs.pinned = False
@@ -694,13 +732,19 @@ class KVCache(CollectiveResource):
         block_ids[i*m : i*m+m], m = page_tokens / block_size. Stale references fail with
         StaleReference before any byte is written. Host layouts copy synchronously; CUDA
         ones are ordered on `stream` (default: torch's current stream of the layout's
-        device). unpin=True also releases the lookup's pins once copied."""
+        device). unpin=True also releases the lookup's pins once copied: a Lookup must
+        hold them (InvalidState otherwise); raw refs must be pins this caller took."""
         lay = self._check_layout(layout)
         r = as_refs(refs)
         n = len(r)
         ids = as_block_ids(block_ids, n * layout.blocks_per_page)
         if n and not layout.writable:
             _lib.invalid("fetch: the layout's arrays are read-only")
+        if unpin and n and isinstance(refs, Lookup) and not refs.pinned:
+            _lib.raise_error(errors.InvalidState.code,
+                             "fetch(unpin=True): this Lookup holds no pins (looked up without "
+                             "pin=True, or already unpinned); unpinning would release pins "
+                             "other requests hold (SKV_ESTATE, python)")
         lib.skv_fetch(self.handle, _arrays.ptr(r, _lib.PageRef), n, lay,
                       _arrays.ptr(ids, ctypes.c_uint64), _lib.FETCH_UNPIN if unpin else 0,
                       self._stream(layout, stream))

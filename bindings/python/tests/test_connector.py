@@ -62,6 +62,11 @@ def test_single_pe_behaviour(ctx):
             conn.keys(block_hashes=[1.5, 2.5])
         with pytest.raises(symkv.InvalidArgument, match="not several"):
             conn.num_matched_tokens(toks, keys=conn.keys(toks))
+        # a (1, n) batch of one is the request's tokens; a (k, n) batch is refused
+        assert (conn.keys(np.array([toks])) == conn.keys(toks)).all()
+        assert conn.num_matched_tokens(np.array([toks])) == 24
+        with pytest.raises(symkv.InvalidArgument, match="is not one sequence"):
+            conn.num_matched_tokens(np.array(toks).reshape(3, 8))
         with pytest.raises(symkv.InvalidArgument, match="negative block id"):
             conn.save([-1, 0, 1, 2, 3, 4], toks)
         # block hash kinds: bytes, str, int, objects with .hash_value

@@ -201,3 +201,20 @@ def test_namespace_is_released():
     assert ns.closed
     with pytest.raises(symkv.InvalidState, match="namespace is closed"):
         ns.hash_tokens([1, 2])
+
+
+def test_tokens_with_more_than_one_dimension():
+    # A (1, n) batch of one (tokenizer(..., return_tensors="np")) is that sequence; other
+    # shapes are ambiguous and raise instead of hashing len(axis 0) tokens.
+    g = symkv.Geometry(num_layers=1, num_kv_heads=1, head_dim=1, page_tokens=4, elem_bytes=1)
+    ns = symkv.Namespace("x", g)
+    flat = ns.hash_tokens(np.arange(32))
+    assert len(flat) == 8
+    assert (ns.hash_tokens(np.arange(32).reshape(1, 32)) == flat).all()
+    assert (ns.hash_tokens([list(range(32))]) == flat).all()
+    assert (symkv.as_tokens(np.arange(8, dtype=np.uint32).reshape(1, 8)) == np.arange(8)).all()
+    for bad in (np.arange(32).reshape(8, 4), np.arange(32).reshape(16, 2),
+                np.arange(32).reshape(32, 1), np.arange(32).reshape(1, 1, 32),
+                np.zeros((2, 0), np.uint32)):
+        with pytest.raises(symkv.InvalidArgument, match="is not one sequence"):
+            ns.hash_tokens(bad)

@@ -192,3 +192,24 @@ def test_torch_cuda_tensors():
     assert _arrays.current_stream(lay.device) == (torch.cuda.current_stream().cuda_stream or None)
     s = torch.cuda.Stream()
     assert _arrays.current_stream(lay.device, s) == s.cuda_stream
+
+
+@pytest.mark.parametrize("kind", KINDS + ["mla"])
+def test_preset_needs_exactly_the_pointers_C_reads(kind):
+    # C reads 1 address for contiguous, else num_layers (V bases are offsets from them): a
+    # shorter list used to let it read past the ctypes array and take garbage as layer bases.
+    g = geom(L=8, kind="mla", H=1) if kind == "mla" else geom(L=8)
+    shape = symkv.layer_shape(g, kind, 4, 6)
+    need = 1 if kind == "contiguous" else 8
+    arrs = [np.zeros(shape, np.float16) for _ in range(need)]
+    assert symkv.Layout.preset(g, kind, 4, 6, arrs).kind == kind
+    extra = [np.zeros(shape, np.float16) for _ in range(3)]
+    # short lists first (C read past them), then too long, then empty
+    for n in dict.fromkeys(n for n in (need - 1, 3, 1, need + 1, 0) if n != need):
+        with pytest.raises(symkv.InvalidArgument,
+                           match=r"%d layer_ptrs given; preset %s needs exactly %d"
+                           % (n, kind, need)):
+            symkv.Layout.preset(g, kind, 4, 6, (arrs + extra)[:n])
+    if need > 1:
+        with pytest.raises(symkv.InvalidArgument, match=r"layer_ptrs\[2\] is NULL \(None\)"):
+            symkv.Layout.preset(g, kind, 4, 6, arrs[:2] + [None] + arrs[3:])

@@ -183,6 +183,66 @@ def test_kv_bad_input(ctx):
     kv.close()
 
 
+
+def test_fetch_into_read_only_preset_and_custom_layouts(ctx):
+    # preset / custom layouts over read-only arrays are refused by fetch like from_tensors ones
+    # (fetch used to write into the memory of an immutable bytes object).
+    g = symkv.Geometry(num_layers=1, num_kv_heads=1, head_dim=8, page_tokens=4, elem_bytes=1)
+    shape = symkv.layer_shape(g, "vllm_flash", 4, 2)
+    kv = ctx.kv_cache(g, pages_per_pe=4)
+    ns = symkv.Namespace("m", g)
+    keys = ns.hash_tokens([1, 2, 3, 4])
+    kv.publish(ns, keys, symkv.Layout.from_tensors(g, [np.full(shape, 7, np.uint8)]), [0])
+    blob = bytes(int(np.prod(shape)))
+    ro = np.frombuffer(blob, np.uint8).reshape(shape)
+    base = ro.ctypes.data
+    layouts = [symkv.Layout.preset(g, "vllm_flash", 4, 2, [ro]),
+               symkv.Layout.preset(g, "vllm_flash", 4, 2, [base], keep=(ro,)),
+               symkv.Layout.custom(g, 4, 2, [base], [base + 2 * 4 * 8], 4 * 8, 8, 8,
+                                   keep=(ro,))]
+    for lay in layouts:
+        assert not lay.writable
+        with pytest.raises(symkv.InvalidArgument, match="read-only"):
+            kv.fetch(kv.lookup(ns, keys), lay, [1])
+    assert blob.count(7) == 0
+    rw = np.zeros(shape, np.uint8)
+    for lay in (symkv.Layout.preset(g, "vllm_flash", 4, 2, [rw]),
+                symkv.Layout.custom(g, 4, 2, [rw.ctypes.data], [rw.ctypes.data + 64], 32, 8, 8,
+                                    keep=(rw,))):
+        assert lay.writable and kv.fetch(kv.lookup(ns, keys), lay, [1]) == 1
+    assert (rw[:, 1] == 7).all()
+    kv.close()
+
+
+def test_unpin_needs_a_lookup_that_holds_pins(ctx):
+    # An unpinned Lookup must not release pins that another request of this PE holds.
+    g = symkv.Geometry(num_layers=1, num_kv_heads=1, head_dim=8, page_tokens=4, elem_bytes=1)
+    shape = symkv.layer_shape(g, "vllm_flash", 4, 4)
+    eng = np.full(shape, 7, np.uint8)
+    lay = symkv.Layout.from_tensors(g, [eng], "vllm_flash")
+    kv = ctx.kv_cache(g, pages_per_pe=4)
+    ns = symkv.Namespace("m", g)
+    keys = ns.hash_tokens([1, 2, 3, 4])
+    kv.publish(ns, keys, lay, [0])
+    a = kv.lookup(ns, keys, pin=True)
+    b = kv.lookup(ns, keys, pin=False)
+    with pytest.raises(symkv.InvalidState, match="holds no pins"):
+        kv.fetch(b, lay, [1], unpin=True)
+    with pytest.raises(symkv.InvalidState, match="holds no pins"):
+        kv.unpin(b)
+    assert kv.stats().pages_pinned == 1 and kv.evict(4) == 0
+    assert kv.fetch(b, lay, [1]) == 1                    # without unpin: fine
+    c = kv.lookup(ns, keys, pin=True)
+    assert kv.fetch(c, lay, [2], unpin=True) == 1 and not c.pinned
+    with pytest.raises(symkv.InvalidState, match="holds no pins"):
+        kv.fetch(c, lay, [2], unpin=True)                # a second unpin of the same Lookup
+    assert a.pinned and kv.stats().pages_pinned == 1 and kv.evict(4) == 0
+    assert kv.fetch(a, lay, [3], unpin=True) == 1 and not a.pinned
+    assert kv.stats().pages_pinned == 0
+    empty = kv.lookup(ns, ns.hash_tokens([9, 9, 9, 9]), pin=True)
+    assert kv.fetch(empty, lay, [], unpin=True) == 0     # no hits: nothing to unpin, no error
+    kv.close()
+
 def test_closing_the_context_closes_its_objects():
     c = symkv.init(**single_pe_config())
     h = c.heap(4096)
