@@ -6,6 +6,7 @@
 #include "index/index.h"
 
 #include <criterion/criterion.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,10 +24,16 @@ typedef struct table {
   void *mem;
   size_t bytes;
   bool dead[64];
-  int go; /* start flag for racing children */
+  bool slow_alive; /* liveness takes a while, as the pool's /proc read does */
+  int go;          /* start flag for racing children */
 } table_t;
 
-static bool alive_fn(void *arg, int pe) { return !((table_t *)arg)->dead[pe]; }
+static bool alive_fn(void *arg, int pe) {
+  table_t *t = arg;
+  bool alive = !t->dead[pe];
+  if (t->slow_alive) sched_yield(); /* the answer may be stale by the time it is acted on */
+  return alive;
+}
 
 /* A table in shared anonymous memory (so forked children share it). */
 static table_t *table_new(int nshards, uint64_t sps) {
@@ -160,7 +167,7 @@ Test(index, pending_claim_of_a_dead_pe_is_cleared) {
   skv_index_slot_t *slot = &t->slots[0][home];
   slot->key.p.hi = k.hi;
   slot->key.p.lo = k.lo;
-  slot->val = 5ull << SKV_VAL_PE_SHIFT;
+  slot->val = skv__val_pending(5);
   slot->ticket = 1;
   t->hdr[0]->ticket = 1;
   /* While PE 5 lives, its older claim wins. */
@@ -171,6 +178,197 @@ Test(index, pending_claim_of_a_dead_pe_is_cleared) {
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
   cr_assert_eq(skv__val_pe(v), 2);
   cr_assert_eq(skv__index_check(&t->ix), 1);
+}
+
+/* Forge, at k's home slot, a claim of another inserter in one of its states. */
+static skv_index_slot_t *forge_claim(table_t *t, skv_key_t k, uint64_t val, uint64_t ticket) {
+  skv_index_slot_t *slot = &t->slots[0][k.lo & 63];
+  slot->key.p.hi = k.hi;
+  slot->key.p.lo = k.lo;
+  slot->val = val;
+  slot->ticket = ticket;
+  if (t->hdr[0]->ticket < ticket) t->hdr[0]->ticket = ticket;
+  return slot;
+}
+
+/* Insert in a child with a deadline (an insert that spins must fail the test, not hang it). */
+static int insert_within(table_t *t, skv_key_t k, uint64_t val, int pe, int ms) {
+  int *rc = mmap(NULL, sizeof *rc, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  *rc = 1;
+  pid_t pid = fork();
+  if (pid == 0) {
+    *rc = skv__index_insert(&t->ix, k, val, pe);
+    _exit(0);
+  }
+  uint64_t end = skv__now_ms() + (uint64_t)ms;
+  int st;
+  while (waitpid(pid, &st, WNOHANG) == 0) {
+    if (skv__now_ms() > end) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      munmap(rc, sizeof *rc);
+      cr_assert_fail("insert still running after %d ms", ms);
+    }
+    usleep(1000);
+  }
+  int r = *rc;
+  munmap(rc, sizeof *rc);
+  return r;
+}
+
+/* A PE that died (or stopped) right after claiming a slot, before its PENDING value: the val is
+ * still what the slot held (0 from EMPTY, ERASING from a tombstone). Its ticket would be newer
+ * than ours, so it is passed over, whichever PE it was (PE 0's PENDING is not 0). */
+Test(index, a_claim_without_its_pending_value_does_not_hold_up_inserts) {
+  table_t *t = table_new(1, 64);
+  uint64_t s = skv_test_seed(), v;
+  uint64_t before[] = {0, SKV_VAL_ERASING};
+  for (int i = 0; i < 2; i++) {
+    skv_key_t k = rand_key(&s);
+    skv_index_slot_t *slot = forge_claim(t, k, before[i], 0);
+    uint64_t val = skv__val_pack(2, 9, (uint32_t)i + 1);
+    cr_assert_eq(insert_within(t, k, val, 2, 5000), 0, "val %llx", (unsigned long long)before[i]);
+    cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
+    cr_assert_eq(v, val);
+    /* the claimer comes back: it stores PENDING, takes a newer ticket and loses to our copy */
+    slot->val = skv__val_pending(0);
+    slot->ticket = ++t->hdr[0]->ticket;
+    cr_assert_eq(insert_within(t, k, skv__val_pack(0, 1, 1), 0, 5000), SKV_EEXIST);
+    cr_assert_eq(skv__index_erase(&t->ix, k, val), 0);
+  }
+}
+
+/* A PE stopped (SIGSTOP, a debugger) between its PENDING value and its ticket: an inserter of
+ * the same key waits a bounded time, then loses (does not cache its page); once the owner is
+ * known dead, its claim is cleared and the insert wins. */
+Test(index, a_stopped_claim_without_ticket_makes_inserts_lose_not_hang) {
+  table_t *t = table_new(1, 64);
+  uint64_t s = skv_test_seed(), v;
+  skv_key_t k = rand_key(&s);
+  forge_claim(t, k, skv__val_pending(5), 0);
+  uint64_t t0 = skv__now_ms();
+  cr_assert_eq(insert_within(t, k, skv__val_pack(2, 9, 1), 2, 5000), SKV_EEXIST);
+  cr_assert_geq(skv__now_ms() - t0, 50, "gave up before the owner had a chance to run");
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
+  t->dead[5] = true;
+  cr_assert_eq(insert_within(t, k, skv__val_pack(2, 9, 2), 2, 5000), 0);
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
+  cr_assert_eq(v, skv__val_pack(2, 9, 2));
+  cr_assert_eq(skv__index_check(&t->ix), 1);
+}
+
+/* Inserters that wrongly believe live PEs dead clear those PEs' PENDING claims while they run:
+ * the worst a liveness mistake, or a decision taken on a read that is stale by the time it is
+ * acted on, can do. Keys are inserted, erased and inserted again by several processes at once.
+ * Whatever the interleaving, a reader never gets a page for another key, a VALID slot holds the
+ * key that inserted it, a key is VALID at most once, and what each process holds is indexed. */
+Test(index, clearing_live_claims_never_mixes_up_keys) {
+  enum { NPROC = 4, NKEYS = 96, OPS = 30000, ROUNDS = 4 };
+  table_t *t = table_new(1, 256); /* one shard: keys share windows */
+  t->slow_alive = true;
+  uint64_t seed = skv_test_seed();
+  skv_key_t *keys = mmap(NULL, sizeof(skv_key_t) * NKEYS, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  uint64_t *held = mmap(NULL, sizeof(uint64_t) * NPROC * NKEYS, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  int *lost = mmap(NULL, sizeof(int) * NPROC, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  uint64_t s = seed;
+  for (int i = 0; i < NKEYS; i++) {
+    keys[i] = rand_key(&s);
+    keys[i].lo = (keys[i].lo & ~255ull) | (uint64_t)(i % 24) * 10; /* 4 keys per home slot */
+  }
+  for (int round = 0; round < ROUNDS; round++) {
+    memset(held, 0, sizeof(uint64_t) * NPROC * NKEYS);
+    memset(lost, 0, sizeof(int) * NPROC);
+    volatile int *go = &t->go;
+    *go = 0;
+    pid_t pids[NPROC + 2];
+    for (int p = 0; p < NPROC + 2; p++) {
+      pids[p] = fork();
+      if (pids[p] != 0) continue;
+      uint64_t ps = seed ^ (uint64_t)(round * 16 + p + 1) * 0x9e3779b97f4a7c15ull;
+      while (!*go) SKV_CPU_RELAX();
+      if (p == NPROC) { /* the liar: flips PEs between dead and alive */
+        while (*go == 1) {
+          t->dead[skv_test_rand(&ps) % NPROC] ^= 1;
+          sched_yield();
+        }
+        _exit(0);
+      }
+      if (p == NPROC + 1) { /* the reader */
+        while (*go == 1) {
+          int i = (int)(skv_test_rand(&ps) % NKEYS);
+          uint64_t v;
+          if (skv__index_lookup(&t->ix, keys[i], &v) == 0 && skv__val_page(v) != (uint32_t)i) {
+            fprintf(stderr, "lookup of key %d returned key %u's page\n", i, skv__val_page(v));
+            _exit(3);
+          }
+        }
+        _exit(0);
+      }
+      for (int j = 0; j < OPS; j++) {
+        int i = (int)((p % 2 ? OPS - j : j) % NKEYS); /* pairs of processes on one key at once */
+        uint64_t *h = &held[p * NKEYS + i];
+        if (*h) {
+          if (skv_test_rand(&ps) % 2) continue;
+          if (skv__index_erase(&t->ix, keys[i], *h) != 0) {
+            fprintf(stderr, "child %d: key %d it holds is not indexed\n", p, i);
+            _exit(3);
+          }
+          *h = 0;
+        }
+        uint64_t val = skv__val_pack((uint32_t)p, (uint32_t)i, (uint32_t)j + 1);
+        int rc = skv__index_insert(&t->ix, keys[i], val, p);
+        if (rc == 0) *h = val;
+        else if (rc == SKV_EEXIST) lost[p]++;
+        else {
+          fprintf(stderr, "child %d key %d: %s\n", p, i, skv_err_name(rc));
+          _exit(3);
+        }
+      }
+      _exit(0);
+    }
+    *go = 1;
+    for (int p = 0; p < NPROC; p++) {
+      int st;
+      waitpid(pids[p], &st, 0);
+      cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "round %d: inserter %d failed", round, p);
+    }
+    *go = 2; /* stop the liar and the reader */
+    for (int p = NPROC; p < NPROC + 2; p++) {
+      int st;
+      waitpid(pids[p], &st, 0);
+      cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "round %d: %s failed", round, p == NPROC ? "liar" : "reader");
+    }
+    memset(t->dead, 0, sizeof t->dead);
+    for (uint64_t j = 0; j < t->ix.slots_per_shard; j++) {
+      skv_index_slot_t *sl = &t->slots[0][j];
+      if (!(sl->val & SKV_VAL_VALID)) continue;
+      skv_key_t want = keys[skv__val_page(sl->val)];
+      cr_assert(sl->key.p.hi == want.hi && sl->key.p.lo == want.lo,
+                "round %d: slot %llu is VALID for key %u but holds another key", round, (unsigned long long)j,
+                skv__val_page(sl->val));
+    }
+    cr_assert_geq(skv__index_check(&t->ix), 0, "%s", skv_last_error());
+    for (int i = 0; i < NKEYS; i++) {
+      int holders = 0, who = -1;
+      for (int p = 0; p < NPROC; p++)
+        if (held[p * NKEYS + i]) holders++, who = p;
+      cr_assert_leq(holders, 1, "round %d key %d is held by %d processes", round, i, holders);
+      uint64_t v;
+      int rc = skv__index_lookup(&t->ix, keys[i], &v);
+      if (holders) {
+        cr_assert(rc == 0 && v == held[who * NKEYS + i], "round %d key %d: its holder's value is not indexed", round, i);
+        cr_assert_eq(skv__index_erase(&t->ix, keys[i], v), 0);
+      } else {
+        cr_assert_eq(rc, SKV_ENOTFOUND, "round %d key %d: indexed without a holder", round, i);
+      }
+    }
+    if (getenv("IDX_STATS"))
+      fprintf(stderr, "round %d: inserts lost %d %d %d %d\n", round, lost[0], lost[1], lost[2], lost[3]);
+    cr_assert_eq(skv__index_check(&t->ix), 0);
+  }
+  munmap(keys, sizeof(skv_key_t) * NKEYS);
+  munmap(held, sizeof(uint64_t) * NPROC * NKEYS);
+  munmap(lost, sizeof(int) * NPROC);
 }
 
 /* A reader can see (hi, lo) = (0, x) while a tombstone is being claimed (hi read before the

@@ -98,36 +98,70 @@ void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size
   *nhit = i;
 }
 
-/* Turn our own (or a dead owner's) claimed slot back into a tombstone. */
-static void release_slot(skv_index_slot_t *s, unsigned __int128 k) {
-  __atomic_store_n(&s->val, SKV_VAL_ERASING, __ATOMIC_RELEASE);
-  __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE);
-  cas_key(s, k, K_TOMB);
+static inline bool same_key(const skv_index_slot_t *s, skv_key_t key) {
+  uint64_t hi, lo;
+  return read_key(s, &hi, &lo) == SLOT_KEY && hi == key.hi && lo == key.lo;
 }
 
-/* Wait for the ticket of a copy claimed by another inserter (it stores it a few instructions
- * after its claim). Returns the ticket, or 0 when the copy went away or its owner died (then
- * it is cleared and *cleared set). */
-static uint64_t copy_ticket(skv_index_t *ix, skv_index_slot_t *s, skv_key_t key, int *cleared) {
-  uint64_t next_alive_check = 0;
+/* Turn a PENDING claim (ours, or a dead owner's) back into a tombstone, if its val is still
+ * `pending`: a decision taken on an earlier read never touches a slot that moved on (released
+ * and claimed again, or published). The CAS makes the caller the slot's only writer until the
+ * key is a tombstone: nobody claims a slot whose key is set, and ERASING is final. */
+static bool release_slot(skv_index_slot_t *s, unsigned __int128 k, uint64_t pending) {
+  if (!__atomic_compare_exchange_n(&s->val, &pending, SKV_VAL_ERASING, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+    return false;
+  __atomic_store_n(&s->ticket, 0, __ATOMIC_SEQ_CST);
+  cas_key(s, k, K_TOMB);
+  return true;
+}
+
+/* How long a PENDING copy whose ticket is not stored yet is waited for. Its owner stores the
+ * ticket a few instructions after its PENDING value, so only a stopped (SIGSTOP, debugger) or
+ * long-descheduled owner makes this wait run out; then we lose, which is always safe: the
+ * caller does not cache its page, and the key is cached by the copy once its owner runs. */
+#define COPY_TICKET_WAIT_MS 100
+
+/* Does another inserter's copy of `key` in slot s win over ours (ticket my_ticket)? 1: it is
+ * VALID, or PENDING with a smaller ticket and a live owner, or its ticket did not come in time.
+ * 0: it is gone, being erased, newer than us, or a dead owner's claim (cleared here). A claim
+ * that has not stored its PENDING value yet (val still 0 or ERASING from before the claim) is
+ * newer: we stored our ticket before reading its val, it takes its ticket after storing PENDING,
+ * so its ticket is larger and its own scan sees our copy. */
+static int copy_wins(skv_index_t *ix, skv_index_slot_t *s, skv_key_t key, uint64_t my_ticket) {
+  uint64_t start = 0, next_alive_check = 0;
   for (uint64_t spin = 0;; spin++) {
-    uint64_t t = ld_acq(&s->ticket);
-    uint64_t v = ld_acq(&s->val), hi, lo;
-    if (read_key(s, &hi, &lo) != SLOT_KEY || hi != key.hi || lo != key.lo || (v & SKV_VAL_ERASING)) return 0;
-    if (t != 0) return t;
+    /* ticket before val: a ticket read from an earlier claim of the slot is only ever smaller
+     * than the current one, which makes us lose, never win, by mistake */
+    uint64_t t = __atomic_load_n(&s->ticket, __ATOMIC_SEQ_CST);
+    uint64_t v = __atomic_load_n(&s->val, __ATOMIC_SEQ_CST);
+    if (!same_key(s, key)) return 0;
+    if (v & SKV_VAL_VALID) return 1;
+    if (!skv__val_is_pending(v)) return 0;
+    int owner = (int)skv__val_pe(v);
+    if (t != 0) {
+      if (t > my_ticket) return 0;
+      if (!ix->alive || ix->alive(ix->alive_arg, owner)) return 1;
+      if (release_slot(s, k128(key), v)) return 0;
+      continue; /* it moved on (published, or cleared by another inserter): look again */
+    }
     if (spin < 128) {
       SKV_CPU_RELAX();
       continue;
     }
-    /* The owner was descheduled between its claim and its ticket: let it run, and every 10 ms
-     * make sure it is still alive. */
+    /* The owner is between its PENDING store and its ticket store: let it run, make sure every
+     * 10 ms that it is still alive, and give up (lose) after COPY_TICKET_WAIT_MS. */
     uint64_t now = skv__now_ms();
+    if (!start) start = now;
+    if (now - start >= COPY_TICKET_WAIT_MS) {
+      SKV_LOG(SKV_LOG_INFO, SKV_SUBSYS_INDEX,
+              "index insert: PE %d's copy of key %016llx%016llx has no ticket after %d ms (stopped?); "
+              "not caching ours",
+              owner, (unsigned long long)key.hi, (unsigned long long)key.lo, COPY_TICKET_WAIT_MS);
+      return 1;
+    }
     if (now >= next_alive_check) {
-      if (next_alive_check && ix->alive && !ix->alive(ix->alive_arg, (int)skv__val_pe(v))) {
-        release_slot(s, k128(key));
-        *cleared = 1;
+      if (next_alive_check && ix->alive && !ix->alive(ix->alive_arg, owner) && release_slot(s, k128(key), v))
         return 0;
-      }
       next_alive_check = now + 10;
     }
     sched_yield();
@@ -135,8 +169,7 @@ static uint64_t copy_ticket(skv_index_t *ix, skv_index_slot_t *s, skv_key_t key,
 }
 
 /* Scan the window for copies of `key` other than our slot `mine` (ticket my_ticket). Returns 1
- * when a VALID copy or an older PENDING copy of a live PE exists (we lose), else 0. PENDING
- * copies of dead PEs met on the way are cleared. */
+ * when one wins over ours (copy_wins), else 0. */
 static int scan_copies(skv_index_t *ix, skv_key_t key, skv_index_slot_t *mine, uint64_t my_ticket) {
   int sh = shard_of(ix, key);
   skv_index_slot_t *slots = ix->slots[sh];
@@ -148,20 +181,7 @@ static int scan_copies(skv_index_t *ix, skv_key_t key, skv_index_slot_t *mine, u
     int kind = read_key(s, &hi, &lo);
     if (kind == SLOT_EMPTY) break;
     if (kind != SLOT_KEY || s == mine || hi != key.hi || lo != key.lo) continue;
-    uint64_t v = ld_acq(&s->val);
-    if (v & SKV_VAL_ERASING) continue;
-    if (v & SKV_VAL_VALID) return 1;
-    int cleared = 0;
-    uint64_t t = copy_ticket(ix, s, key, &cleared);
-    if (t == 0 || t > my_ticket) continue; /* gone, or newer than us: it will lose */
-    /* Older: it wins, unless its owner died before publishing. */
-    v = ld_acq(&s->val);
-    if (v & SKV_VAL_VALID) return 1;
-    if (ix->alive && !ix->alive(ix->alive_arg, (int)skv__val_pe(v))) {
-      release_slot(s, k128(key));
-      continue;
-    }
-    return 1;
+    if (copy_wins(ix, s, key, my_ticket)) return 1;
   }
   return 0;
 }
@@ -173,38 +193,40 @@ int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
   unsigned __int128 kw = k128(key);
-  {
-    /* 1. claim the first free slot, unless the key is already VALID on the way. */
-    skv_index_slot_t *mine = NULL;
-    for (unsigned i = 0; i < SKV_INDEX_WINDOW && !mine; i++) {
-      skv_index_slot_t *s = &slots[(h + i) & mask];
-      uint64_t hi, lo;
-      int kind = read_key(s, &hi, &lo);
-      if (kind == SLOT_KEY && hi == key.hi && lo == key.lo) {
-        uint64_t v = ld_acq(&s->val);
-        if (v & SKV_VAL_VALID) return SKV_EEXIST;
-        continue;
-      }
-      if (kind == SLOT_KEY || kind == SLOT_CLAIMING) continue;
-      unsigned __int128 old = kind == SLOT_TOMB ? K_TOMB : K_EMPTY;
-      if (cas_key(s, old, kw)) mine = s;
-      else i--; /* the slot changed: look at it again */
+  /* 1. claim the first free slot, unless the key is already VALID on the way. */
+  skv_index_slot_t *mine = NULL;
+  for (unsigned i = 0; i < SKV_INDEX_WINDOW && !mine; i++) {
+    skv_index_slot_t *s = &slots[(h + i) & mask];
+    uint64_t hi, lo;
+    int kind = read_key(s, &hi, &lo);
+    if (kind == SLOT_KEY && hi == key.hi && lo == key.lo) {
+      uint64_t v = ld_acq(&s->val);
+      if (v & SKV_VAL_VALID) return SKV_EEXIST;
+      continue;
     }
-    if (!mine) return SKV_ENOSPC;
-    /* 2. PENDING with our PE, then a ticket. */
-    __atomic_store_n(&mine->val, (uint64_t)my_pe << SKV_VAL_PE_SHIFT, __ATOMIC_RELEASE);
-    uint64_t t = __atomic_add_fetch(&ix->hdr[0]->ticket, 1, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&mine->ticket, t, __ATOMIC_SEQ_CST);
-    /* 3. any older copy wins. */
-    if (scan_copies(ix, key, mine, t)) {
-      release_slot(mine, kw);
-      return SKV_EEXIST;
-    }
-    /* 4. publish. */
-    st_rel(&mine->val, val);
-    __atomic_add_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
-    return 0;
+    if (kind == SLOT_KEY || kind == SLOT_CLAIMING) continue;
+    unsigned __int128 old = kind == SLOT_TOMB ? K_TOMB : K_EMPTY;
+    if (cas_key(s, old, kw)) mine = s;
+    else i--; /* the slot changed: look at it again */
   }
+  if (!mine) return SKV_ENOSPC;
+  /* 2. PENDING with our PE, then a ticket. Nobody else writes the slot now: its val is 0 or
+   * ERASING, which no CAS of another PE expects. */
+  uint64_t pending = skv__val_pending((uint32_t)my_pe);
+  __atomic_store_n(&mine->val, pending, __ATOMIC_SEQ_CST);
+  uint64_t t = __atomic_add_fetch(&ix->hdr[0]->ticket, 1, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&mine->ticket, t, __ATOMIC_SEQ_CST);
+  /* 3. any older copy wins. */
+  if (scan_copies(ix, key, mine, t)) {
+    release_slot(mine, kw, pending);
+    return SKV_EEXIST;
+  }
+  /* 4. publish, unless another inserter judged us dead and cleared our claim meanwhile (then
+   * it caches the key, and we lose like any other copy). */
+  if (!__atomic_compare_exchange_n(&mine->val, &pending, val, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+    return SKV_EEXIST;
+  __atomic_add_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
+  return 0;
 }
 
 int skv__index_erase(skv_index_t *ix, skv_key_t key, uint64_t val) {

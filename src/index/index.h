@@ -18,14 +18,17 @@
  *
  * Insert (only by the PE that owns the page):
  *   1. claim the first EMPTY or TOMB slot of the window by CAS of the key (ENOSPC if none);
- *   2. write val = PENDING(pe), take a ticket from the node-wide counter, store it;
+ *   2. write val = PENDING(pe) (never 0: see skv__val_pending), take a ticket from the
+ *      node-wide counter, store it;
  *   3. rescan the window up to the first EMPTY slot for other slots holding the same key. A
- *      copy that is VALID, or PENDING with a smaller ticket, wins over us: we clear our slot
- *      (val ERASING, ticket 0, key TOMB) and report EEXIST (the caller frees its page). A copy
- *      that is ERASING or has a larger ticket will lose. A copy whose ticket is not stored yet
- *      is waited for (its owner stores it right after claiming): deciding without it could
- *      let both copies win;
- *   4. otherwise store val = VALID(pe, page, gen) with release order.
+ *      copy that is VALID, or PENDING with a smaller ticket and a live owner, wins over us: we
+ *      clear our slot and report EEXIST (the caller frees its page). A copy that is ERASING,
+ *      has a larger ticket, or has not stored PENDING yet (val still 0 or ERASING: it takes
+ *      its ticket after we read that, so it is newer and its own scan sees us) will lose. A
+ *      PENDING copy whose ticket is not stored yet is waited for, briefly: its owner stores it
+ *      right after PENDING; if it does not come (a stopped owner) we lose, which is safe;
+ *   4. publish: CAS val from PENDING(pe) to VALID(pe, page, gen). It fails only if another
+ *      inserter judged us dead and cleared our claim: then we lose too.
  *   Every copy agrees on the winner (the smallest ticket), so a key is VALID in at most one
  *   slot and "first writer wins" holds. Copies never lie beyond the first EMPTY slot: claims
  *   stop at the first free slot and EMPTY slots never come back.
@@ -35,11 +38,20 @@
  * Erase (owner, on eviction): CAS val from the exact VALID value to ERASING, clear the ticket,
  *   CAS the key to TOMB. Tombstones are reused by later inserts; the bounded window keeps
  *   lookups short even when a long-running table is full of tombstones.
+ * Clearing a claim (our own, or a dead owner's): CAS val from the PENDING value the decision
+ *   was taken on to ERASING, then clear the ticket and CAS the key to TOMB. Every change of a
+ *   slot that is not ours is such a CAS on val, so a decision that went stale (the slot was
+ *   cleared and claimed again meanwhile, or published) changes nothing, and a VALID val is
+ *   always under the key that inserted it.
  *
  * What can go wrong
  * -----------------
  * - A PE dies between claim and publish: its slot stays PENDING. Inserters that meet a
- *   PENDING copy whose owner is dead turn it into a tombstone and retry.
+ *   PENDING copy whose owner is dead clear it. A PE that dies between its claim and its
+ *   PENDING store leaves a slot that holds the key and no owner: it is passed over, never
+ *   waited for, and stays taken (one slot of the window).
+ * - A PE stopped (SIGSTOP, debugger) in the middle of an insert: inserters of the same key
+ *   wait at most COPY_TICKET_WAIT_MS (index.c) for its ticket, then lose; nothing waits longer.
  * - Two inserters race on a slot that is being erased: the claim CAS decides, tickets decide
  *   between copies; the loser reports EEXIST while the winner may still be PENDING, which is
  *   fine (the key becomes VALID as soon as the winner publishes).
@@ -93,6 +105,15 @@ typedef struct skv_index {
 
 static inline uint64_t skv__val_pack(uint32_t pe, uint32_t page, uint32_t gen) {
   return SKV_VAL_VALID | ((uint64_t)pe << SKV_VAL_PE_SHIFT) | ((uint64_t)page << SKV_VAL_PAGE_SHIFT) | gen;
+}
+/* The val of a claim being inserted: its owner's PE, and bit 0 so that it is never 0, the val of
+ * a slot just claimed from EMPTY (a claim whose val is still 0 or ERASING has no ticket yet). */
+#define SKV_VAL_PENDING_MARK 1ull
+static inline uint64_t skv__val_pending(uint32_t pe) {
+  return ((uint64_t)pe << SKV_VAL_PE_SHIFT) | SKV_VAL_PENDING_MARK;
+}
+static inline bool skv__val_is_pending(uint64_t v) {
+  return !(v & (SKV_VAL_VALID | SKV_VAL_ERASING)) && (v & SKV_VAL_PENDING_MARK);
 }
 static inline uint32_t skv__val_pe(uint64_t v) { return (uint32_t)((v >> SKV_VAL_PE_SHIFT) & SKV_VAL_PE_MASK); }
 static inline uint32_t skv__val_page(uint64_t v) { return (uint32_t)((v >> SKV_VAL_PAGE_SHIFT) & SKV_VAL_PAGE_MASK); }
