@@ -483,6 +483,31 @@ Test(layout, kv_interleaved_per_token, .timeout = 10) {
   cache_free(&c);
 }
 
+/* A level with one item may have any positive stride (symkv.h): huge ones must neither be
+ * rejected nor overflow in the copy (UBSan, in the sanitizer run, aborts on it). */
+Test(layout, single_item_levels_take_any_stride, .timeout = 10) {
+  uint64_t seed = skv_test_seed(), rng = seed;
+  skv_geometry_t g = geom_make(SKV_KV_SPLIT, 2, 1, 64, 2, 8); /* one head */
+  const uint64_t T = 8, D = 64;
+  cache_t c;
+  memset(&c, 0, sizeof c);
+  c.preset = SKV_LAYOUT_CUSTOM;
+  c.g = g;
+  c.T = (uint32_t)T;
+  c.nb = 1; /* one block */
+  c.sb = INT64_MAX;
+  c.sh = INT64_MAX - 7;
+  c.st = (int64_t)D;
+  c.nbuf = 4;
+  for (uint32_t i = 0; i < 4; i++) {
+    c.buf_bytes[i] = T * D * 2;
+    c.buf[i] = xmalloc(c.buf_bytes[i]);
+    c.base[i] = c.buf[i];
+  }
+  roundtrip(&c, 1, seed, &rng);
+  cache_free(&c);
+}
+
 /* ---- bad input ---------------------------------------------------------------------------- */
 
 #define EXPECT_EINVAL(call, needle)                                                             \

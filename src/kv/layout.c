@@ -203,9 +203,12 @@ static int layout_build(const skv_geometry_t *g, const skv_layout_desc_t *d, int
       lay->block_tokens = d->block_tokens;
       lay->blocks_per_page = g->page_tokens / d->block_tokens;
       lay->num_blocks = d->num_blocks;
-      lay->stride_block = d->stride_block;
-      lay->stride_token = d->stride_token;
-      lay->stride_head = d->stride_head;
+      /* A level with one item is only ever indexed 0: its stride (any positive value, not
+       * range-checked) is kept as 0, so that byte strides (stride * elem_bytes) cannot overflow
+       * in the copies and do not spoil their alignment checks. */
+      lay->stride_block = d->num_blocks > 1 ? d->stride_block : 0;
+      lay->stride_token = d->block_tokens > 1 ? d->stride_token : 0;
+      lay->stride_head = g->num_kv_heads > 1 ? d->stride_head : 0;
       lay->device = d->device;
       lay->num_layers = L;
       lay->kvn = kvn;
