@@ -126,8 +126,9 @@ typedef struct skv_config {
   uint32_t version;      /* SKV_CONFIG_VERSION, set by SKV_CONFIG_INIT */
   int32_t rank;          /* -1: SKV_RANK */
   int32_t world_size;    /* -1: SKV_WORLD_SIZE */
-  int32_t local_rank;    /* -1: SKV_LOCAL_RANK, else rank (all PEs on one node) */
-  int32_t local_size;    /* -1: SKV_LOCAL_SIZE, else world_size */
+  int32_t local_rank;    /* -1: SKV_LOCAL_RANK, else the position among this node's PEs */
+  int32_t local_size;    /* -1: SKV_LOCAL_SIZE, else the PEs found on this node (a value
+                            given must match them) */
   int32_t timeout_ms;    /* -1: SKV_TIMEOUT_MS, else 60000; bounds every wait */
   int32_t device;        /* -1: SKV_DEVICE, else local_rank modulo the number of GPUs */
   uint32_t flags;        /* reserved, must be 0 */
@@ -154,7 +155,8 @@ SKV_EXTERN int skv_config_validate(const skv_config_t *cfg);
 typedef struct skv_ctx skv_ctx_t;
 
 /* Join the job: rank 0 starts the bootstrap store, every PE connects to it and presents the
- * token. `cfg` may be NULL (everything from the environment). Collective. */
+ * token. `cfg` may be NULL (everything from the environment). Collective. On failure,
+ * skv_last_error() describes the failure (not the clean-up after it) on every PE. */
 SKV_EXTERN int skv_init(const skv_config_t *cfg, skv_ctx_t **ctx);
 /* Leave the job: a final barrier (bounded by the timeout; a dead peer does not make it hang),
  * then rank 0 stops serving once every PE has left. Frees `ctx` even when it returns an error. */
@@ -184,7 +186,7 @@ SKV_EXTERN int skv_ctx_broadcast(skv_ctx_t *ctx, void *buf, size_t bytes, int ro
 #define SKV_STORE_MAX_VALUE (16u << 20)
 SKV_EXTERN int skv_store_set(skv_ctx_t *ctx, const char *key, const void *value, size_t len);
 /* Wait until `key` exists, then copy up to `cap` bytes of it; `*len` gets its full length
- * (SKV_ERANGE if it did not fit). */
+ * (SKV_ERANGE if it did not fit: the buffer then holds its first `cap` bytes). */
 SKV_EXTERN int skv_store_get(skv_ctx_t *ctx, const char *key, void *value, size_t cap,
                              size_t *len);
 /* Atomically add `delta` to the 64-bit counter `key` (created at 0); `*result` gets the sum. */

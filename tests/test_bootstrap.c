@@ -1360,3 +1360,165 @@ static int pe_intruder(int rank, int npes, void *arg) {
 Test(fdpass, intruder_without_nonce_is_dropped) {
   RUN_JOB(2, pe_intruder, NULL, 30000);
 }
+
+/* A PE that dies after the ready barrier (it arrived, then exited without BYE): the others fail
+ * with SKV_EPEERDEAD at once, not after the exchange's timeout. Mode 0: it dies at once, so the
+ * others cannot connect to it. Mode 1: it listens and dies a second later, after the others
+ * sent to it, while they wait for its descriptor. */
+static int pe_fd_dead_peer(int rank, int npes, void *arg) {
+  int mode = *(int *)arg;
+  pe_t pe;
+  JOIN(&pe, rank, npes);
+  int ranks[SKV_TEST_MAX_PES];
+  for (int i = 0; i < npes; i++) ranks[i] = i;
+  if (rank == 1) { /* steps 1 to 3 of the protocol, then gone */
+    void *v = NULL;
+    size_t n = 0;
+    PE_CHECK(skv__store_get(pe.st, "dead/nonce/0", &v, &n, 20000) == 0 && n == 16, "nonce");
+    XXH128_hash_t h = XXH3_128bits(v, 16);
+    free(v);
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    int k = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "symkv/%016llx%016llx/1",
+                     (unsigned long long)h.high64, (unsigned long long)h.low64);
+    socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)k);
+    int l = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    PE_CHECK(mode == 0 || (bind(l, (struct sockaddr *)&a, alen) == 0 && listen(l, 16) == 0),
+             "listen: %s", strerror(errno));
+    /* arrive last, so that the others pass the barrier before this PE is gone */
+    PE_CHECK(skv__store_wait_ge(pe.st, "dead/ready/0", npes - 1, 20000) == 0, "others ready");
+    PE_CHECK(skv__store_add(pe.st, "dead/ready/0", 1, NULL) == 0, "ready");
+    if (mode == 1) sleep_ms(1000);
+    _exit(0);
+  }
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  int fd = memfd_create("skv-test", MFD_CLOEXEC), peer_fds[SKV_TEST_MAX_PES];
+  PE_CHECK(fd >= 0, "memfd");
+  uint64_t t0 = skv__now_ms();
+  int rc = skv__fd_exchange(pe.st, "dead", ranks, npes, rank, fd, peer_fds, 8000);
+  uint64_t dt = skv__now_ms() - t0;
+  PE_CHECK(rc == SKV_EPEERDEAD, "rank %d: expected SKV_EPEERDEAD, got %s after %llu ms", rank,
+           skv_err_name(rc), (unsigned long long)dt);
+  PE_CHECK(dt < 4000, "rank %d failed after %llu ms, the timeout was 8000", rank,
+           (unsigned long long)dt);
+  PE_CHECK(strstr(skv_last_error(), "rank 1"), "rank %d: message: %s", rank, skv_last_error());
+  for (int i = 0; i < npes; i++) PE_CHECK(peer_fds[i] == -1, "peer_fds[%d] left open", i);
+  close(fd);
+  PE_CHECK(pe_leave(&pe, false) == 0, "leave");
+  return 0;
+}
+
+Test(fdpass, dead_peer_fails_the_others_promptly) {
+  for (int mode = 0; mode < 2; mode++) RUN_JOB(4, pe_fd_dead_peer, &mode, 40000);
+}
+
+/* Connect to local PE 0 of exchange `tag` as a stranger that knows the nonce (read from the
+ * store): a connected unix socket, or -1. */
+static int connect_to_pe0(skv_store_t *st, const char *tag, uint8_t nonce[16]) {
+  char key[64];
+  snprintf(key, sizeof key, "%s/nonce/0", tag);
+  void *v = NULL;
+  size_t len = 0;
+  if (skv__store_get(st, key, &v, &len, 10000) != 0 || len != 16) return -1;
+  memcpy(nonce, v, 16);
+  free(v);
+  XXH128_hash_t h = XXH3_128bits(nonce, 16);
+  struct sockaddr_un a;
+  memset(&a, 0, sizeof a);
+  a.sun_family = AF_UNIX;
+  int n = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "symkv/%016llx%016llx/0",
+                   (unsigned long long)h.high64, (unsigned long long)h.low64);
+  socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+  for (int i = 0; i < 2000; i++) {
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (connect(s, (struct sockaddr *)&a, alen) == 0) return s;
+    close(s);
+    sleep_ms(2);
+  }
+  return -1;
+}
+
+/* A header that is right in every field (it claims to be local PE 1, rank 1) but carries two
+ * descriptors is dropped, both are closed, and the real PE 1's descriptor is used. */
+static int pe_two_fds(int rank, int npes, void *arg) {
+  pe_t pe;
+  JOIN(&pe, rank, npes);
+  int ranks[2] = {0, 1};
+  PE_CHECK(skv__store_barrier(pe.st, "joined", 20000) == 0, "joined");
+  if (rank == 1) {
+    uint8_t nonce[16];
+    int s = connect_to_pe0(pe.st, "twofd", nonce);
+    PE_CHECK(s >= 0, "could not connect to PE 0");
+    uint8_t hdr[32];
+    uint32_t magic = 0x464b5653u, ver = 1;
+    int32_t idx = 1, rk = 1;
+    memcpy(hdr, &magic, 4);
+    memcpy(hdr + 4, &ver, 4);
+    memcpy(hdr + 8, nonce, 16);
+    memcpy(hdr + 24, &idx, 4);
+    memcpy(hdr + 28, &rk, 4);
+    int bogus[2] = {memfd_create("bogus", MFD_CLOEXEC), memfd_create("bogus", MFD_CLOEXEC)};
+    union {
+      char buf[CMSG_SPACE(sizeof bogus)];
+      struct cmsghdr align;
+    } u;
+    memset(&u, 0, sizeof u);
+    struct iovec iov = {.iov_base = hdr, .iov_len = sizeof hdr};
+    struct msghdr m = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof bogus);
+    memcpy(CMSG_DATA(cm), bogus, sizeof bogus);
+    PE_CHECK(sendmsg(s, &m, MSG_NOSIGNAL) == (ssize_t)sizeof hdr, "send: %s", strerror(errno));
+    close(bogus[0]);
+    close(bogus[1]);
+    close(s);
+  } else {
+    skv_log_set_sink(cap_sink, NULL);
+  }
+  int before = count_fds();
+  if (do_exchange(&pe, "twofd", ranks, 2, rank, 4)) return 1;
+  PE_CHECK(count_fds() == before, "fds leaked: %d -> %d", before, count_fds());
+  if (rank == 0) {
+    skv_log_set_sink(NULL, NULL);
+    PE_CHECK(cap_has("not exactly one fd"), "the connection was not reported:\n%s", cap_buf);
+  }
+  LEAVE(&pe);
+  return 0;
+}
+
+Test(fdpass, header_with_two_fds_is_dropped) {
+  RUN_JOB(2, pe_two_fds, NULL, 30000);
+}
+
+/* A same-user connection that sends nothing is dropped after a while; the exchange goes on
+ * (it does not wait for it until the exchange's own timeout). */
+static int pe_silent(int rank, int npes, void *arg) {
+  pe_t pe;
+  JOIN(&pe, rank, npes);
+  int ranks[2] = {0, 1};
+  PE_CHECK(skv__store_barrier(pe.st, "joined", 20000) == 0, "joined");
+  int s = -1;
+  if (rank == 1) {
+    uint8_t nonce[16];
+    s = connect_to_pe0(pe.st, "silent", nonce); /* held open, silent, until the end */
+    PE_CHECK(s >= 0, "could not connect to PE 0");
+  } else {
+    skv_log_set_sink(cap_sink, NULL);
+  }
+  if (do_exchange(&pe, "silent", ranks, 2, rank, 5)) return 1;
+  if (s >= 0) close(s);
+  if (rank == 0) {
+    skv_log_set_sink(NULL, NULL);
+    PE_CHECK(cap_has("sent no complete header"), "the connection was not reported:\n%s", cap_buf);
+  }
+  LEAVE(&pe);
+  return 0;
+}
+
+Test(fdpass, silent_connection_is_dropped) {
+  RUN_JOB(2, pe_silent, NULL, 30000);
+}

@@ -180,8 +180,9 @@ Test(core, config_resolves_environment_and_names_bad_variables) {
   cr_assert_eq(skv__config_resolve(NULL, &r), 0, "%s", skv_last_error());
   cr_assert_eq(r.rank, 1);
   cr_assert_eq(r.world_size, 2);
-  cr_assert_eq(r.local_rank, 1);
-  cr_assert_eq(r.local_size, 2);
+  /* Unset: skv_init takes the PEs it finds on this node (docs/reference.md). */
+  cr_assert_eq(r.local_rank, -1);
+  cr_assert_eq(r.local_size, -1);
   cr_assert_eq(r.port, 4567);
   cr_assert_str_eq(r.host, "127.0.0.1");
   cr_assert_str_eq(r.bind_addr, "127.0.0.1");
@@ -206,6 +207,34 @@ Test(core, config_resolves_environment_and_names_bad_variables) {
   skv__env_reload();
   cr_assert_eq(skv__config_resolve(NULL, &r), SKV_EINVAL);
   cr_assert(strstr(skv_last_error(), "SKV_WORLD_SIZE") != NULL, "%s", skv_last_error());
+}
+
+Test(core, config_local_size_unset_means_the_pes_found_on_the_node) {
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  setenv("SKV_RANK", "3", 1);
+  setenv("SKV_WORLD_SIZE", "4", 1);
+  setenv("SKV_BOOTSTRAP", "tcp://127.0.0.1:4567", 1);
+  setenv("SKV_TOKEN", "0123456789abcdef", 1);
+  unsetenv("SKV_LOCAL_SIZE");
+  unsetenv("SKV_LOCAL_RANK");
+  skv__env_reload();
+  skv_cfg_resolved_t r;
+  cr_assert_eq(skv__config_resolve(NULL, &r), 0, "%s", skv_last_error());
+  cr_assert_eq(r.local_size, -1, "not world_size: a multi-node job has fewer PEs per node");
+  cr_assert_eq(r.local_rank, -1);
+  setenv("SKV_LOCAL_SIZE", "2", 1);
+  skv__env_reload();
+  cr_assert_eq(skv__config_resolve(NULL, &r), 0, "%s", skv_last_error());
+  cr_assert_eq(r.local_size, 2);
+  cr_assert_eq(r.local_rank, -1);
+  skv_config_t c = SKV_CONFIG_INIT;
+  c.local_rank = 2; /* not below SKV_LOCAL_SIZE=2 */
+  cr_assert_eq(skv__config_resolve(&c, &r), SKV_EINVAL);
+  unsetenv("SKV_LOCAL_SIZE");
+  skv__env_reload();
+  cr_assert_eq(skv__config_resolve(&c, &r), 0, "%s", skv_last_error());
+  cr_assert_eq(r.local_rank, 2);
+  cr_assert_eq(r.local_size, -1);
 }
 
 Test(core, parse_int_with_suffixes) {

@@ -5,6 +5,8 @@
 
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <errno.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -175,6 +177,141 @@ Test(ctx, stopped_pe_mid_barrier_times_out) {
   kill(job.pids[2], SIGKILL);
   skv_test_wait(&job, 5000);
   for (int r = 0; r < 2; r++) cr_assert_eq(job.status[r], 0, "survivors: %s", skv_test_statuses(&job));
+}
+
+/* Rank 0 passes another timeout, so the collective check of skv_init mismatches. Every PE must
+ * see that mismatch: rank 0 keeps serving the store until the others found it too and left, and
+ * the cleanup does not replace the message. */
+static int pe_init_mismatch(int rank, int npes, void *arg) {
+  skv_config_t cfg = SKV_CONFIG_INIT;
+  cfg.timeout_ms = rank == 0 ? 10000 : 20000;
+  skv_ctx_t *ctx = NULL;
+  int rc = skv_init(&cfg, &ctx);
+  PE_CHECK(rc == SKV_EMISMATCH, "rank %d: expected SKV_EMISMATCH, got %s", rank, skv_err_name(rc));
+  PE_CHECK(ctx == NULL, "ctx set on failure");
+  PE_CHECK(strstr(skv_last_error(), "does not match across PEs") &&
+               strstr(skv_last_error(), "timeout_ms=10000"),
+           "rank %d: the message is not about the mismatch: %s", rank, skv_last_error());
+  return 0;
+}
+
+Test(ctx, init_failure_keeps_its_error_on_every_pe) {
+  for (int round = 0; round < 4; round++) { /* a store stopped too early shows only at times */
+    skv_test_job_t job;
+    int bad = skv_test_run(&job, 8, pe_init_mismatch, NULL, 40000);
+    cr_assert_eq(bad, 0, "round %d: PEs failed: %s", round, skv_test_statuses(&job));
+  }
+}
+
+/* The last rank never calls skv_finalize (it stays connected, then exits): the others' finalize
+ * fails, and rank 0's message must still be about the final collective, not the store stop. */
+static int pe_fini_missing(int rank, int npes, void *arg) {
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 1000) == 0, "init");
+  if (rank == npes - 1) {
+    usleep(4000 * 1000);
+    _exit(0);
+  }
+  int rc = skv_finalize(ctx);
+  PE_CHECK(rc == SKV_ETIMEDOUT, "rank %d: expected SKV_ETIMEDOUT, got %s", rank, skv_err_name(rc));
+  PE_CHECK(strstr(skv_last_error(), "skv_finalize()") &&
+               strstr(skv_last_error(), "did not complete on every PE"),
+           "rank %d: the message is not about the final collective: %s", rank, skv_last_error());
+  return 0;
+}
+
+Test(ctx, finalize_failure_keeps_its_error) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 3, pe_fini_missing, NULL, 30000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* A buffer that is too small gets the value's first `cap` bytes and its full length. */
+static int pe_store_get_small(int rank, int npes, void *arg) {
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 10000) == 0, "init");
+  PE_CHECK(skv_store_set(ctx, "user/digits", "0123456789", 10) == 0, "set");
+  char buf[8] = "-------";
+  size_t len = 0;
+  PE_CHECK(skv_store_get(ctx, "user/digits", buf, 4, &len) == SKV_ERANGE, "ERANGE");
+  PE_CHECK(len == 10, "len %zu", len);
+  PE_CHECK(memcmp(buf, "0123---", 8) == 0, "buffer holds '%s', expected '0123---'", buf);
+  PE_CHECK(skv_store_get(ctx, "user/digits", NULL, 0, &len) == SKV_ERANGE && len == 10, "cap 0");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(ctx, store_get_copies_what_fits) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_store_get_small, NULL, 30000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* Two "nodes" on one host: ranks 2 and 3 run under another host name (a UTS namespace). Without
+ * SKV_LOCAL_SIZE, each PE takes the PEs found on its node. */
+static int enter_other_node(void) {
+  if (unshare(CLONE_NEWUTS) != 0 && unshare(CLONE_NEWUSER | CLONE_NEWUTS) != 0) return -errno;
+  if (sethostname("skv-other-node", 14) != 0) return -errno;
+  return 0;
+}
+
+static int pe_two_nodes(int rank, int npes, void *arg) {
+  if (rank >= 2) PE_CHECK(enter_other_node() == 0, "cannot enter a UTS namespace");
+  PE_CHECK(strcmp(skv__hostname(), rank >= 2 ? "skv-other-node" : *(char **)arg) == 0,
+           "host name %s", skv__hostname());
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 10000) == 0, "init");
+  PE_CHECK(skv_ctx_local_size(ctx) == 2, "local size %d", skv_ctx_local_size(ctx));
+  PE_CHECK(skv_ctx_local_rank(ctx) == rank % 2, "local rank %d", skv_ctx_local_rank(ctx));
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(ctx, local_size_defaults_to_the_pes_of_each_node) {
+  pid_t p = fork(); /* can this host give a PE another host name? */
+  if (p == 0) _exit(enter_other_node() == 0 ? 0 : 1);
+  int st = 1;
+  waitpid(p, &st, 0);
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+    cr_skip_test("needs unshare(CLONE_NEWUTS) (root or user namespaces) to fake a second node");
+  char host[256];
+  cr_assert_eq(gethostname(host, sizeof host), 0);
+  host[sizeof host - 1] = '\0';
+  if (strchr(host, '.')) *strchr(host, '.') = '\0';
+  char *hp = host;
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 4, pe_two_nodes, &hp, 40000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* A local size that is given must match, and the error names where it came from. */
+static int pe_wrong_local_size(int rank, int npes, void *arg) {
+  bool from_env = *(int *)arg;
+  skv_config_t cfg = SKV_CONFIG_INIT;
+  cfg.timeout_ms = 10000;
+  if (from_env) {
+    setenv("SKV_LOCAL_SIZE", "1", 1);
+    skv__env_reload();
+  } else {
+    cfg.local_size = 1;
+  }
+  skv_ctx_t *ctx;
+  int rc = skv_init(&cfg, &ctx);
+  PE_CHECK(rc == SKV_EINVAL, "expected SKV_EINVAL, got %s", skv_err_name(rc));
+  const char *want = from_env ? "local size is 1 (SKV_LOCAL_SIZE) but 2 PEs"
+                              : "local size is 1 (config.local_size) but 2 PEs";
+  PE_CHECK(strstr(skv_last_error(), want), "rank %d: message: %s", rank, skv_last_error());
+  return 0;
+}
+
+Test(ctx, wrong_local_size_names_its_source) {
+  for (int from_env = 0; from_env < 2; from_env++) {
+    skv_test_job_t job;
+    int bad = skv_test_run(&job, 2, pe_wrong_local_size, &from_env, 30000);
+    cr_assert_eq(bad, 0, "PEs failed (%s): %s", from_env ? "SKV_LOCAL_SIZE" : "config.local_size",
+                 skv_test_statuses(&job));
+  }
 }
 
 static int pe_bad_args(int rank, int npes, void *arg) {

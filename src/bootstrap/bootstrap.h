@@ -34,6 +34,9 @@ int skv__store_server_port(const skv_store_server_t *srv);
 /* Wait (up to timeout_ms) until every rank that said HELLO has said BYE or disconnected, then
  * stop the loop, join the thread and free everything. Safe on NULL. */
 int skv__store_server_stop(skv_store_server_t *srv, int timeout_ms);
+/* The same, for cleanup after another failure: a timeout is only logged (WARN), so that the
+ * thread's last error still describes the failure being cleaned up after. */
+int skv__store_server_stop_quiet(skv_store_server_t *srv, int timeout_ms);
 
 /* ---- store_client.c ------------------------------------------------------------------------ */
 
@@ -46,6 +49,9 @@ int skv__store_connect(const char *host, int port, const char *token, int rank, 
                        int timeout_ms, skv_store_t **out);
 /* Say BYE and close (BYE tells the server this rank left on purpose). Safe on NULL. */
 int skv__store_close(skv_store_t *st);
+/* The same, for cleanup after another failure: a failure is only logged (WARN), so that the
+ * thread's last error still describes the failure being cleaned up after. */
+int skv__store_close_quiet(skv_store_t *st);
 /* Close without BYE, as a crash would (tests only). */
 void skv__store_abort(skv_store_t *st);
 
@@ -60,6 +66,10 @@ int skv__store_add(skv_store_t *st, const char *key, int64_t delta, int64_t *res
 int skv__store_wait(skv_store_t *st, const char *const *keys, size_t n, int timeout_ms);
 /* Block until the counter `key` (see add) is at least `target`. */
 int skv__store_wait_ge(skv_store_t *st, const char *key, int64_t target, int timeout_ms);
+/* Without waiting: SKV_EPEERDEAD (message naming it) if a rank of the job died, else 0 (or the
+ * failure of the request itself). `key` names a counter (or nothing): one WAIT_GE on it with
+ * an unreachable target and timeout 0. */
+int skv__store_check_dead(skv_store_t *st, const char *key);
 /* Delete a key (no error when absent). */
 int skv__store_del(skv_store_t *st, const char *key);
 /* Barrier of all nranks under a caller-chosen unique name. */
@@ -77,7 +87,8 @@ int skv__store_nranks(const skv_store_t *st);
  * rank of local PE i; this PE is local index `me`. On success peer_fds[i] is a new descriptor
  * for PE i's `my_fd` (peer_fds[me] = dup(my_fd)); the caller closes them. `tag` must be unique
  * per exchange. Connections are accepted only from the same user (SO_PEERCRED) presenting the
- * exchange's random nonce. Bounded by timeout_ms. */
+ * exchange's random nonce. Bounded by timeout_ms; a PE of the job that dies makes it fail with
+ * SKV_EPEERDEAD at once (docs/bootstrap.md, "File-descriptor passing"). */
 int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlocal, int me,
                      int my_fd, int *peer_fds, int timeout_ms);
 

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,9 @@
   do {                                                                                         \
     if (!(ctx)) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, fn ": ctx is NULL");              \
   } while (0)
+
+/* How long rank 0 keeps serving after its skv_init failed, for the others to finish and leave. */
+#define INIT_FAIL_GRACE_MS 3000
 
 /* What identifies this node: host name and boot id (two hosts may share a name). */
 typedef struct node_rec {
@@ -36,7 +40,9 @@ static void node_id(node_rec_t *r, int rank) {
   r->pid = (int32_t)getpid();
 }
 
-static int find_local_pes(skv_ctx_t *ctx) {
+/* The PEs of this node (same host name and boot id), in rank order. A local size given in the
+ * config or SKV_LOCAL_SIZE (`local_from`) must match them; without one they are taken as is. */
+static int find_local_pes(skv_ctx_t *ctx, const char *local_from) {
   int n = ctx->cfg.world_size;
   node_rec_t me, *all = calloc((size_t)n, sizeof *all);
   if (!all) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "out of memory for %d node records", n);
@@ -57,15 +63,16 @@ static int find_local_pes(skv_ctx_t *ctx) {
     ctx->local_ranks[ctx->nlocal++] = r;
   }
   free(all);
-  if (ctx->nlocal != ctx->cfg.local_size)
+  if (ctx->cfg.local_size > 0 && ctx->nlocal != ctx->cfg.local_size)
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
-                    "local size is %d (config or SKV_LOCAL_SIZE) but %d PEs of the job run on node %s: "
-                    "unset SKV_LOCAL_SIZE or make it match",
-                    ctx->cfg.local_size, ctx->nlocal, me.host);
-  if (ctx->local_index != ctx->cfg.local_rank)
+                    "local size is %d (%s) but %d PEs of the job run on node %s: make it match, or "
+                    "leave %s unset to use the PEs found on each node",
+                    ctx->cfg.local_size, local_from, ctx->nlocal, me.host, local_from);
+  if (ctx->cfg.local_rank >= 0 && ctx->local_index != ctx->cfg.local_rank)
     SKV_INFO(SKV_SUBSYS_INIT, "local rank %d (configured) differs from position %d among this node's PEs; using %d",
              ctx->cfg.local_rank, ctx->local_index, ctx->local_index);
   ctx->cfg.local_rank = ctx->local_index;
+  ctx->cfg.local_size = ctx->nlocal;
   return 0;
 }
 
@@ -89,19 +96,27 @@ int skv_init(const skv_config_t *cfg, skv_ctx_t **out) {
   SKV_CHECK_GOTO(skv__store_connect(ctx->cfg.host, ctx->cfg.port, ctx->cfg.token, ctx->cfg.rank,
                                     ctx->cfg.world_size, ctx->cfg.timeout_ms, &ctx->store),
                  rc, fail);
-  SKV_CHECK_GOTO(find_local_pes(ctx), rc, fail);
+  bool local_in_cfg = cfg && cfg->size >= offsetof(skv_config_t, local_size) + sizeof(int32_t) &&
+                      cfg->local_size != -1;
+  SKV_CHECK_GOTO(find_local_pes(ctx, local_in_cfg ? "config.local_size" : "SKV_LOCAL_SIZE"), rc,
+                 fail);
   uint64_t job = 0;
   if (ctx->cfg.rank == 0) SKV_CHECK_GOTO(skv__random_bytes(&job, sizeof job), rc, fail);
   SKV_CHECK_GOTO(skv_ctx_broadcast(ctx, &job, sizeof job, 0), rc, fail);
   ctx->job_id = job;
-  SKV_CHECK_GOTO(skv__coll_check(ctx, NULL, "skv_init(world_size=%d, local_size=%d, timeout_ms=%d)",
-                                 ctx->cfg.world_size, ctx->cfg.local_size, ctx->cfg.timeout_ms),
+  /* local_size is left out: nodes may run different numbers of PEs (checked above). */
+  SKV_CHECK_GOTO(skv__coll_check(ctx, NULL, "skv_init(world_size=%d, timeout_ms=%d)",
+                                 ctx->cfg.world_size, ctx->cfg.timeout_ms),
                  rc, fail);
   *out = ctx;
   return 0;
 fail:
-  if (ctx->store) skv__store_close(ctx->store);
-  if (ctx->server) skv__store_server_stop(ctx->server, 0);
+  /* The cleanup leaves skv_last_error() describing the failure. Rank 0 serves the store, so it
+   * gives the other PEs a bounded grace to finish the collective that failed (they find the
+   * same failure) and leave, instead of cutting them off with a lost connection. */
+  if (ctx->store) skv__store_close_quiet(ctx->store);
+  if (ctx->server)
+    skv__store_server_stop_quiet(ctx->server, SKV_MIN(ctx->cfg.timeout_ms, INIT_FAIL_GRACE_MS));
   pthread_mutex_destroy(&ctx->mu);
   free(ctx);
   return rc;
@@ -115,9 +130,12 @@ int skv_finalize(skv_ctx_t *ctx) {
     snprintf(name, sizeof name, "fini/%" PRIu64, ctx->coll_seq);
     rc = skv__store_barrier(ctx->store, name, ctx->cfg.timeout_ms);
   }
-  int rc2 = skv__store_close(ctx->store);
+  /* After a failure, the cleanup leaves skv_last_error() describing that failure. */
+  int rc2 = rc ? skv__store_close_quiet(ctx->store) : skv__store_close(ctx->store);
   if (ctx->server) {
-    int rc3 = skv__store_server_stop(ctx->server, rc == 0 ? ctx->cfg.timeout_ms : 1000);
+    int wait_ms = rc == 0 ? ctx->cfg.timeout_ms : 1000;
+    int rc3 = rc || rc2 ? skv__store_server_stop_quiet(ctx->server, wait_ms)
+                        : skv__store_server_stop(ctx->server, wait_ms);
     if (rc2 == 0) rc2 = rc3;
   }
   pthread_mutex_destroy(&ctx->mu);
@@ -303,10 +321,13 @@ int skv_store_get(skv_ctx_t *ctx, const char *key, void *value, size_t cap, size
   SKV_CHECK(skv__store_get(ctx->store, key, &v, &n, ctx->cfg.timeout_ms));
   if (len) *len = n;
   int rc = 0;
+  size_t copy = SKV_MIN(n, cap); /* as much as fits: all of it, or its first cap bytes */
+  if (copy) memcpy(value, v, copy);
   if (n > cap)
-    rc = SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_BOOT, "skv_store_get(\"%s\"): value has %zu bytes, buffer %zu", key, n, cap);
-  else if (n)
-    memcpy(value, v, n);
+    rc = SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_BOOT,
+                  "skv_store_get(\"%s\"): value has %zu bytes, buffer %zu (its first %zu bytes were "
+                  "copied); pass a buffer of *len bytes",
+                  key, n, cap, cap);
   free(v);
   return rc;
 }

@@ -28,11 +28,20 @@
  *
  * What can go wrong: anyone on the host can see the socket names (/proc/net/unix) and
  * connect. The name carries only a hash of the nonce; a connection from another user
- * (SO_PEERCRED) or without the nonce is logged and dropped, and the exchange goes on. A peer
- * that dies makes the others time out; every descriptor is closed on every error path. */
+ * (SO_PEERCRED), without the nonce, with other than one fd, or that sends no header within
+ * FD_CONN_WAIT_MS is logged and dropped, and the exchange goes on. A peer that dies after the
+ * barrier no longer listens (connect: ECONNREFUSED): the others skip it, send to the rest, and
+ * fail with SKV_EPEERDEAD; a PE waiting for descriptors asks the store every FD_PROBE_MS whether
+ * a rank died. A peer that stops (SIGSTOP) makes the others time out. Every descriptor is closed
+ * on every error path. */
 
 #define FD_MAGIC   0x464b5653u /* "SVKF" */
 #define FD_VERSION 1u
+
+#define FD_PROBE_MS     50   /* while waiting on peers, ask the store this often for dead ranks */
+#define FD_GONE_WAIT_MS 1000 /* a peer that stopped listening: wait this long for the store to
+                                say it died (its store connection may close a moment later) */
+#define FD_CONN_WAIT_MS 2000 /* an accepted connection must deliver its header within this */
 
 typedef struct fd_hdr {
   uint32_t magic;
@@ -68,9 +77,12 @@ static socklen_t sock_name(struct sockaddr_un *a, const uint8_t nonce[16], int i
   return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
 }
 
-/* Connect to local PE `peer` and send it `fd` with the header. */
-static int send_fd(const uint8_t nonce[16], int peer, int peer_rank, const fd_hdr_t *h, int fd,
-                   uint64_t deadline, int timeout_ms, const char *tag) {
+/* Connect to local PE `peer` and send it `fd` with the header: 0, 1 when the peer does not
+ * listen (any more: called after the ready barrier, so it is gone), or a negative code. While
+ * the peer's backlog is full, the store (`probe_key`) is asked now and then for dead ranks. */
+static int send_fd(skv_store_t *st, const char *probe_key, const uint8_t nonce[16], int peer,
+                   int peer_rank, const fd_hdr_t *h, int fd, uint64_t deadline, int timeout_ms,
+                   const char *tag) {
   struct sockaddr_un a;
   socklen_t alen = sock_name(&a, nonce, peer);
   int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -78,14 +90,19 @@ static int send_fd(const uint8_t nonce[16], int peer, int peer_rank, const fd_hd
     return SKV_FAIL(-errno, SKV_SUBSYS_BOOT, "fd exchange \"%s\": socket failed: %s", tag,
                     strerror(errno));
   int rc;
+  uint64_t next_probe = skv__now_ms() + FD_PROBE_MS;
   for (;;) {
     if (connect(s, (struct sockaddr *)&a, alen) == 0) break;
     int e = errno;
     if (e == EINTR) continue;
+    if (e == ECONNREFUSED || e == ENOENT) {
+      close(s);
+      return 1;
+    }
     if (e == EINPROGRESS) {
       rc = wait_fd(s, POLLOUT, deadline);
       if (rc == 0) break;
-    } else if (e != EAGAIN && e != ECONNREFUSED && e != ENOENT) {
+    } else if (e != EAGAIN) {
       close(s);
       return SKV_FAIL(-e, SKV_SUBSYS_BOOT,
                       "fd exchange \"%s\": connecting to local PE %d (rank %d) failed: %s", tag,
@@ -98,6 +115,18 @@ static int send_fd(const uint8_t nonce[16], int peer, int peer_rank, const fd_hd
           "fd exchange \"%s\": could not connect to local PE %d (rank %d) within %d ms (%s); "
           "is it alive?",
           tag, peer, peer_rank, timeout_ms, strerror(e));
+    }
+    if (skv__now_ms() >= next_probe) {
+      rc = skv__store_check_dead(st, probe_key);
+      if (rc < 0) {
+        close(s);
+        char inner[800];
+        snprintf(inner, sizeof inner, "%s", skv_last_error());
+        return SKV_FAIL(rc, SKV_SUBSYS_BOOT,
+                        "fd exchange \"%s\": connecting to local PE %d (rank %d): %s", tag, peer,
+                        peer_rank, inner);
+      }
+      next_probe = skv__now_ms() + FD_PROBE_MS;
     }
     struct timespec ts = {0, 1000000L};
     nanosleep(&ts, NULL);
@@ -142,7 +171,7 @@ static int send_fd(const uint8_t nonce[16], int peer, int peer_rank, const fd_hd
  * code; a connection that is not a peer of this exchange gives SKV_EAUTH (the caller drops it). */
 static int recv_fd(int c, fd_hdr_t *h, int *fd_out, uint64_t deadline) {
   *fd_out = -1;
-  size_t got = 0;
+  size_t got = 0, nfds = 0;
   while (got < sizeof *h) {
     union {
       char buf[CMSG_SPACE(sizeof(int) * 8)];
@@ -168,10 +197,11 @@ static int recv_fd(int c, fd_hdr_t *h, int *fd_out, uint64_t deadline) {
         if (*fd_out < 0)
           *fd_out = fd;
         else
-          close(fd); /* more than one: keep the first, drop the rest */
+          close(fd);
+        nfds++;
       }
     }
-    if (m.msg_flags & MSG_CTRUNC) {
+    if ((m.msg_flags & MSG_CTRUNC) || nfds > 1) { /* a peer sends exactly one */
       if (*fd_out >= 0) close(*fd_out);
       *fd_out = -1;
       return SKV_EAUTH;
@@ -179,6 +209,30 @@ static int recv_fd(int c, fd_hdr_t *h, int *fd_out, uint64_t deadline) {
     got += (size_t)r;
   }
   return 0;
+}
+
+/* Local PE `peer` stopped listening after the ready barrier: it failed or exited. Give the store
+ * a moment to notice its death, so that the error names the rank that died. */
+static int peer_gone(skv_store_t *st, const char *probe_key, const char *tag, int peer,
+                     int peer_rank, uint64_t deadline) {
+  uint64_t until = SKV_MIN(deadline, skv__now_ms() + FD_GONE_WAIT_MS);
+  for (;;) {
+    int rc = skv__store_check_dead(st, probe_key);
+    if (rc < 0) {
+      char inner[800];
+      snprintf(inner, sizeof inner, "%s", skv_last_error());
+      return SKV_FAIL(rc, SKV_SUBSYS_BOOT,
+                      "fd exchange \"%s\": local PE %d (rank %d) stopped listening: %s", tag, peer,
+                      peer_rank, inner);
+    }
+    if (skv__now_ms() >= until) break;
+    struct timespec ts = {0, 10000000L};
+    nanosleep(&ts, NULL);
+  }
+  return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_BOOT,
+                  "fd exchange \"%s\": local PE %d (rank %d) stopped listening before it got this "
+                  "PE's descriptor: it failed or exited; look at its log",
+                  tag, peer, peer_rank);
 }
 
 int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlocal, int me,
@@ -243,10 +297,17 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
     memcpy(h.nonce, nonce, sizeof nonce);
     h.local_index = me;
     h.rank = ranks[me];
+    int gone = -1; /* a peer that no longer listens; the others still get this PE's fd */
     for (int k = 1; k < nlocal; k++) {
       int peer = (me + k) % nlocal; /* start at different peers to spread the load */
-      SKV_CHECK_GOTO(send_fd(nonce, peer, ranks[peer], &h, my_fd, deadline, timeout_ms, tag), rc,
-                     fail);
+      SKV_CHECK_GOTO(send_fd(st, ready_key, nonce, peer, ranks[peer], &h, my_fd, deadline,
+                             timeout_ms, tag),
+                     rc, fail);
+      if (rc == 1 && gone < 0) gone = peer;
+    }
+    if (gone >= 0) {
+      rc = peer_gone(st, ready_key, tag, gone, ranks[gone], deadline);
+      goto fail;
     }
     /* 5. accept from everyone */
     int got = 0;
@@ -256,13 +317,26 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
         int e = errno;
         if (e == EINTR || e == ECONNABORTED) continue;
         if (e == EAGAIN) {
-          rc = wait_fd(lfd, POLLIN, deadline);
+          /* Wait in slices, asking the store in between whether a rank died. */
+          rc = wait_fd(lfd, POLLIN, SKV_MIN(deadline, skv__now_ms() + FD_PROBE_MS));
+          char missing[256];
+          size_t o = 0;
+          for (int i = 0; i < nlocal && o + 16 < sizeof missing; i++)
+            if (i != me && peer_fds[i] < 0)
+              o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", ranks[i]);
+          if (rc == SKV_ETIMEDOUT && remaining_ms(deadline) > 0) {
+            rc = skv__store_check_dead(st, ready_key);
+            if (rc < 0) {
+              char inner[800];
+              snprintf(inner, sizeof inner, "%s", skv_last_error());
+              rc = SKV_FAIL(rc, SKV_SUBSYS_BOOT,
+                            "fd exchange \"%s\": waiting for descriptors from rank(s)%s: %s", tag,
+                            missing, inner);
+              goto fail;
+            }
+            continue;
+          }
           if (rc == SKV_ETIMEDOUT) {
-            char missing[256];
-            size_t o = 0;
-            for (int i = 0; i < nlocal && o + 16 < sizeof missing; i++)
-              if (i != me && peer_fds[i] < 0)
-                o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", ranks[i]);
             rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
                           "fd exchange \"%s\": after %d ms no descriptor came from rank(s)%s; are "
                           "they alive?",
@@ -291,14 +365,23 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
       }
       fd_hdr_t in;
       int fd = -1;
-      rc = recv_fd(c, &in, &fd, deadline);
+      uint64_t conn_deadline = SKV_MIN(deadline, skv__now_ms() + FD_CONN_WAIT_MS);
+      rc = recv_fd(c, &in, &fd, conn_deadline);
       close(c);
       if (rc == SKV_ETIMEDOUT) {
         if (fd >= 0) close(fd);
-        rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
-                      "fd exchange \"%s\": pid %d connected but sent nothing within %d ms", tag,
-                      (int)cred.pid, timeout_ms);
-        goto fail;
+        if (conn_deadline == deadline) {
+          rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
+                        "fd exchange \"%s\": pid %d connected but sent nothing within %d ms", tag,
+                        (int)cred.pid, timeout_ms);
+          goto fail;
+        }
+        SKV_WARN(SKV_SUBSYS_BOOT,
+                 "fd exchange \"%s\": dropped a connection from pid %d that sent no complete "
+                 "header within %d ms",
+                 tag, (int)cred.pid, FD_CONN_WAIT_MS);
+        rc = 0;
+        continue;
       }
       bool ok = rc == 0 && fd >= 0 && in.magic == FD_MAGIC && in.version == FD_VERSION &&
                 skv__consttime_eq(in.nonce, 16, nonce, 16) && in.local_index >= 0 &&
@@ -308,7 +391,7 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
       if (!ok) {
         SKV_WARN(SKV_SUBSYS_BOOT,
                  "fd exchange \"%s\": dropped a connection from pid %d that is not a peer of "
-                 "this exchange (bad header, nonce or fd)",
+                 "this exchange (bad header or nonce, or not exactly one fd)",
                  tag, (int)cred.pid);
         if (fd >= 0) close(fd);
         continue;

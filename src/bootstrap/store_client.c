@@ -39,6 +39,7 @@ struct skv_store {
   pthread_mutex_t mu;
   int fd;
   bool broken;
+  bool quiet; /* closing after another failure: log failures, keep the thread's last error */
   int rank, nranks, timeout_ms;
   char peer[300];
   char why[300]; /* why the connection is broken */
@@ -175,6 +176,10 @@ static int broken(skv_store_t *st, int err, const char *what, const char *fmt, .
   va_end(ap);
   st->broken = true;
   snprintf(st->why, sizeof st->why, "%s", msg);
+  if (st->quiet) {
+    SKV_WARN(SKV_SUBSYS_BOOT, "%s: %s (%s)", what, msg, skv_err_name(err));
+    return err;
+  }
   return SKV_FAIL(err, SKV_SUBSYS_BOOT, "%s: %s", what, msg);
 }
 
@@ -458,24 +463,44 @@ static void store_free(skv_store_t *st) {
   free(st);
 }
 
-int skv__store_close(skv_store_t *st) {
+static int store_close(skv_store_t *st, bool quiet) {
   if (!st) return 0;
   int rc = 0;
   pthread_mutex_lock(&st->mu);
+  st->quiet = quiet;
   if (!st->broken) {
     wbuf_t b = {0};
     wb_begin(&b, OP_BYE);
     int32_t status = 0;
     uint8_t *p = NULL;
     size_t n = 0;
-    rc = rpc(st, "skv__store_close", &b, CLOSE_WAIT_MS - GRACE_MS, &status, &p, &n);
+    if (b.oom && quiet)
+      rc = SKV_ENOMEM;
+    else
+      rc = rpc(st, "skv__store_close", &b, CLOSE_WAIT_MS - GRACE_MS, &status, &p, &n);
     free(b.p);
-    if (rc == 0 && status < 0) rc = status_error("skv__store_close", status, p, n);
+    if (rc == 0 && status < 0) {
+      if (quiet) {
+        SKV_WARN(SKV_SUBSYS_BOOT, "skv__store_close: %.*s (%s)", (int)SKV_MIN(n, (size_t)400),
+                 (const char *)p, skv_err_name(status));
+        rc = status;
+      } else {
+        rc = status_error("skv__store_close", status, p, n);
+      }
+    }
     free(p);
   }
   pthread_mutex_unlock(&st->mu);
   store_free(st);
   return rc;
+}
+
+int skv__store_close(skv_store_t *st) {
+  return store_close(st, false);
+}
+
+int skv__store_close_quiet(skv_store_t *st) {
+  return store_close(st, true);
 }
 
 void skv__store_abort(skv_store_t *st) {
@@ -651,6 +676,30 @@ int skv__store_wait_ge(skv_store_t *st, const char *key, int64_t target, int tim
   STORE_CHECK(st, "skv__store_wait_ge");
   return do_wait_ge(st, describe(what, sizeof what, "skv__store_wait_ge", key), key, target,
                     timeout_ms);
+}
+
+int skv__store_check_dead(skv_store_t *st, const char *key) {
+  char what[128];
+  STORE_CHECK(st, "skv__store_check_dead");
+  describe(what, sizeof what, "skv__store_check_dead", key);
+  SKV_CHECK(check_key(what, key));
+  /* A WAIT_GE that cannot be met, checked once: the store answers SKV_EPEERDEAD once a rank
+   * died, else SKV_ETIMEDOUT, which here means "all alive" (no warning in the log). */
+  wbuf_t b = {0};
+  wb_begin(&b, OP_WAIT_GE);
+  wb_u32(&b, 0);
+  wb_key(&b, key);
+  wb_u64(&b, (uint64_t)INT64_MAX);
+  uint8_t *p = NULL;
+  size_t n = 0;
+  int32_t status = 0;
+  pthread_mutex_lock(&st->mu);
+  int rc = rpc(st, what, &b, 0, &status, &p, &n);
+  pthread_mutex_unlock(&st->mu);
+  free(b.p);
+  if (rc == 0 && status < 0 && status != SKV_ETIMEDOUT) rc = status_error(what, status, p, n);
+  free(p);
+  return rc;
 }
 
 int skv__store_del(skv_store_t *st, const char *key) {

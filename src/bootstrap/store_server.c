@@ -1235,7 +1235,7 @@ int skv__store_server_port(const skv_store_server_t *srv) {
   return srv->port;
 }
 
-int skv__store_server_stop(skv_store_server_t *srv, int timeout_ms) {
+static int server_stop(skv_store_server_t *srv, int timeout_ms, bool quiet) {
   if (!srv) return 0;
   if (timeout_ms < 0) timeout_ms = 0;
   const struct timespec ts = skv__ts_at(skv__now_ns() + (uint64_t)timeout_ms * 1000000u);
@@ -1257,6 +1257,13 @@ int skv__store_server_stop(skv_store_server_t *srv, int timeout_ms) {
   uv_async_send(&srv->async);
   pthread_join(srv->thread, NULL);
   server_free(srv);
+  if (nlive > 0 && quiet) {
+    SKV_WARN(SKV_SUBSYS_BOOT,
+             "bootstrap store stopped after %d ms with %d rank(s) still connected (%s); their "
+             "connections were closed",
+             timeout_ms, nlive, live);
+    return SKV_ETIMEDOUT;
+  }
   if (nlive > 0)
     return SKV_FAIL(
         SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
@@ -1265,4 +1272,12 @@ int skv__store_server_stop(skv_store_server_t *srv, int timeout_ms) {
         timeout_ms, nlive, live);
   SKV_INFO(SKV_SUBSYS_BOOT, "bootstrap store stopped");
   return 0;
+}
+
+int skv__store_server_stop(skv_store_server_t *srv, int timeout_ms) {
+  return server_stop(srv, timeout_ms, false);
+}
+
+int skv__store_server_stop_quiet(skv_store_server_t *srv, int timeout_ms) {
+  return server_stop(srv, timeout_ms, true);
 }

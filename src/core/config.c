@@ -243,9 +243,11 @@ int skv__config_resolve(const skv_config_t *cfg, skv_cfg_resolved_t *out) {
                     "rank unknown: set config.rank or SKV_RANK (or start with symkv-run -n N)");
   if (out->rank >= out->world_size)
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "rank %d is not below world size %d", out->rank, out->world_size);
-  SKV_CHECK(resolve_int(cfg, "local_size", out->world_size, &out->local_size));
-  SKV_CHECK(resolve_int(cfg, "local_rank", out->rank % out->local_size, &out->local_rank));
-  if (out->local_size > out->world_size || out->local_rank >= out->local_size)
+  /* -1 (neither config nor environment): skv_init takes the PEs it finds on this node. */
+  SKV_CHECK(resolve_int(cfg, "local_size", -1, &out->local_size));
+  SKV_CHECK(resolve_int(cfg, "local_rank", -1, &out->local_rank));
+  int local_cap = out->local_size > 0 ? out->local_size : out->world_size;
+  if (out->local_size > out->world_size || out->local_rank >= local_cap)
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "local rank %d / local size %d do not fit world size %d",
                     out->local_rank, out->local_size, out->world_size);
   SKV_CHECK(resolve_int(cfg, "timeout_ms", DEFAULT_TIMEOUT_MS, &out->timeout_ms));
