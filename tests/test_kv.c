@@ -8,10 +8,14 @@
 
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -503,6 +507,115 @@ Test(kv, pins_of_a_dead_pe_are_released) {
   skv_test_wait(&job, 90000);
   cr_assert_eq(job.status[2], 128 + SIGKILL, "%s", skv_test_statuses(&job));
   cr_assert(job.status[0] == 0 && job.status[1] == 0, "survivors: %s", skv_test_statuses(&job));
+}
+
+/* A live PE's pins hold whatever /proc says meanwhile: the owner runs out of descriptors (it
+ * cannot read /proc/<pid>/stat) while it evicts, which is no evidence of death. */
+static int pe_pinner_while_proc_unreadable(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16, 20000) == 0, "fixture: %s", skv_last_error());
+  size_t ins, nhit;
+  uint64_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  skv_key_t keys[8];
+  skv_page_ref_t refs[8];
+  for (int i = 0; i < 8; i++) keys[i] = key_of(&f, ids[i]);
+  if (rank == 0) PE_CHECK(publish_ids(&f, ids, 8, &ins) == 0 && ins == 8, "publish");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 1)
+    PE_CHECK(skv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8, "pin all");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 0) {
+    struct rlimit old, lim;
+    PE_CHECK(getrlimit(RLIMIT_NOFILE, &old) == 0, "getrlimit");
+    int lowest = dup(0);
+    close(lowest);
+    lim = old;
+    lim.rlim_cur = (rlim_t)lowest; /* every open() fails with EMFILE now */
+    PE_CHECK(setrlimit(RLIMIT_NOFILE, &lim) == 0, "setrlimit");
+    FILE *probe = fopen("/proc/self/stat", "r");
+    bool emfile = probe == NULL && errno == EMFILE;
+    if (probe) fclose(probe);
+    usleep(30000); /* past the liveness cache */
+    uint64_t n = 99;
+    int rc = skv_evict(f.kv, 8, &n);
+    setrlimit(RLIMIT_NOFILE, &old);
+    PE_CHECK(emfile, "the descriptor limit did not take");
+    PE_CHECK(rc == 0 && n == 0, "evicted %llu pages a live PE pins (rc %d)", (unsigned long long)n, rc);
+    usleep(30000);
+    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 0, "later: evicted %llu pinned pages", (unsigned long long)n);
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 1) {
+    PE_CHECK(skv_fetch(f.kv, refs, 8, f.eng.lay, ids, SKV_FETCH_UNPIN, NULL) == 0, "fetch of pinned pages: %s",
+             skv_last_error());
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 0) {
+    uint64_t n;
+    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 8, "unpinned: evicted %llu of 8", (unsigned long long)n);
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, pins_hold_while_the_owner_cannot_read_proc) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_pinner_while_proc_unreadable, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* A pin that meets the evictor between its CAS and its pinmask read (EVICTING, same generation)
+ * waits for the verdict instead of reporting the page stale: here the "evictor" reads the
+ * pinmask, finds the pin and puts the page back to READY, as try_evict does. One that never
+ * resolves is stale. */
+typedef struct evicting_arg {
+  uint64_t *state, *pinmask, ready, bit;
+} evicting_arg_t;
+
+static void *restore_ready(void *a) {
+  evicting_arg_t *e = a;
+  while (!(__atomic_load_n(e->pinmask, __ATOMIC_SEQ_CST) & e->bit)) sched_yield();
+  __atomic_store_n(e->state, e->ready, __ATOMIC_SEQ_CST);
+  return NULL;
+}
+
+static int pe_pin_meets_evicting(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16, 20000) == 0, "fixture: %s", skv_last_error());
+  size_t ins;
+  uint64_t id = 3;
+  PE_CHECK(publish_ids(&f, &id, 1, &ins) == 0 && ins == 1, "publish");
+  skv_key_t k = key_of(&f, id);
+  skv_page_ref_t ref;
+  size_t nhit;
+  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
+  skv_page_meta_t *m = &f.kv->pool.meta[ref.pe][ref.page];
+  uint64_t ready = skv__st_make(ref.gen, SKV_PAGE_READY), evicting = skv__st_make(ref.gen, SKV_PAGE_EVICTING);
+  PE_CHECK(__atomic_load_n(&m->state, __ATOMIC_SEQ_CST) == ready, "page READY");
+  evicting_arg_t e = {&m->state, &m->pinmask, ready, 1ull << rank};
+  __atomic_store_n(&m->state, evicting, __ATOMIC_SEQ_CST);
+  pthread_t t;
+  PE_CHECK(pthread_create(&t, NULL, restore_ready, &e) == 0, "thread");
+  int rc = skv__pool_pin(&f.kv->pool, ref.pe, ref.page, ref.gen);
+  pthread_join(t, NULL);
+  PE_CHECK(rc == 0, "pin while the evictor decides: %s", skv_err_name(rc));
+  PE_CHECK(skv__pool_unpin(&f.kv->pool, ref.pe, ref.page) == 0, "unpin");
+  /* an evictor that stopped in EVICTING: the pin gives up (bounded) and reports stale */
+  __atomic_store_n(&m->state, evicting, __ATOMIC_SEQ_CST);
+  uint64_t t0 = skv__now_ms();
+  PE_CHECK(skv__pool_pin(&f.kv->pool, ref.pe, ref.page, ref.gen) == SKV_ESTALE, "stuck EVICTING is stale");
+  PE_CHECK(skv__now_ms() - t0 < 1000, "the pin waited %llu ms", (unsigned long long)(skv__now_ms() - t0));
+  PE_CHECK((__atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST) & 1ull << ref.pe) == 0, "pin bit cleared");
+  __atomic_store_n(&m->state, ready, __ATOMIC_SEQ_CST);
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, a_pin_waits_for_the_evictor_s_verdict) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_pin_meets_evicting, NULL, 30000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
 static int pe_bad_input(int rank, int npes, void *arg) {

@@ -97,6 +97,14 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
 #endif
   /* Every PE's records are initialised before anyone looks at a peer's. */
   SKV_CHECK_GOTO(skv__coll_check(ctx, NULL, "skv_kv_create: ready"), rc, fail);
+  for (int pe = 0; pe < npes; pe++)
+    if (kv->pool.hdr[pe]->pidns != kv->pool.my_pidns) {
+      SKV_WARN(SKV_SUBSYS_KV,
+               "skv_kv_create: local PE %d runs in another PID namespace (another container?): "
+               "if it dies, its pins and index claims are not released (its pages stay pinned)",
+               pe);
+      break;
+    }
   char b[32];
   SKV_INFO(SKV_SUBSYS_KV, "kv cache: %d PEs x %" PRIu64 " pages of %s (%s backend), index %d x %" PRIu64 " slots",
            npes, pages, skv__fmt_bytes(page_bytes, b, sizeof b), skv__backend_name(opts->backend), npes, sps);

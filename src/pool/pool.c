@@ -4,42 +4,58 @@
 #include "pool.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define PE_MAGIC 0x766b6d7973ull /* "symkv" */
 #define ALIVE_RECHECK_MS 20
+#define PIN_EVICTING_WAIT_MS 20 /* a pin meeting EVICTING waits at most this for the evictor's verdict */
 
 uint64_t skv__pool_meta_bytes(uint64_t pages) {
   return sizeof(skv_pe_hdr_t) + pages * sizeof(skv_page_meta_t);
 }
 
-/* Start time of a process (clock ticks since boot), or 0 when it does not exist or is a
- * zombie. Together with the pid it identifies a process even if the pid is reused. */
-static uint64_t proc_start_time(int64_t pid) {
+/* What /proc says of a process: PROC_ALIVE with its start time (clock ticks since boot; with
+ * the pid it names a process even if the pid is reused), PROC_GONE when it does not exist or is
+ * a zombie, PROC_UNKNOWN when /proc could not be read (EMFILE, ...): that is no evidence. */
+enum { PROC_ALIVE, PROC_GONE, PROC_UNKNOWN };
+static int proc_start_time(int64_t pid, uint64_t *start) {
   char path[64], buf[1024];
   snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
   FILE *f = fopen(path, "r");
-  if (!f) return 0;
+  if (!f) return errno == ENOENT || errno == ESRCH ? PROC_GONE : PROC_UNKNOWN;
   size_t n = fread(buf, 1, sizeof buf - 1, f);
+  bool err = ferror(f);
   fclose(f);
+  if (err) return errno == ESRCH ? PROC_GONE : PROC_UNKNOWN; /* ESRCH: it exited meanwhile */
   buf[n] = '\0';
   char *p = strrchr(buf, ')'); /* the command name may contain spaces */
-  if (!p || p[1] != ' ') return 0;
+  if (!p || p[1] != ' ') return PROC_UNKNOWN;
   char state = p[2];
-  if (state == 'Z' || state == 'X' || state == 'x') return 0;
+  if (state == 'Z' || state == 'X' || state == 'x') return PROC_GONE;
   /* fields after ")": state is field 3; start time is field 22 */
   int field = 3;
   for (char *q = p + 2; *q; q++) {
     if (*q == ' ') {
       field++;
-      if (field == 22) return strtoull(q + 1, NULL, 10);
+      if (field == 22) {
+        *start = strtoull(q + 1, NULL, 10);
+        return PROC_ALIVE;
+      }
     }
   }
-  return 0;
+  return PROC_UNKNOWN;
+}
+
+/* Inode of this process's PID namespace (0 if unknown). */
+static uint64_t pid_namespace(void) {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
 int skv__pool_init(skv_pool_t *p, int npes, int me, uint64_t pages, void *const *seg) {
@@ -75,7 +91,10 @@ int skv__pool_init(skv_pool_t *p, int npes, int me, uint64_t pages, void *const 
   }
   p->nfree = pages;
   h->pid = getpid();
-  h->start_time = proc_start_time(h->pid);
+  uint64_t start = 0;
+  (void)proc_start_time(h->pid, &start); /* 0 if unknown: then only the pid is compared */
+  h->start_time = start;
+  p->my_pidns = h->pidns = pid_namespace();
   h->pages = pages;
   __atomic_store_n(&h->magic, PE_MAGIC, __ATOMIC_RELEASE);
   return 0;
@@ -106,11 +125,17 @@ bool skv__pool_alive(skv_pool_t *p, int pe) {
   if (__atomic_load_n(&p->dead[pe], __ATOMIC_RELAXED) == pid) return false;
   uint64_t now = skv__now_ms();
   if (now - __atomic_load_n(&p->alive_checked_ms[pe], __ATOMIC_RELAXED) < ALIVE_RECHECK_MS) return true;
+  /* Another PID namespace (or one we cannot tell): its pid means nothing here. */
+  uint64_t ns = __atomic_load_n(&h->pidns, __ATOMIC_RELAXED);
+  if (!ns || ns != p->my_pidns) return true;
   bool alive = true;
-  if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) alive = false;
-  else {
-    uint64_t st = proc_start_time(pid);
-    if (st == 0 || (h->start_time && st != h->start_time)) alive = false;
+  uint64_t st = 0;
+  if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) {
+    alive = false;
+  } else {
+    int r = proc_start_time(pid, &st);
+    if (r == PROC_GONE || (r == PROC_ALIVE && h->start_time && st != h->start_time)) alive = false;
+    else if (r == PROC_UNKNOWN) return true; /* no evidence either way: ask again next time */
   }
   if (!alive) {
     __atomic_store_n(&p->dead[pe], pid, __ATOMIC_RELAXED);
@@ -137,6 +162,20 @@ int skv__pool_pin(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
   } else {
     __atomic_fetch_or(&m->pinmask, bit, __ATOMIC_SEQ_CST);
     uint64_t st = __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
+    /* The owner's evictor is between its CAS and its pinmask read: it either saw our bit and
+     * puts the page back to READY, or evicts it (FREE, next generation). Wait for which. */
+    uint64_t until = 0;
+    for (unsigned spin = 0; st == skv__st_make(gen, SKV_PAGE_EVICTING); spin++) {
+      if (spin < 256) {
+        SKV_CPU_RELAX();
+      } else { /* the evictor was descheduled in its window: let it run */
+        uint64_t now = skv__now_ms();
+        if (!until) until = now + PIN_EVICTING_WAIT_MS;
+        if (now > until) break; /* it stopped there: stale for us */
+        sched_yield();
+      }
+      st = __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
+    }
     if (skv__st_state(st) != SKV_PAGE_READY || skv__st_gen(st) != gen) {
       __atomic_fetch_and(&m->pinmask, ~bit, __ATOMIC_SEQ_CST);
       rc = SKV_ESTALE;

@@ -33,6 +33,12 @@
  * -----------------
  * - A reader dies holding pins: its bit stays set. The evictor checks whether the PE of each
  *   set bit is alive (pid and start time in the PE's header) and clears the bits of dead PEs.
+ *   A PE is dead only on evidence (no such pid, a zombie, another start time); a /proc read
+ *   that fails otherwise (EMFILE...) says nothing, and a PE in another PID namespace (another
+ *   container sharing the host's network) is never judged: its pins stay until it unpins.
+ * - A pin that meets the evictor between its CAS and its pinmask read (EVICTING, same
+ *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS): READY again when the
+ *   evictor saw the pin, else FREE(g + 1) and the reference is stale.
  * - An owner dies: its READY pages stay readable (their memory lives while peers map it) but
  *   can no longer be evicted; the other PEs' capacity is unaffected.
  * - Pins must balance: unpinning a page the PE does not hold fails with SKV_EINVAL.
@@ -53,7 +59,8 @@ typedef struct skv_pe_hdr {
   int64_t pid;
   uint64_t start_time; /* /proc/<pid>/stat field 22 */
   uint64_t pages;
-  uint64_t pad[4];
+  uint64_t pidns; /* inode of /proc/self/ns/pid: pids mean something only within one */
+  uint64_t pad[3];
 } skv_pe_hdr_t;
 
 static inline uint32_t skv__st_state(uint64_t st) { return (uint32_t)st & 0xff; }
@@ -83,6 +90,7 @@ typedef struct skv_pool {
   uint64_t pinned_pages; /* pages (any PE) this PE pins */
   /* liveness cache */
   int64_t *dead; /* [npes]: pid found dead, or 0 */
+  uint64_t my_pidns;
   uint64_t *alive_checked_ms;
 } skv_pool_t;
 
