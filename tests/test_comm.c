@@ -577,6 +577,40 @@ Test(comm, bad_input_is_rejected_by_name) {
   cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
 }
 
+/* A bad SKV_ALLREDUCE_ONESHOT_MAX on one PE only: that PE reports it, the others fail at once
+ * (not at the timeout) with a mismatch that names it, and the job stays usable. */
+static int pe_bad_env_on_one(int rank, int npes, void *arg) {
+  if (rank == 1) {
+    setenv("SKV_ALLREDUCE_ONESHOT_MAX", "lots", 1);
+    skv__env_reload();
+  }
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
+  skv_comm_opts_t o = SKV_COMM_OPTS_INIT;
+  o.backend = SKV_BACKEND_HOST;
+  skv_comm_t *comm = NULL;
+  uint64_t t0 = skv__now_ms();
+  int rc = skv_comm_create(ctx, &o, &comm);
+  uint64_t ms = skv__now_ms() - t0;
+  PE_CHECK(comm == NULL, "comm created");
+  if (rank == 1)
+    PE_CHECK(rc == SKV_EINVAL && strstr(skv_last_error(), "SKV_ALLREDUCE_ONESHOT_MAX=lots"), "%s: %s",
+             skv_err_name(rc), skv_last_error());
+  else
+    PE_CHECK(rc == SKV_EMISMATCH && strstr(skv_last_error(), "SKV_ALLREDUCE_ONESHOT_MAX=lots"), "%s: %s",
+             skv_err_name(rc), skv_last_error());
+  PE_CHECK(ms < 10000, "failed after %llu ms", (unsigned long long)ms);
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "the job is still usable");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(comm, a_bad_env_on_one_pe_fails_every_pe_at_once) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 3, pe_bad_env_on_one, NULL, 60000);
+  cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
+}
+
 /* ---- algorithm choice and conversions (one process, no PEs) ------------------------------- */
 
 Test(comm, auto_picks_by_size_and_env_overrides) {

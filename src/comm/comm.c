@@ -223,11 +223,11 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   c->channels = o.channels;
   c->flags = o.flags;
   c->max_bytes = o.max_bytes;
+  /* A bad SKV_ALLREDUCE_*_MAX on one PE goes into the collective check below, so that the
+   * others fail with it at once instead of waiting there for the timeout. */
   int rc = crossovers(c);
-  if (rc < 0) {
-    free(c);
-    return rc;
-  }
+  char env_err[400] = "";
+  if (rc < 0) snprintf(env_err, sizeof env_err, "%s", skv_last_error());
   /* Layout: [user slots | barrier flags per channel] in the signal pad, two Lamport regions
    * per channel in the scratch, max_bytes of data for buffers used in place. */
   c->user_slots = SKV__USER_SLOTS;
@@ -246,19 +246,20 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   const char *ne = skv__env(SKV_ENV_NCCL_ALLREDUCE);
   if (ne && strcmp(ne, "0") == 0) want_nccl = false;
 #ifdef SKV_WITH_CUDA
-  if (c->backend == SKV_BACKEND_CUDA && (rc = skv__comm_cuda_precheck(ctx)) < 0) {
+  if (rc == 0 && c->backend == SKV_BACKEND_CUDA && (rc = skv__comm_cuda_precheck(ctx)) < 0) {
     free(c);
     return rc;
   }
 #endif
+  int rc_env = rc;
   rc = skv__coll_check(ctx, NULL,
                        "skv_comm_create(backend=%s, channels=%u, max_bytes=%" PRIu64
-                       ", nccl=%d, oneshot_max=%" PRIu64 ", twoshot_max=%" PRIu64 ")",
+                       ", nccl=%d, oneshot_max=%" PRIu64 ", twoshot_max=%" PRIu64 "%s%s)",
                        skv__backend_name(c->backend), c->channels, c->max_bytes, (int)want_nccl,
-                       c->oneshot_max, c->twoshot_max);
-  if (rc < 0) {
+                       c->oneshot_max, c->twoshot_max, rc_env < 0 ? ", failed here: " : "", env_err);
+  if (rc_env < 0 || rc < 0) {
     free(c);
-    return rc;
+    return rc_env < 0 ? SKV_FAIL(rc_env, SKV_SUBSYS_COMM, "%s", env_err) : rc;
   }
   if (!want_nccl) c->flags |= SKV_COMM_NO_NCCL;
   rc = skv_heap_create_ex(ctx, &ho, &c->heap);
