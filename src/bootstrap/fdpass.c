@@ -51,23 +51,6 @@ typedef struct fd_hdr {
   int32_t rank;
 } fd_hdr_t;
 
-static int remaining_ms(uint64_t deadline) {
-  uint64_t now = skv__now_ms();
-  if (now >= deadline) return 0;
-  uint64_t d = deadline - now;
-  return d > INT32_MAX ? INT32_MAX : (int)d;
-}
-
-static int wait_fd(int fd, short ev, uint64_t deadline) {
-  for (;;) {
-    struct pollfd p = {.fd = fd, .events = ev};
-    int rc = poll(&p, 1, remaining_ms(deadline));
-    if (rc > 0) return 0;
-    if (rc == 0) return SKV_ETIMEDOUT;
-    if (errno != EINTR) return -errno;
-  }
-}
-
 static socklen_t sock_name(struct sockaddr_un *a, const uint8_t nonce[16], int index) {
   XXH128_hash_t h = XXH3_128bits(nonce, 16);
   memset(a, 0, sizeof *a);
@@ -100,7 +83,7 @@ static int send_fd(skv_store_t *st, const char *probe_key, const uint8_t nonce[1
       return 1;
     }
     if (e == EINPROGRESS) {
-      rc = wait_fd(s, POLLOUT, deadline);
+      rc = skv__wait_fd(s, POLLOUT, deadline);
       if (rc == 0) break;
     } else if (e != EAGAIN) {
       close(s);
@@ -108,7 +91,7 @@ static int send_fd(skv_store_t *st, const char *probe_key, const uint8_t nonce[1
                       "fd exchange \"%s\": connecting to local PE %d (rank %d) failed: %s", tag,
                       peer, peer_rank, strerror(e));
     }
-    if (remaining_ms(deadline) == 0) {
+    if (skv__ms_left(deadline) == 0) {
       close(s);
       return SKV_FAIL(
           SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
@@ -157,7 +140,7 @@ static int send_fd(skv_store_t *st, const char *probe_key, const uint8_t nonce[1
     }
     int e = w < 0 ? errno : EPIPE;
     if (e == EINTR) continue;
-    if (e == EAGAIN && (rc = wait_fd(s, POLLOUT, deadline)) == 0) continue;
+    if (e == EAGAIN && (rc = skv__wait_fd(s, POLLOUT, deadline)) == 0) continue;
     close(s);
     return SKV_FAIL(e == EAGAIN ? SKV_ETIMEDOUT : -e, SKV_SUBSYS_BOOT,
                     "fd exchange \"%s\": sending to local PE %d (rank %d) failed: %s", tag, peer,
@@ -183,7 +166,7 @@ static int recv_fd(int c, fd_hdr_t *h, int *fd_out, uint64_t deadline) {
     ssize_t r = recvmsg(c, &m, MSG_CMSG_CLOEXEC);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0 && errno == EAGAIN) {
-      int rc = wait_fd(c, POLLIN, deadline);
+      int rc = skv__wait_fd(c, POLLIN, deadline);
       if (rc < 0) return rc;
       continue;
     }
@@ -264,7 +247,7 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
     } else {
       void *v = NULL;
       size_t n = 0;
-      SKV_CHECK_GOTO(skv__store_get(st, nonce_key, &v, &n, remaining_ms(deadline)), rc, fail);
+      SKV_CHECK_GOTO(skv__store_get(st, nonce_key, &v, &n, skv__ms_left(deadline)), rc, fail);
       if (n != sizeof nonce) {
         free(v);
         rc = SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_BOOT,
@@ -288,7 +271,7 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
     }
     /* 3. every local PE listens */
     SKV_CHECK_GOTO(skv__store_add(st, ready_key, 1, NULL), rc, fail);
-    SKV_CHECK_GOTO(skv__store_wait_ge(st, ready_key, nlocal, remaining_ms(deadline)), rc, fail);
+    SKV_CHECK_GOTO(skv__store_wait_ge(st, ready_key, nlocal, skv__ms_left(deadline)), rc, fail);
     /* 4. send to everyone */
     fd_hdr_t h;
     memset(&h, 0, sizeof h);
@@ -318,13 +301,13 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
         if (e == EINTR || e == ECONNABORTED) continue;
         if (e == EAGAIN) {
           /* Wait in slices, asking the store in between whether a rank died. */
-          rc = wait_fd(lfd, POLLIN, SKV_MIN(deadline, skv__now_ms() + FD_PROBE_MS));
+          rc = skv__wait_fd(lfd, POLLIN, SKV_MIN(deadline, skv__now_ms() + FD_PROBE_MS));
           char missing[256];
           size_t o = 0;
           for (int i = 0; i < nlocal && o + 16 < sizeof missing; i++)
             if (i != me && peer_fds[i] < 0)
               o += (size_t)snprintf(missing + o, sizeof missing - o, " %d", ranks[i]);
-          if (rc == SKV_ETIMEDOUT && remaining_ms(deadline) > 0) {
+          if (rc == SKV_ETIMEDOUT && skv__ms_left(deadline) > 0) {
             rc = skv__store_check_dead(st, ready_key);
             if (rc < 0) {
               char inner[800];

@@ -105,24 +105,6 @@ static uint64_t get_u64(const uint8_t *p) {
 
 /* ---- bounded socket I/O ----------------------------------------------------------------- */
 
-static int remaining_ms(uint64_t deadline) {
-  uint64_t now = skv__now_ms();
-  if (now >= deadline) return 0;
-  uint64_t d = deadline - now;
-  return d > INT32_MAX ? INT32_MAX : (int)d;
-}
-
-/* Wait for `ev` on fd until the deadline: 0, SKV_ETIMEDOUT or -errno. */
-static int wait_fd(int fd, short ev, uint64_t deadline) {
-  for (;;) {
-    struct pollfd p = {.fd = fd, .events = ev};
-    int rc = poll(&p, 1, remaining_ms(deadline));
-    if (rc > 0) return 0;
-    if (rc == 0) return SKV_ETIMEDOUT;
-    if (errno != EINTR) return -errno;
-  }
-}
-
 static int send_all(int fd, const uint8_t *p, size_t n, uint64_t deadline) {
   while (n > 0) {
     ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
@@ -133,7 +115,7 @@ static int send_all(int fd, const uint8_t *p, size_t n, uint64_t deadline) {
     }
     if (w < 0 && errno == EINTR) continue;
     if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      int rc = wait_fd(fd, POLLOUT, deadline);
+      int rc = skv__wait_fd(fd, POLLOUT, deadline);
       if (rc < 0) return rc;
       continue;
     }
@@ -154,7 +136,7 @@ static int recv_all(int fd, uint8_t *p, size_t n, uint64_t deadline) {
     if (r == 0) return SKV_ECONN;
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      int rc = wait_fd(fd, POLLIN, deadline);
+      int rc = skv__wait_fd(fd, POLLIN, deadline);
       if (rc < 0) return rc;
       continue;
     }
@@ -345,7 +327,7 @@ static int try_connect(const char *host, int port, uint64_t deadline, int *gai_e
     int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
       /* at most 1 s per address, so that an unreachable one does not use up the timeout */
-      rc = wait_fd(fd, POLLOUT, SKV_MIN(deadline, skv__now_ms() + 1000));
+      rc = skv__wait_fd(fd, POLLOUT, SKV_MIN(deadline, skv__now_ms() + 1000));
       if (rc == 0) {
         int soerr = 0;
         socklen_t sl = sizeof soerr;
@@ -426,7 +408,7 @@ int skv__store_connect(const char *host, int port, const char *token, int rank, 
   int32_t status = 0;
   uint8_t *p = NULL;
   size_t n = 0;
-  int left = remaining_ms(deadline);
+  int left = skv__ms_left(deadline);
   rc = rpc(st, what, &b, left, &status, &p, &n);
   free(b.p);
   if (rc < 0) goto fail;
@@ -730,7 +712,7 @@ int skv__store_barrier(skv_store_t *st, const char *name, int timeout_ms) {
                     " arrivals for %d ranks: the barrier name was used twice; give each "
                     "barrier a unique name",
                     what, arrived, st->nranks);
-  return do_wait_ge(st, what, name, st->nranks, remaining_ms(deadline));
+  return do_wait_ge(st, what, name, st->nranks, skv__ms_left(deadline));
 }
 
 int skv__store_allgather(skv_store_t *st, const char *name, const void *in, void *out, size_t bytes,
@@ -760,7 +742,7 @@ int skv__store_allgather(skv_store_t *st, const char *name, const void *in, void
     snprintf(key, sizeof key, "%s/%d", name, r);
     void *v = NULL;
     size_t n = 0;
-    int rc = do_get(st, what, key, &v, &n, remaining_ms(deadline));
+    int rc = do_get(st, what, key, &v, &n, skv__ms_left(deadline));
     if (rc < 0) {
       char inner[800];
       snprintf(inner, sizeof inner, "%s", skv_last_error());

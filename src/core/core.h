@@ -185,6 +185,16 @@ static inline struct timespec skv__ts_at(uint64_t ns) {
   struct timespec t = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
   return t;
 }
+/* Milliseconds from now to `deadline` (skv__now_ms() time), 0 once passed, at most INT32_MAX:
+ * a poll() timeout. */
+static inline int skv__ms_left(uint64_t deadline) {
+  uint64_t now = skv__now_ms();
+  if (now >= deadline) return 0;
+  uint64_t d = deadline - now;
+  return d > INT32_MAX ? INT32_MAX : (int)d;
+}
+/* Wait for poll() event `ev` on fd until the deadline: 0, SKV_ETIMEDOUT or -errno. */
+int skv__wait_fd(int fd, short ev, uint64_t deadline);
 /* Parse a decimal integer in [lo, hi] with an optional K/M/G/T (binary) suffix when
  * `allow_suffix`; returns false on junk or overflow. */
 bool skv__parse_int(const char *s, long long lo, long long hi, bool allow_suffix, long long *out);

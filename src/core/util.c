@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,4 +103,14 @@ const char *skv__hostname(void) {
     __atomic_store_n(&done, 1, __ATOMIC_RELEASE);
   }
   return host;
+}
+
+int skv__wait_fd(int fd, short ev, uint64_t deadline) {
+  for (;;) {
+    struct pollfd p = {.fd = fd, .events = ev};
+    int rc = poll(&p, 1, skv__ms_left(deadline));
+    if (rc > 0) return 0;
+    if (rc == 0) return SKV_ETIMEDOUT;
+    if (errno != EINTR) return -errno;
+  }
 }
