@@ -30,6 +30,7 @@ typedef struct launch {
   size_t out_len, err_len;
   double secs; /* from start to exit */
   pid_t pid;
+  bool out_nonblock; /* watch_flags: its stdout was seen non-blocking while it ran */
 } launch_t;
 
 typedef struct buf {
@@ -58,10 +59,19 @@ static const char *launcher_path(void) {
   return path;
 }
 
-/* Run symkv-run with `args` (NULL-terminated, without argv[0]); kill it after timeout_ms. When
- * `sig` is non-zero, send it to the launcher once its stdout holds `sig_after_lines` lines. */
-static void launch_sig(launch_t *res, const char *const *args, int timeout_ms, int sig,
-                       int sig_after_lines) {
+typedef struct launch_opts {
+  int timeout_ms;      /* kill the launcher after this (status -1) */
+  int sig;             /* non-zero: send it to the launcher ... */
+  int sig_after_lines; /* ... once its stdout holds this many lines, */
+  int sig_after_ms;    /* ... or (when > 0) this long after the start */
+  int stall_ms;        /* do not read its stdout for this long (-1: never) */
+  bool merge;          /* its stderr goes to the stdout pipe */
+  bool watch_flags;    /* keep the write end of its stdout and check O_NONBLOCK until it exits */
+} launch_opts_t;
+
+/* Run symkv-run with `args` (NULL-terminated, without argv[0]) as `o` says. */
+static void launch_opts(launch_t *res, const char *const *args, const launch_opts_t *o) {
+  int timeout_ms = o->timeout_ms, sig = o->sig, sig_after_lines = o->sig_after_lines;
   const char *path = launcher_path();
   const char *argv[64];
   int argc = 0;
@@ -82,7 +92,7 @@ static void launch_sig(launch_t *res, const char *const *args, int timeout_ms, i
     int nul = open("/dev/null", O_RDONLY);
     dup2(nul, 0);
     dup2(po[1], 1);
-    dup2(pe[1], 2);
+    dup2(o->merge ? po[1] : pe[1], 2);
     const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGCHLD};
     for (size_t i = 0; i < SKV_ARRAY_LEN(sigs); i++) signal(sigs[i], SIG_DFL);
     sigset_t none;
@@ -92,8 +102,10 @@ static void launch_sig(launch_t *res, const char *const *args, int timeout_ms, i
     _exit(126);
   }
   cr_assert(pid > 0, "fork: %s", strerror(errno));
-  close(po[1]);
+  int keep = o->watch_flags ? po[1] : -1; /* shares the open file with the launcher's stdout */
+  if (keep < 0) close(po[1]);
   close(pe[1]);
+  res->out_nonblock = false;
   buf_t out = {0}, err = {0};
   buf_add(&out, "", 0);
   buf_add(&err, "", 0);
@@ -101,6 +113,9 @@ static void launch_sig(launch_t *res, const char *const *args, int timeout_ms, i
   bool hung = false, sent = false;
   int fds[2] = {po[0], pe[0]};
   char chunk[65536];
+  uint64_t start = skv__now_ms();
+  bool exited = false;
+  int st = 0;
   while (fds[0] >= 0 || fds[1] >= 0) {
     uint64_t now = skv__now_ms();
     if (now >= deadline) {
@@ -108,8 +123,27 @@ static void launch_sig(launch_t *res, const char *const *args, int timeout_ms, i
       kill(pid, SIGKILL);
       break;
     }
-    struct pollfd pfd[2] = {{.fd = fds[0], .events = POLLIN}, {.fd = fds[1], .events = POLLIN}};
-    int n = poll(pfd, 2, (int)(deadline - now));
+    bool stalled = o->stall_ms < 0 || now < start + (uint64_t)o->stall_ms;
+    int wait_ms = (int)(deadline - now);
+    if (stalled || keep >= 0 || (sig && !sent && o->sig_after_ms > 0))
+      wait_ms = SKV_MIN(wait_ms, 20);
+    if ((stalled || keep >= 0) && !exited && waitpid(pid, &st, WNOHANG) == pid) exited = true;
+    if (keep >= 0) {
+      int fl = fcntl(keep, F_GETFL);
+      if (fl >= 0 && (fl & O_NONBLOCK)) res->out_nonblock = true;
+      if (exited) { /* our copy would keep the pipe from reaching EOF */
+        close(keep);
+        keep = -1;
+      }
+    }
+    if (stalled && exited && fds[1] < 0) break; /* nothing more to see */
+    if (sig && !sent && o->sig_after_ms > 0 && now >= start + (uint64_t)o->sig_after_ms) {
+      kill(pid, sig);
+      sent = true;
+    }
+    struct pollfd pfd[2] = {{.fd = stalled ? -1 : fds[0], .events = POLLIN},
+                            {.fd = fds[1], .events = POLLIN}};
+    int n = poll(pfd, 2, wait_ms);
     if (n < 0 && errno == EINTR) continue;
     CHECK(n >= 0, "poll: %s", strerror(errno));
     for (int i = 0; i < 2; i++) {
@@ -123,7 +157,7 @@ static void launch_sig(launch_t *res, const char *const *args, int timeout_ms, i
       }
       buf_add(i == 0 ? &out : &err, chunk, (size_t)r);
     }
-    if (sig && !sent) {
+    if (sig && !sent && o->sig_after_ms <= 0) {
       int lines = 0;
       for (size_t i = 0; i < out.len; i++) lines += out.p[i] == '\n';
       if (lines >= sig_after_lines) {
@@ -134,8 +168,8 @@ static void launch_sig(launch_t *res, const char *const *args, int timeout_ms, i
   }
   for (int i = 0; i < 2; i++)
     if (fds[i] >= 0) close(fds[i]);
-  int st = 0;
-  while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  if (keep >= 0) close(keep);
+  while (!exited && waitpid(pid, &st, 0) < 0 && errno == EINTR) {
   }
   res->secs = (double)(skv__now_ns() - t0) / 1e9;
   res->status = hung ? -1 : WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
@@ -144,6 +178,14 @@ static void launch_sig(launch_t *res, const char *const *args, int timeout_ms, i
   res->err = err.p;
   res->err_len = err.len;
   res->pid = pid;
+}
+
+/* Kill it after timeout_ms. When `sig` is non-zero, send it to the launcher once its stdout
+ * holds `sig_after_lines` lines. */
+static void launch_sig(launch_t *res, const char *const *args, int timeout_ms, int sig,
+                       int sig_after_lines) {
+  launch_opts_t o = {.timeout_ms = timeout_ms, .sig = sig, .sig_after_lines = sig_after_lines};
+  launch_opts(res, args, &o);
 }
 
 static void launch(launch_t *res, const char *const *args, int timeout_ms) {
@@ -257,9 +299,10 @@ Test(launcher, port_and_bind_options, .timeout = 30) {
 
 #define PAD "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ-abcdefghijklmnopqrstuv"
 
-/* Every line is "[r] TAG r i PAD" and, per rank, i runs 0..lines-1 in order. */
+/* Every line is "[r] TAG r i PAD" and, per rank, i runs 0..lines-1 in order. With tag NULL, the
+ * lines are OUT and ERR lines, each in order. */
 static void check_lines(const char *text, const char *tag, int n, int lines) {
-  int next[SKV_TEST_MAX_PES] = {0};
+  int next_tag[2][SKV_TEST_MAX_PES] = {{0}};
   const char *p = text;
   int total = 0;
   while (*p) {
@@ -274,7 +317,9 @@ static void check_lines(const char *text, const char *tag, int n, int lines) {
     char t[8];
     int k = sscanf(line, "[%d] %7s %d %d %n", &pfx, t, &r, &i, &used);
     CHECK(k == 4 && used > 0, "malformed line: '%s'", line);
-    CHECK(strcmp(t, tag) == 0, "line on the wrong stream: '%s'", line);
+    CHECK(tag ? strcmp(t, tag) == 0 : strcmp(t, "OUT") == 0 || strcmp(t, "ERR") == 0,
+          "line on the wrong stream: '%s'", line);
+    int *next = next_tag[!tag && strcmp(t, "ERR") == 0];
     CHECK(pfx == r && r >= 0 && r < n, "wrong prefix: '%s'", line);
     CHECK(strcmp(line + used, PAD) == 0, "mangled line: '%s'", line);
     CHECK(i == next[r], "rank %d: line %d came after line %d: '%s'", r, i, next[r] - 1, line);
@@ -282,9 +327,12 @@ static void check_lines(const char *text, const char *tag, int n, int lines) {
     total++;
     p = nl + 1;
   }
-  for (int r = 0; r < n; r++)
-    CHECK(next[r] == lines, "rank %d: %d of %d %s lines", r, next[r], lines, tag);
-  CHECK(total == n * lines, "%d lines, expected %d", total, n * lines);
+  for (int j = 0; j < (tag ? 1 : 2); j++)
+    for (int r = 0; r < n; r++)
+      CHECK(next_tag[j][r] == lines, "rank %d: %d of %d %s lines", r, next_tag[j][r], lines,
+            tag ? tag : j ? "ERR" : "OUT");
+  CHECK(total == (tag ? 1 : 2) * n * lines, "%d lines, expected %d", total,
+        (tag ? 1 : 2) * n * lines);
 }
 
 Test(launcher, many_lines_are_prefixed_whole_and_complete, .timeout = 60) {
@@ -398,6 +446,59 @@ Test(launcher, sigterm_is_forwarded, .timeout = 30) {
 }
 Test(launcher, sigint_is_forwarded, .timeout = 30) {
   check_forwarded(SIGINT);
+}
+
+/* A reader that never reads the launcher's stdout must not stop its loop: the --timeout still
+ * stops the PEs, and the launcher exits (dropping what it could not write) soon after. */
+Test(launcher, timeout_works_while_stdout_is_not_read, .timeout = 30) {
+  const char *args[] = {"-n", "2", "--timeout", "1", "--", "yes", NULL};
+  launch_opts_t o = {.timeout_ms = 12000, .stall_ms = -1};
+  launch_t a;
+  launch_opts(&a, args, &o);
+  cr_assert_eq(a.status, 124, "symkv-run exited %d after %.1f s (-1: hung); stderr:\n%s",
+               a.status, a.secs, a.err);
+  cr_assert_lt(a.secs, 8.0);
+  cr_assert(strstr(a.err, "symkv-run: timeout after 1 s"), "stderr:\n%s", a.err);
+  launch_free(&a);
+}
+
+Test(launcher, signal_is_forwarded_while_stdout_is_not_read, .timeout = 30) {
+  const char *args[] = {"-n", "2", "--", "yes", NULL};
+  launch_opts_t o = {.timeout_ms = 12000, .stall_ms = -1, .sig = SIGTERM, .sig_after_ms = 1000};
+  launch_t a;
+  launch_opts(&a, args, &o);
+  cr_assert_eq(a.status, 128 + SIGTERM, "symkv-run exited %d after %.1f s (-1: hung); stderr:\n%s",
+               a.status, a.secs, a.err);
+  cr_assert_lt(a.secs, 8.0);
+  launch_free(&a);
+}
+
+/* A reader that stalls for a while and then reads loses nothing: the PEs are held back while
+ * the launcher's queue is full. stdout and stderr share one pipe; no line may be torn. */
+Test(launcher, slow_reader_gets_every_line_whole, .timeout = 60) {
+  const char *script = "i=0; while [ $i -lt 3000 ]; do echo \"OUT $SKV_RANK $i " PAD "\"; "
+                       "echo \"ERR $SKV_RANK $i " PAD "\" >&2; i=$((i+1)); done";
+  const char *args[] = {"-n", "3", "--quiet", "--", "/bin/sh", "-c", script, NULL};
+  launch_opts_t o = {.timeout_ms = 50000, .stall_ms = 1500, .merge = true};
+  launch_t a;
+  launch_opts(&a, args, &o);
+  cr_assert_eq(a.status, 0, "symkv-run exited %d; output:\n%.2000s", a.status, a.out);
+  check_lines(a.out, NULL, 3, 3000);
+  launch_free(&a);
+}
+
+/* O_NONBLOCK belongs to the open file, which the launcher shares with its parent (for a
+ * terminal, often stdin, stdout and stderr are one): it must not change it, even while a stalled
+ * reader makes its output wait. */
+Test(launcher, stdout_stays_blocking_while_it_runs, .timeout = 30) {
+  const char *args[] = {"-n", "2", "--timeout", "1", "--", "yes", NULL};
+  launch_opts_t o = {.timeout_ms = 12000, .stall_ms = -1, .watch_flags = true};
+  launch_t a;
+  launch_opts(&a, args, &o);
+  cr_assert_eq(a.status, 124, "symkv-run exited %d after %.1f s (-1: hung); stderr:\n%s", a.status,
+               a.secs, a.err);
+  cr_assert(!a.out_nonblock, "symkv-run made its stdout (a pipe it shares with us) non-blocking");
+  launch_free(&a);
 }
 
 /* Whether process `pid` is gone (or a zombie nobody reaped yet). */

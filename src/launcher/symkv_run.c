@@ -7,36 +7,54 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 /* How it works
  * ------------
- * The launcher is one thread around one poll() loop. The fds are a signalfd (SIGCHLD, and
- * SIGINT/SIGTERM/SIGHUP unless they were ignored when we started; all of them are blocked) and
- * the read ends of two pipes per PE (its stdout and stderr). Each PE is forked into its own
- * process group, so that a signal to the group also reaches the processes the PE started.
+ * The launcher's main thread runs one poll() loop. The fds are a signalfd (SIGCHLD, and
+ * SIGINT/SIGTERM/SIGHUP unless they were ignored when we started; all of them are blocked, in
+ * every thread), the read ends of two pipes per PE (its stdout and stderr), and an eventfd that
+ * the output threads signal. Each PE is forked into its own process group, so that a signal to
+ * the group also reaches the processes the PE started.
  *
- * Output: every read appends to the stream's held partial line; each complete line is written
- * with the "[rank] " prefix into one buffer, and the buffer goes out with write() calls that
- * finish before any other stream is looked at, so two PEs' bytes never mix within a line.
+ * Output: every read appends to the stream's held partial line; the complete lines of one read
+ * get the "[rank] " prefix and go, as one chunk tagged with fd 1 or 2, to the end of an output
+ * queue. A writer thread per queue writes the chunks in order, each one whole, with blocking
+ * write()s: a reader that stalls blocks only that thread, never the main loop (timers, signals,
+ * reaping), and the flags of fds 0-2 are left as they are (O_NONBLOCK would belong to the open
+ * file, which the shell and other processes share). When stdout and stderr are one file (a
+ * terminal, 2>&1), one queue serves both, so lines come out in the order they were read and
+ * never tear; else each has its own, so that stderr goes on while stdout waits. A queue past
+ * RUN_OUT_MAX bytes stops the reads from the PE pipes that feed it until its writer gets it
+ * below that and signals the eventfd: the PEs then block in their own writes (back-pressure);
+ * nothing is dropped. A write that fails (EPIPE) marks that fd broken: its output is dropped,
+ * the PEs keep running. The launcher's own notes go through the stderr queue; fatal() writes
+ * directly. The writer threads start once the PEs are forked.
  *
  * Stopping: the first PE that exits non-zero or dies of a signal (or the --timeout) decides the
  * exit status; every PE's group gets SIGTERM, and SIGKILL 5 s later if any PE is still there.
- * Once every PE has exited, the launcher reads their pipes until EOF.
+ * Once every PE has exited, the launcher reads their pipes until EOF and waits until the queues
+ * are written out, as long as the reader takes; after a --timeout or a signal, at most
+ * RUN_DRAIN_MS: then it exits, and a writer still blocked in write() goes with it.
  *
  * What can go wrong
  * -----------------
  * - A process that escaped the group (setsid, daemon) keeps a pipe open after every PE exited:
  *   the launcher stops waiting for it RUN_DRAIN_MS later (after the SIGKILL when stopping).
+ * - After a --timeout or a signal, output that is not read RUN_DRAIN_MS after the PEs exited
+ *   is dropped; the line being written then may be cut.
  * - A line longer than RUN_LINE_MAX is written in pieces, each one a line of its own.
  * - The free port is closed again before rank 0 binds it; another process may take it in
  *   between (as with torchrun). Pass --port to choose it.
@@ -48,6 +66,8 @@
 #define RUN_DRAIN_MS      2000          /* pipes still open after every PE exited */
 #define RUN_READ_CHUNK    65536         /* one read() per ready pipe per poll() */
 #define RUN_LINE_MAX      (1024 * 1024) /* longer lines are split */
+#define RUN_OUT_MAX       (1024 * 1024) /* queued for one output file: stop reading the PEs */
+#define RUN_LAST_NOTE_MS  100           /* the note about dropped output gets this to go out */
 
 typedef struct run_stream {
   int fd;   /* read end of the pipe, -1 once at EOF */
@@ -62,6 +82,26 @@ typedef struct run_pe {
   int status; /* exit status, or 128 + signal, once it exited */
   run_stream_t out, err;
 } run_pe_t;
+
+/* Whole lines for the launcher's stdout or stderr, in an output queue. */
+typedef struct run_chunk {
+  struct run_chunk *next;
+  int fd; /* STDOUT_FILENO or STDERR_FILENO */
+  size_t len;
+  char data[];
+} run_chunk_t;
+
+/* An output queue and its writer thread; the fields after `mu` are under it. */
+typedef struct run_out {
+  pthread_t thread;
+  int wake_fd; /* the launcher's eventfd */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;        /* a chunk came */
+  run_chunk_t *head, *tail; /* head is the one being written; it leaves once written */
+  size_t queued;            /* bytes in the chunks */
+  size_t wake_below;        /* non-zero: signal wake_fd once fewer bytes are queued */
+  bool broken[3];           /* a write to that fd failed (EPIPE): drop its output */
+} run_out_t;
 
 typedef struct run_opts {
   int n;
@@ -82,7 +122,12 @@ typedef struct run {
   int sigfd;
   int signals_forwarded;
   bool stdin_to_rank0;
-  bool broken[3]; /* writes to this fd failed (EPIPE): drop the output */
+  run_out_t outs[2];  /* one per output file */
+  run_out_t *out[3];  /* the queue of fd 1 and of fd 2 (the same one if they are one file) */
+  int nouts, wake_fd; /* wake_fd: eventfd, a queue got below what the loop waits for */
+  uint64_t hurry_ms;  /* when the --timeout fired or a signal came: output gets RUN_DRAIN_MS */
+  bool paused;        /* a PE pipe was not read because its queue was full */
+  uint64_t paused_ms; /* the last time it was so */
   char *obuf;
   size_t olen, ocap;
   char *scratch;
@@ -115,6 +160,9 @@ static void usage(FILE *f) {
       "\n"
       "Stopping: SIGTERM to each PE's process group, SIGKILL 5 s later. SIGINT, SIGTERM and\n"
       "SIGHUP to symkv-run are forwarded to every PE; a second one kills them all.\n"
+      "Output is written by a separate thread; once 1 MiB waits for a slow reader, the PEs are\n"
+      "held back. After --timeout or a signal, what is unwritten 2 s after the PEs exited is\n"
+      "dropped.\n"
       "Rank 0 reads symkv-run's stdin unless it is a terminal; the other ranks read /dev/null.\n"
       "\n"
       "exit status: 0 if every PE exits 0; else that of the first PE that failed (128 + signal\n"
@@ -134,8 +182,29 @@ static _Noreturn void SKV_PRINTF(1, 2) usage_error(const char *fmt, ...) {
   exit(2);
 }
 
-static void write_all(run_t *L, int fd, const char *p, size_t n) {
-  if (L->broken[fd]) return;
+static _Noreturn void fatal(const char *fmt, ...) SKV_PRINTF(1, 2);
+
+/* ---- output queues ----------------------------------------------------------------------- */
+
+/* One queue for stdout and one for stderr, or a single one when they are one file. */
+static void out_init(run_t *L) {
+  struct stat a, b;
+  bool same = fstat(STDOUT_FILENO, &a) == 0 && fstat(STDERR_FILENO, &b) == 0 &&
+              a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+  L->nouts = same ? 1 : 2;
+  L->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (L->wake_fd < 0) fatal("eventfd() failed: %s", strerror(errno));
+  for (int i = 0; i < L->nouts; i++) {
+    L->outs[i].wake_fd = L->wake_fd;
+    pthread_mutex_init(&L->outs[i].mu, NULL);
+    pthread_cond_init(&L->outs[i].cv, NULL);
+  }
+  L->out[STDOUT_FILENO] = &L->outs[0];
+  L->out[STDERR_FILENO] = &L->outs[L->nouts - 1];
+}
+
+/* Blocking; false once the reader is gone. */
+static bool write_all(int fd, const char *p, size_t n) {
   while (n > 0) {
     ssize_t w = write(fd, p, n);
     if (w > 0) {
@@ -143,13 +212,102 @@ static void write_all(run_t *L, int fd, const char *p, size_t n) {
       n -= (size_t)w;
     } else if (w < 0 && errno == EINTR) {
       continue;
-    } else if (w < 0 && errno == EAGAIN) { /* someone made our stdout non-blocking */
+    } else if (w < 0 && errno == EAGAIN) { /* someone else made the file non-blocking */
       struct pollfd pf = {.fd = fd, .events = POLLOUT};
       (void)poll(&pf, 1, 100);
     } else {
-      L->broken[fd] = true; /* reader gone: keep the PEs running, drop their output */
-      return;
+      return false;
     }
+  }
+  return true;
+}
+
+/* A writer thread: the queue's chunks in order, each one whole. */
+static void *out_writer(void *arg) {
+  run_out_t *q = arg;
+  pthread_mutex_lock(&q->mu);
+  for (;;) {
+    while (!q->head) pthread_cond_wait(&q->cv, &q->mu);
+    run_chunk_t *c = q->head;
+    bool skip = q->broken[c->fd];
+    pthread_mutex_unlock(&q->mu);
+    bool ok = skip || write_all(c->fd, c->data, c->len);
+    pthread_mutex_lock(&q->mu);
+    if (!ok) q->broken[c->fd] = true; /* reader gone: keep the PEs running, drop their output */
+    q->head = c->next;
+    if (!q->head) q->tail = NULL;
+    q->queued -= c->len;
+    if (q->wake_below && q->queued < q->wake_below) {
+      q->wake_below = 0;
+      uint64_t one = 1;
+      ssize_t w = write(q->wake_fd, &one, sizeof one);
+      (void)w;
+    }
+    free(c);
+  }
+  return NULL;
+}
+
+/* After the PEs are forked, so that no fork() happens with threads running. They inherit the
+ * blocked signals: those are read from the signalfd only. */
+static void out_start(run_t *L) {
+  for (int i = 0; i < L->nouts; i++) {
+    int e = pthread_create(&L->outs[i].thread, NULL, out_writer, &L->outs[i]);
+    if (e != 0) fatal("cannot start an output thread: %s", strerror(e));
+  }
+}
+
+/* Queue n bytes of whole lines for fd (1 or 2); never waits for the reader. */
+static void out_put(run_t *L, int fd, const char *p, size_t n) {
+  if (n == 0) return;
+  run_chunk_t *c = malloc(sizeof *c + n);
+  if (!c) fatal("out of memory for the output queue (%zu bytes)", n);
+  *c = (run_chunk_t){.fd = fd, .len = n};
+  memcpy(c->data, p, n);
+  run_out_t *q = L->out[fd];
+  pthread_mutex_lock(&q->mu);
+  if (!q->broken[fd]) {
+    if (q->tail)
+      q->tail->next = c;
+    else
+      q->head = c;
+    q->tail = c;
+    q->queued += n;
+    pthread_cond_signal(&q->cv);
+    c = NULL;
+  }
+  pthread_mutex_unlock(&q->mu);
+  free(c);
+}
+
+/* Bytes in q not written yet. If that is wake_below or more, its writer signals wake_fd once
+ * it is less (or less than a larger value already asked for). */
+static size_t out_queued(run_out_t *q, size_t wake_below) {
+  pthread_mutex_lock(&q->mu);
+  size_t n = q->queued;
+  if (n >= wake_below && wake_below > q->wake_below) q->wake_below = wake_below;
+  pthread_mutex_unlock(&q->mu);
+  return n;
+}
+
+static size_t out_total(run_t *L, size_t wake_below) {
+  size_t n = 0;
+  for (int i = 0; i < L->nouts; i++) n += out_queued(&L->outs[i], wake_below);
+  return n;
+}
+
+static void out_woken(run_t *L) {
+  uint64_t v;
+  ssize_t r = read(L->wake_fd, &v, sizeof v);
+  (void)r;
+}
+
+/* Wait at most ms for fd's queue to be written out. */
+static void out_settle(run_t *L, int fd, int ms) {
+  uint64_t end = skv__now_ms() + (uint64_t)ms, now;
+  while (out_queued(L->out[fd], 1) > 0 && (now = skv__now_ms()) < end) {
+    struct pollfd pf = {.fd = L->wake_fd, .events = POLLIN};
+    if (poll(&pf, 1, (int)(end - now)) > 0) out_woken(L);
   }
 }
 
@@ -164,7 +322,7 @@ static void SKV_PRINTF(3, 4) note(run_t *L, bool always, const char *fmt, ...) {
   va_end(ap);
   size_t len = (size_t)k + (m < 0 ? 0 : SKV_MIN((size_t)m, sizeof buf - (size_t)k - 2));
   buf[len++] = '\n';
-  write_all(L, STDERR_FILENO, buf, len);
+  out_put(L, STDERR_FILENO, buf, len);
 }
 
 static _Noreturn void SKV_PRINTF(1, 2) fatal(const char *fmt, ...) {
@@ -344,6 +502,7 @@ static void setup_process(run_t *L) {
     if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
       fatal("cannot open /dev/null: %s", strerror(errno));
   L->stdin_to_rank0 = !isatty(STDIN_FILENO);
+  out_init(L);
 
   struct sigaction dfl = {.sa_handler = SIG_DFL}, ign = {.sa_handler = SIG_IGN};
   sigaction(SIGCHLD, &dfl, NULL); /* an inherited SIG_IGN would reap the PEs for us */
@@ -501,7 +660,7 @@ static void pump(run_t *L, int rank, run_stream_t *s) {
       s->len = 0;
     }
   }
-  write_all(L, s->dest, L->obuf, L->olen);
+  out_put(L, s->dest, L->obuf, L->olen);
   L->olen = 0;
 }
 
@@ -558,6 +717,7 @@ static void on_signals(run_t *L) {
   while ((n = read(L->sigfd, si, sizeof si)) > 0) {
     for (size_t i = 0; i < (size_t)n / sizeof si[0]; i++) {
       int sig = (int)si[i].ssi_signo;
+      if (sig != SIGCHLD && !L->hurry_ms) L->hurry_ms = skv__now_ms();
       if (sig == SIGCHLD) {
         child = true;
       } else if (L->signals_forwarded++ == 0) {
@@ -579,8 +739,21 @@ static void on_signals(run_t *L) {
   if (child) reap(L);
 }
 
-/* Timers: the --timeout, SIGKILL after the grace, giving up on pipes held open. Returns the
- * poll() timeout in ms (-1: none), or -2 when the launcher is done. */
+static void close_open_streams(run_t *L) {
+  for (int r = 0; r < L->o.n; r++) {
+    run_stream_t *ss[2] = {&L->pes[r].out, &L->pes[r].err};
+    for (int j = 0; j < 2; j++) {
+      if (ss[j]->fd < 0) continue;
+      L->olen = 0;
+      close_stream(L, r, ss[j]);
+      out_put(L, ss[j]->dest, L->obuf, L->olen);
+    }
+  }
+}
+
+/* Timers: the --timeout, SIGKILL after the grace, giving up on pipes held open and (after a
+ * timeout or a signal) on a reader that does not read. Returns the poll() timeout in ms (-1:
+ * none), or -2 when the launcher is done. */
 static int check_timers(run_t *L) {
   uint64_t now = skv__now_ms();
   char ranks[4096];
@@ -590,6 +763,7 @@ static int check_timers(run_t *L) {
     note(L, true, "timeout after %lld s; rank%s %s still running; stopping %s", L->o.timeout_s,
          cnt == 1 ? "" : "s", ranks, cnt == 1 ? "it" : "them");
     L->exit_status = 124;
+    L->hurry_ms = now;
     begin_stop(L);
   }
   if (L->stopping && !L->killed && now >= L->kill_ms) {
@@ -603,17 +777,32 @@ static int check_timers(run_t *L) {
   }
   uint64_t next = UINT64_MAX;
   if (L->running == 0) {
-    if (L->open_streams == 0) return -2;
     uint64_t base = L->all_exited_ms;
     if (L->stopping && !L->killed) base = SKV_MAX(base, L->kill_ms);
-    uint64_t drain = base + RUN_DRAIN_MS;
-    if (now >= drain) {
-      note(L, false,
-           "every rank exited but a process they started still holds their output "
-           "open; not waiting for it");
-      return -2;
+    if (L->open_streams > 0) {
+      /* Time spent not reading (output queue full) does not count: the pipes are not idle. */
+      if (L->paused) L->paused_ms = now;
+      uint64_t drain = SKV_MAX(base, L->paused_ms) + RUN_DRAIN_MS;
+      if (now >= drain) {
+        note(L, false,
+             "every rank exited but a process they started still holds their output "
+             "open; not waiting for it");
+        close_open_streams(L);
+      } else {
+        next = drain;
+      }
     }
-    next = drain;
+    size_t queued = out_total(L, L->open_streams == 0 ? 1 : 0); /* 1: wake us once empty */
+    if (L->open_streams == 0 && queued == 0) return -2;
+    if (L->hurry_ms && queued > 0) { /* after a timeout or signal, do not wait on the reader */
+      uint64_t end = SKV_MAX(L->all_exited_ms, L->hurry_ms) + RUN_DRAIN_MS;
+      if (now >= end) {
+        note(L, false, "the output is not being read; dropping the last %zu bytes", queued);
+        if (L->stopping && !L->killed) signal_all(L, SIGKILL); /* leave nothing behind */
+        return -2;
+      }
+      next = SKV_MIN(next, end);
+    }
   }
   if (L->deadline_ms && !L->stopping && L->running > 0) next = SKV_MIN(next, L->deadline_ms);
   if (L->stopping && !L->killed) next = SKV_MIN(next, L->kill_ms);
@@ -622,20 +811,30 @@ static int check_timers(run_t *L) {
 }
 
 static void loop(run_t *L) {
-  size_t cap = 1 + 2 * (size_t)L->o.n;
+  size_t cap = 2 + 2 * (size_t)L->o.n;
   struct pollfd *pfd = calloc(cap, sizeof *pfd);
   run_stream_t **who = calloc(cap, sizeof *who);
   int *rank_of = calloc(cap, sizeof *rank_of);
   if (!pfd || !who || !rank_of) fatal("out of memory for %zu poll entries", cap);
+  out_start(L);
   for (;;) {
     int timeout = check_timers(L);
     if (timeout == -2) break;
     size_t k = 0;
     pfd[k++] = (struct pollfd){.fd = L->sigfd, .events = POLLIN};
+    pfd[k++] = (struct pollfd){.fd = L->wake_fd, .events = POLLIN};
+    bool full[3] = {false, false, false}; /* back-pressure: let the PEs block in their writes */
+    for (int fd = 1; fd <= 2; fd++) full[fd] = out_queued(L->out[fd], RUN_OUT_MAX) >= RUN_OUT_MAX;
+    L->paused = false;
     for (int r = 0; r < L->o.n; r++) {
       run_stream_t *ss[2] = {&L->pes[r].out, &L->pes[r].err};
       for (int j = 0; j < 2; j++) {
         if (ss[j]->fd < 0) continue;
+        if (full[ss[j]->dest]) {
+          L->paused = true;
+          L->paused_ms = skv__now_ms();
+          continue;
+        }
         who[k] = ss[j];
         rank_of[k] = r;
         pfd[k++] = (struct pollfd){.fd = ss[j]->fd, .events = POLLIN};
@@ -646,28 +845,22 @@ static void loop(run_t *L) {
       if (errno == EINTR) continue;
       fatal("poll() failed: %s", strerror(errno));
     }
-    for (size_t i = 1; i < k; i++)
+    if (pfd[1].revents) out_woken(L);
+    for (size_t i = 2; i < k; i++)
       if (pfd[i].revents) pump(L, rank_of[i], who[i]);
     if (pfd[0].revents) on_signals(L);
   }
-  /* Whatever is still open belongs to processes outside the PEs' groups: flush and let go. */
-  for (int r = 0; r < L->o.n; r++) {
-    run_stream_t *ss[2] = {&L->pes[r].out, &L->pes[r].err};
-    for (int j = 0; j < 2; j++) {
-      if (ss[j]->fd < 0) continue;
-      L->olen = 0;
-      close_stream(L, r, ss[j]);
-      write_all(L, ss[j]->dest, L->obuf, L->olen);
-    }
-  }
+  /* Left open only when output is dropped (see check_timers): queue the held lines too; the
+   * note about it gets a moment to reach stderr, if its writer is not blocked. */
+  close_open_streams(L);
+  out_settle(L, STDERR_FILENO, RUN_LAST_NOTE_MS);
   free(pfd);
   free(who);
   free(rank_of);
 }
 
 int main(int argc, char **argv) {
-  run_t L;
-  memset(&L, 0, sizeof L);
+  static run_t L; /* static: a writer thread may still use its queue while the process exits */
   L.exit_status = -1;
   parse_args(argc, argv, &L.o);
   setup_process(&L);
