@@ -167,7 +167,7 @@ Test(index, pending_claim_of_a_dead_pe_is_cleared) {
   skv_index_slot_t *slot = &t->slots[0][home];
   slot->key.p.hi = k.hi;
   slot->key.p.lo = k.lo;
-  slot->val = skv__val_pending(5);
+  slot->val = skv__val_pending(5, 1);
   slot->ticket = 1;
   t->hdr[0]->ticket = 1;
   /* While PE 5 lives, its older claim wins. */
@@ -231,7 +231,7 @@ Test(index, a_claim_without_its_pending_value_does_not_hold_up_inserts) {
     cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
     cr_assert_eq(v, val);
     /* the claimer comes back: it stores PENDING, takes a newer ticket and loses to our copy */
-    slot->val = skv__val_pending(0);
+    slot->val = skv__val_pending(0, 1);
     slot->ticket = ++t->hdr[0]->ticket;
     cr_assert_eq(insert_within(t, k, skv__val_pack(0, 1, 1), 0, 5000), SKV_EEXIST);
     cr_assert_eq(skv__index_erase(&t->ix, k, val), 0);
@@ -245,7 +245,7 @@ Test(index, a_stopped_claim_without_ticket_makes_inserts_lose_not_hang) {
   table_t *t = table_new(1, 64);
   uint64_t s = skv_test_seed(), v;
   skv_key_t k = rand_key(&s);
-  forge_claim(t, k, skv__val_pending(5), 0);
+  forge_claim(t, k, skv__val_pending(5, 1), 0);
   uint64_t t0 = skv__now_ms();
   cr_assert_eq(insert_within(t, k, skv__val_pack(2, 9, 1), 2, 5000), SKV_EEXIST);
   cr_assert_geq(skv__now_ms() - t0, 50, "gave up before the owner had a chance to run");

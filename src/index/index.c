@@ -212,7 +212,8 @@ int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
   if (!mine) return SKV_ENOSPC;
   /* 2. PENDING with our PE, then a ticket. Nobody else writes the slot now: its val is 0 or
    * ERASING, which no CAS of another PE expects. */
-  uint64_t pending = skv__val_pending((uint32_t)my_pe);
+  static uint64_t claims; /* numbers this process's claims */
+  uint64_t pending = skv__val_pending((uint32_t)my_pe, __atomic_add_fetch(&claims, 1, __ATOMIC_RELAXED));
   __atomic_store_n(&mine->val, pending, __ATOMIC_SEQ_CST);
   uint64_t t = __atomic_add_fetch(&ix->hdr[0]->ticket, 1, __ATOMIC_SEQ_CST);
   __atomic_store_n(&mine->ticket, t, __ATOMIC_SEQ_CST);

@@ -18,7 +18,7 @@
  *
  * Insert (only by the PE that owns the page):
  *   1. claim the first EMPTY or TOMB slot of the window by CAS of the key (ENOSPC if none);
- *   2. write val = PENDING(pe) (never 0: see skv__val_pending), take a ticket from the
+ *   2. write val = PENDING(pe, claim number) (never 0: see skv__val_pending), take a ticket from the
  *      node-wide counter, store it;
  *   3. rescan the window up to the first EMPTY slot for other slots holding the same key. A
  *      copy that is VALID, or PENDING with a smaller ticket and a live owner, wins over us: we
@@ -106,11 +106,14 @@ typedef struct skv_index {
 static inline uint64_t skv__val_pack(uint32_t pe, uint32_t page, uint32_t gen) {
   return SKV_VAL_VALID | ((uint64_t)pe << SKV_VAL_PE_SHIFT) | ((uint64_t)page << SKV_VAL_PAGE_SHIFT) | gen;
 }
-/* The val of a claim being inserted: its owner's PE, and bit 0 so that it is never 0, the val of
- * a slot just claimed from EMPTY (a claim whose val is still 0 or ERASING has no ticket yet). */
+/* The val of a claim being inserted: its owner's PE, a number of the claim (`claim`, unique in
+ * the owner process, so that a release decided on one claim never matches a later claim of the
+ * same PE), and bit 0 so that it is never 0, the val of a slot just claimed from EMPTY (a claim
+ * whose val is still 0 or ERASING has no ticket yet). */
 #define SKV_VAL_PENDING_MARK 1ull
-static inline uint64_t skv__val_pending(uint32_t pe) {
-  return ((uint64_t)pe << SKV_VAL_PE_SHIFT) | SKV_VAL_PENDING_MARK;
+static inline uint64_t skv__val_pending(uint32_t pe, uint64_t claim) {
+  return ((uint64_t)pe << SKV_VAL_PE_SHIFT) | ((claim << 1) & ((1ull << SKV_VAL_PE_SHIFT) - 2)) |
+         SKV_VAL_PENDING_MARK;
 }
 static inline bool skv__val_is_pending(uint64_t v) {
   return !(v & (SKV_VAL_VALID | SKV_VAL_ERASING)) && (v & SKV_VAL_PENDING_MARK);

@@ -97,8 +97,11 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
 #endif
   /* Every PE's records are initialised before anyone looks at a peer's. */
   SKV_CHECK_GOTO(skv__coll_check(ctx, NULL, "skv_kv_create: ready"), rc, fail);
+  if (!kv->pool.my_pidns)
+    SKV_WARN(SKV_SUBSYS_KV, "skv_kv_create: /proc/self/ns/pid cannot be read: no PE is ever judged dead, so "
+                            "a dead PE's pins and index claims are not released (its pages stay pinned)");
   for (int pe = 0; pe < npes; pe++)
-    if (kv->pool.hdr[pe]->pidns != kv->pool.my_pidns) {
+    if (kv->pool.my_pidns && kv->pool.hdr[pe]->pidns != kv->pool.my_pidns) {
       SKV_WARN(SKV_SUBSYS_KV,
                "skv_kv_create: local PE %d runs in another PID namespace (another container?): "
                "if it dies, its pins and index claims are not released (its pages stay pinned)",

@@ -168,9 +168,12 @@ int skv__pool_pin(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
     for (unsigned spin = 0; st == skv__st_make(gen, SKV_PAGE_EVICTING); spin++) {
       if (spin < 256) {
         SKV_CPU_RELAX();
-      } else { /* the evictor was descheduled in its window: let it run */
+      } else { /* the evictor was descheduled in its window: let it run, if it lives */
         uint64_t now = skv__now_ms();
-        if (!until) until = now + PIN_EVICTING_WAIT_MS;
+        if (!until) {
+          if (!skv__pool_alive(p, (int)pe)) break; /* it died there: the page stays EVICTING */
+          until = now + PIN_EVICTING_WAIT_MS;
+        }
         if (now > until) break; /* it stopped there: stale for us */
         sched_yield();
       }

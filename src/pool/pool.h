@@ -37,8 +37,9 @@
  *   that fails otherwise (EMFILE...) says nothing, and a PE in another PID namespace (another
  *   container sharing the host's network) is never judged: its pins stay until it unpins.
  * - A pin that meets the evictor between its CAS and its pinmask read (EVICTING, same
- *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS): READY again when the
- *   evictor saw the pin, else FREE(g + 1) and the reference is stale.
+ *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS; not at all once the
+ *   owner is dead): READY again when the evictor saw the pin, else FREE(g + 1) and the
+ *   reference is stale.
  * - An owner dies: its READY pages stay readable (their memory lives while peers map it) but
  *   can no longer be evicted; the other PEs' capacity is unaffected.
  * - Pins must balance: unpinning a page the PE does not hold fails with SKV_EINVAL.
