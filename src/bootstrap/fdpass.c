@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +51,17 @@ typedef struct fd_hdr {
   int32_t local_index;
   int32_t rank;
 } fd_hdr_t;
+
+/* Fail with `rc`, the context given, and the store's answer (the last error) after it. */
+static int SKV_PRINTF(2, 3) fail_after_probe(int rc, const char *fmt, ...) {
+  char ctx[300], inner[800];
+  snprintf(inner, sizeof inner, "%s", skv_last_error());
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(ctx, sizeof ctx, fmt, ap);
+  va_end(ap);
+  return SKV_FAIL(rc, SKV_SUBSYS_BOOT, "%s: %s", ctx, inner);
+}
 
 static socklen_t sock_name(struct sockaddr_un *a, const uint8_t nonce[16], int index) {
   XXH128_hash_t h = XXH3_128bits(nonce, 16);
@@ -103,11 +115,8 @@ static int send_fd(skv_store_t *st, const char *probe_key, const uint8_t nonce[1
       rc = skv__store_check_dead(st, probe_key);
       if (rc < 0) {
         close(s);
-        char inner[800];
-        snprintf(inner, sizeof inner, "%s", skv_last_error());
-        return SKV_FAIL(rc, SKV_SUBSYS_BOOT,
-                        "fd exchange \"%s\": connecting to local PE %d (rank %d): %s", tag, peer,
-                        peer_rank, inner);
+        return fail_after_probe(rc, "fd exchange \"%s\": connecting to local PE %d (rank %d)", tag,
+                                peer, peer_rank);
       }
       next_probe = skv__now_ms() + FD_PROBE_MS;
     }
@@ -202,11 +211,8 @@ static int peer_gone(skv_store_t *st, const char *probe_key, const char *tag, in
   for (;;) {
     int rc = skv__store_check_dead(st, probe_key);
     if (rc < 0) {
-      char inner[800];
-      snprintf(inner, sizeof inner, "%s", skv_last_error());
-      return SKV_FAIL(rc, SKV_SUBSYS_BOOT,
-                      "fd exchange \"%s\": local PE %d (rank %d) stopped listening: %s", tag, peer,
-                      peer_rank, inner);
+      return fail_after_probe(rc, "fd exchange \"%s\": local PE %d (rank %d) stopped listening", tag,
+                              peer, peer_rank);
     }
     if (skv__now_ms() >= until) break;
     struct timespec ts = {0, 10000000L};
@@ -310,11 +316,8 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
           if (rc == SKV_ETIMEDOUT && skv__ms_left(deadline) > 0) {
             rc = skv__store_check_dead(st, ready_key);
             if (rc < 0) {
-              char inner[800];
-              snprintf(inner, sizeof inner, "%s", skv_last_error());
-              rc = SKV_FAIL(rc, SKV_SUBSYS_BOOT,
-                            "fd exchange \"%s\": waiting for descriptors from rank(s)%s: %s", tag,
-                            missing, inner);
+              rc = fail_after_probe(rc, "fd exchange \"%s\": waiting for descriptors from rank(s)%s",
+                                    tag, missing);
               goto fail;
             }
             continue;
