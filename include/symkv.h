@@ -234,7 +234,8 @@ typedef struct skv_heap_info {
   void *base;     /* address of PE 0's segment */
 } skv_heap_info_t;
 
-/* Collective: every PE gets a segment of the same size and maps every local peer's segment. */
+/* Collective: every PE gets a segment of the same size and maps every local peer's segment.
+ * All or nothing: when one PE fails, every PE fails at once with its code, naming it. */
 SKV_EXTERN int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, int backend,
                                skv_heap_t **heap);
 SKV_EXTERN int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts,

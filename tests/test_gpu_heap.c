@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 TestSuite(gpu_heap, .timeout = 180);
@@ -101,7 +103,7 @@ static int pe_bad(int rank, int npes, void *arg) {
   int rc = skv_heap_create(ctx, 1ull << 40, SKV_BACKEND_CUDA, &heap);
   PE_CHECK(rc == SKV_ECUDA && strstr(skv_last_error(), "cuMemCreate"), "1 TiB: %s / %s", skv_err_name(rc),
            skv_last_error());
-  /* the failed create left the PEs out of step only if one PE failed alone; here all did */
+  /* every PE failed on its own here; one_pe_failing_alone... below has one fail alone */
   PE_CHECK(skv_heap_create(ctx, 1 << 20, SKV_BACKEND_CUDA, &heap) == 0, "create after failure");
   PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
@@ -112,6 +114,61 @@ Test(gpu_heap, allocation_failure_is_reported) {
   SKV_TEST_REQUIRE_GPUS(1);
   skv_test_job_t job;
   int bad = skv_test_run(&job, 2, pe_bad, NULL, 120000);
+  cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
+}
+
+/* PE 1 runs out of file descriptors, so that exporting its segment fails (before the exchange);
+ * PE 0 must fail at once with PE 1's error instead of waiting for it in the exchange until the
+ * timeout, and give its segment back; then both create again. */
+static int pe_one_fails_alone(int rank, int npes, void *arg) {
+  (void)npes, (void)arg;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
+  int dev = skv_ctx_device(ctx);
+  PE_CHECK(dev >= 0, "device: %s", skv_err_name(dev));
+  size_t free0, total;
+  PE_CHECK(cudaMemGetInfo(&free0, &total) == cudaSuccess, "meminfo"); /* creates the context */
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  PE_CHECK(cudaMemGetInfo(&free0, &total) == cudaSuccess, "meminfo");
+  struct rlimit was, lim;
+  PE_CHECK(getrlimit(RLIMIT_NOFILE, &was) == 0, "getrlimit");
+  if (rank == 1) {
+    int next = dup(0); /* the lowest free descriptor: the limit makes it the last */
+    PE_CHECK(next >= 0, "dup");
+    close(next);
+    lim = was;
+    lim.rlim_cur = (rlim_t)next;
+    PE_CHECK(setrlimit(RLIMIT_NOFILE, &lim) == 0, "setrlimit");
+  }
+  skv_heap_t *heap = (skv_heap_t *)1;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = skv_heap_create(ctx, 256ull << 20, SKV_BACKEND_CUDA, &heap);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  if (rank == 1) PE_CHECK(setrlimit(RLIMIT_NOFILE, &was) == 0, "restore the limit");
+  const double took = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  int rcs[2];
+  PE_CHECK(skv_ctx_allgather(ctx, &rc, rcs, sizeof rc) == 0, "results");
+  PE_CHECK(rcs[1] < 0, "PE 1 created a cuda heap without a free file descriptor");
+  PE_CHECK(rc == rcs[1] && heap == NULL, "create: %s, PE 1 got %s", skv_err_name(rc), skv_err_name(rcs[1]));
+  PE_CHECK(took < 5.0, "failing took %.1f s (the timeout is 20 s)", took);
+  if (rank == 0)
+    PE_CHECK(strstr(skv_last_error(), "rank 1 failed"), "the error names rank 1: %s", skv_last_error());
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  size_t free1;
+  PE_CHECK(cudaMemGetInfo(&free1, &total) == cudaSuccess, "meminfo");
+  PE_CHECK(free1 + (4u << 20) >= free0, "device memory not given back: %zu -> %zu MiB free", free0 >> 20,
+           free1 >> 20);
+  PE_CHECK(skv_heap_create(ctx, 256ull << 20, SKV_BACKEND_CUDA, &heap) == 0, "create after the failure");
+  PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(gpu_heap, one_pe_failing_alone_fails_every_pe_at_once) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_one_fails_alone, NULL, 120000);
   cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
 }
 

@@ -8,10 +8,13 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <dirent.h>
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 TestSuite(heap, .timeout = 120);
@@ -157,6 +160,86 @@ static int pe_bad_input(int rank, int npes, void *arg) {
 Test(heap, bad_input_gives_clear_errors) {
   skv_test_job_t job;
   int bad = skv_test_run(&job, 2, pe_bad_input, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Process Vm size in bytes (/proc/self/status), or 0. */
+static size_t vm_size(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  size_t kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmSize: %zu kB", &kb) == 1) break;
+  fclose(f);
+  return kb << 10;
+}
+
+/* One PE's create fails (arg 0: before the fd exchange, memfd_create out of descriptors on PE 1;
+ * arg 1: after it, reserving the address range refused on PE 2). Every PE must fail at once with
+ * that PE's error and keep nothing mapped, and the job must stay usable. */
+static int pe_one_fails(int rank, int npes, void *arg) {
+  const int after = *(const int *)arg, bad = after ? 2 : 1;
+  const uint64_t bytes = 256ull << 20;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  struct rlimit was;
+  const int which = after ? RLIMIT_AS : RLIMIT_NOFILE;
+  PE_CHECK(getrlimit(which, &was) == 0, "getrlimit");
+  if (rank == bad) {
+    struct rlimit lim = was;
+    if (after) {
+      lim.rlim_cur = vm_size() + (64ull << 20); /* the 768 MiB range cannot be reserved */
+    } else {
+      int next = dup(0); /* the lowest free descriptor: the limit makes it the last */
+      PE_CHECK(next >= 0, "dup");
+      close(next);
+      lim.rlim_cur = (rlim_t)next;
+    }
+    PE_CHECK(lim.rlim_cur > 0 && setrlimit(which, &lim) == 0, "setrlimit");
+  }
+  skv_heap_t *heap = (skv_heap_t *)1;
+  double t0 = now_s();
+  int rc = skv_heap_create(ctx, bytes, SKV_BACKEND_HOST, &heap);
+  double took = now_s() - t0;
+  if (rank == bad) PE_CHECK(setrlimit(which, &was) == 0, "restore the limit");
+  const int want = after ? -ENOMEM : -EMFILE;
+  PE_CHECK(rc == want && heap == NULL, "create: %s, want %s", skv_err_name(rc), skv_err_name(want));
+  PE_CHECK(took < 5.0, "failing took %.1f s (the timeout is 20 s)", took);
+  const char *why = after ? "reserving" : "memfd_create";
+  PE_CHECK(strstr(skv_last_error(), why), "the error says why: %s", skv_last_error());
+  if (rank != bad) {
+    char who[32];
+    snprintf(who, sizeof who, "rank %d failed", bad);
+    PE_CHECK(strstr(skv_last_error(), who), "the error names rank %d: %s", bad, skv_last_error());
+  }
+  PE_CHECK(heap_maps() == 0, "%d heap mappings left after the failed create", heap_maps());
+  /* the job is still usable afterwards */
+  PE_CHECK(skv_heap_create(ctx, bytes, SKV_BACKEND_HOST, &heap) == 0, "create after the failure");
+  PE_CHECK(heap_maps() == npes, "%d heap mappings, want %d", heap_maps(), npes);
+  PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(heap, one_pe_failing_before_the_exchange_fails_every_pe_at_once) {
+  skv_test_job_t job;
+  int after = 0;
+  int bad = skv_test_run(&job, 3, pe_one_fails, &after, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+Test(heap, one_pe_failing_after_the_exchange_fails_every_pe_and_nothing_stays_mapped) {
+  skv_test_job_t job;
+  int after = 1;
+  int bad = skv_test_run(&job, 3, pe_one_fails, &after, 60000);
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 

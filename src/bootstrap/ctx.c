@@ -239,6 +239,48 @@ int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, ...) {
   return rc;
 }
 
+typedef struct agree_rec {
+  int32_t rc;
+  int32_t rank;
+  char msg[504];
+} agree_rec_t;
+
+static bool is_bootstrap_failure(int rc) {
+  return rc == SKV_ETIMEDOUT || rc == SKV_EPEERDEAD || rc == SKV_ECONN || rc == SKV_EMISMATCH ||
+         rc == SKV_EPROTO || rc == SKV_EAUTH;
+}
+
+int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) {
+  if (rc < 0 && is_bootstrap_failure(rc)) return rc;
+  agree_rec_t me;
+  memset(&me, 0, sizeof me);
+  me.rc = rc < 0 ? rc : 0;
+  me.rank = ctx->cfg.rank;
+  if (rc < 0) {
+    /* A PE that failed only tells the others (its allgather key): it needs nothing from them,
+     * and some may have given up already. Its own error stays the one it reports. */
+    char own[1024], key[SKV_BOOT_MAX_KEY + 16];
+    snprintf(own, sizeof own, "%s", skv_last_error());
+    memcpy(me.msg, own, SKV_MIN(strlen(own), sizeof me.msg - 1)); /* cut: the key holds 504 */
+    snprintf(key, sizeof key, "%s/%d", name, ctx->cfg.rank);
+    (void)skv__store_set(ctx->store, key, &me, sizeof me);
+    skv__error_restore(own);
+    return rc;
+  }
+  int n = ctx->cfg.world_size;
+  agree_rec_t *all = calloc((size_t)n, sizeof *all);
+  if (!all) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "%s: out of memory", what);
+  int out = skv__store_allgather(ctx->store, name, &me, all, sizeof me, ctx->cfg.timeout_ms);
+  for (int r = 0; out == 0 && r < n; r++) {
+    if (all[r].rc >= 0) continue;
+    all[r].msg[sizeof all[r].msg - 1] = '\0';
+    out = SKV_FAIL(all[r].rc, SKV_SUBSYS_INIT, "%s: rank %d failed: %s", what, r,
+                   all[r].msg[0] ? all[r].msg : skv_err_name(all[r].rc));
+  }
+  free(all);
+  return out;
+}
+
 /* Remember a key this PE wrote for collective `seq`, to delete after the next check. */
 static void forget_later(skv_ctx_t *ctx, const char *key) {
   snprintf(ctx->stale_key[1], sizeof ctx->stale_key[1], "%s", key);

@@ -32,6 +32,13 @@ struct skv_ctx {
  * sides; a PE that never arrives makes the others time out. Returns the sequence number used
  * (>= 1) through *seq when not NULL. */
 int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq, const char *fmt, ...) SKV_PRINTF(3, 4);
+/* All-or-nothing step of a collective: every PE passes its result `rc` of the step under the
+ * store name `name` (unique per step). Returns 0 when every PE succeeded. A PE that failed
+ * publishes its failure and returns its own rc (its message kept) without waiting; the others
+ * return the code of the first rank that failed, with "`what`: rank R failed: <its message>".
+ * A failure of the bootstrap itself (timeout, dead peer, lost connection, mismatch) is returned
+ * at once: the peers are not all there to tell. Bounded by the context's timeout. */
+int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what);
 /* A unique name for the collective object created under sequence number `seq`. */
 void skv__coll_name(const skv_ctx_t *ctx, uint64_t seq, const char *what, char *buf, size_t cap);
 

@@ -41,6 +41,9 @@
  * and return `err`. */
 int skv__set_error(int err, unsigned subsys, const char *file, int line, const char *fmt, ...)
     SKV_PRINTF(5, 6);
+/* Put back a last-error text saved earlier (skv_last_error() copied), without logging it
+ * again: for cleanup steps whose own failures must not replace the one being reported. */
+void skv__error_restore(const char *saved);
 /* Breadcrumb for a propagated failure: logged at INFO as "file:line <- call: SKV_EX". */
 void skv__error_trace(int err, const char *file, int line, const char *expr);
 

@@ -55,6 +55,10 @@ const char *skv_last_error(void) { return last_error; }
 
 void skv_clear_error(void) { last_error[0] = '\0'; }
 
+void skv__error_restore(const char *saved) {
+  if (saved != last_error) snprintf(last_error, sizeof last_error, "%s", saved);
+}
+
 int skv__set_error(int err, unsigned subsys, const char *file, int line, const char *fmt, ...) {
   char msg[768];
   va_list ap;

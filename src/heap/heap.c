@@ -21,6 +21,23 @@ const char *skv__backend_name(int backend) {
   }
 }
 
+int skv__heap_agree(skv_heap_t *heap, const char *step, int rc) {
+  char key[sizeof heap->name + 16], what[sizeof heap->name + 32];
+  snprintf(key, sizeof key, "%s/%s", heap->name, step);
+  snprintf(what, sizeof what, "skv_heap_create(%s)", heap->name);
+  return skv__coll_agree(heap->ctx, key, rc, what);
+}
+
+/* Delete this PE's store keys of the create steps named, once every PE is known to have read
+ * them (docs/bootstrap.md, "Key lifetime"); the keys of skv__heap_agree are "<name>/<step>/<rank>". */
+static void heap_forget_keys(const skv_heap_t *heap, const char *const *steps, int n) {
+  char key[sizeof heap->name + 32];
+  for (int i = 0; i < n; i++) {
+    snprintf(key, sizeof key, "%s/%s/%d", heap->name, steps[i], heap->ctx->cfg.rank);
+    (void)skv__store_del(heap->ctx->store, key);
+  }
+}
+
 static const skv_heap_backend_t *backend_of(int backend) {
   switch (backend) {
   case SKV_BACKEND_HOST: return &skv__heap_host;
@@ -93,10 +110,23 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
   in->segment_bytes = SKV_ALIGN_UP(in->data_offset + in->data_bytes, gran);
   in->stride = in->segment_bytes;
   rc = be->create(h);
-  if (rc < 0) {
+  /* All or nothing: a PE whose backend failed (out of GPU memory, a mapping refused...) fails
+   * the create on every PE with its message, and the others release what they made, instead of
+   * going on with a heap that one PE lacks (and waiting for it until the timeout). */
+  int agreed = skv__heap_agree(h, "made", rc);
+  if (agreed < 0) {
+    if (rc == 0) {
+      char saved[1024];
+      snprintf(saved, sizeof saved, "%s", skv_last_error());
+      (void)be->destroy(h);
+      skv__error_restore(saved);
+    }
     free(h);
-    return rc;
+    return agreed;
   }
+  /* Every PE has contributed to "made", so has read our keys of the steps before it. */
+  static const char *const earlier[] = {"dev", "prep"};
+  heap_forget_keys(h, earlier, 2);
   char b1[32], b2[32];
   SKV_INFO(SKV_SUBSYS_HEAP, "heap %s: backend %s, %d PEs, segment %s (data %s at +%" PRIu64 "), base %p stride %" PRIu64,
            h->name, be->name, in->npes, skv__fmt_bytes(in->segment_bytes, b1, sizeof b1),
@@ -133,6 +163,8 @@ int skv_heap_destroy(skv_heap_t *heap) {
   /* Collective so that no PE unmaps while a peer may still be reading its segment through
    * a kernel; bounded by the timeout, and the memory is released even when it fails. */
   int rc = skv__coll_check(heap->ctx, NULL, "skv_heap_destroy(%s)", heap->name);
+  static const char *const made[] = {"made"};
+  if (rc == 0) heap_forget_keys(heap, made, 1); /* every PE has read them: it passed the check */
   int rc2 = heap->be->destroy(heap);
   SKV_INFO(SKV_SUBSYS_HEAP, "heap %s destroyed%s", heap->name, rc ? " (peers did not all arrive)" : "");
   free(heap);

@@ -22,7 +22,10 @@ struct skv_heap_backend {
   /* Alignment of segments and of the stride. */
   uint64_t (*granularity)(skv_heap_t *heap);
   /* Allocate this PE's segment, exchange handles with the local PEs and map every segment at
-   * info.base + pe * info.stride (sets info.base and impl). Called by every PE together. */
+   * info.base + pe * info.stride (sets info.base and impl). Called by every PE together; passes
+   * the result of its local preparation through skv__heap_agree(heap, "prep", rc) before the
+   * handle exchange, so that no PE waits in the exchange for one that has already failed. (The
+   * front end agrees on the result of create itself.) */
   int (*create)(skv_heap_t *heap);
   /* Unmap and release everything; tolerate peers that died. */
   int (*destroy)(skv_heap_t *heap);
@@ -35,6 +38,14 @@ extern const skv_heap_backend_t skv__heap_cuda_host;
 #endif
 
 const char *skv__backend_name(int backend);
+
+/* The host backend's create after a step of the caller's that gave `rc` (cuda_host: setting the
+ * GPU up): a failure there goes through the "prep" agreement like one of the host backend's. */
+int skv__heap_host_create(skv_heap_t *heap, int rc);
+
+/* All-or-nothing step `step` of skv_heap_create (skv__coll_agree under "<heap name>/<step>"):
+ * 0 when every PE's rc was 0, else this PE's failure or the first failing rank's. */
+int skv__heap_agree(skv_heap_t *heap, const char *step, int rc);
 
 /* Address of byte `off` of PE `pe` without checks (hot paths that checked already). */
 static inline void *skv__heap_addr(const skv_heap_t *h, int pe, uint64_t off) {

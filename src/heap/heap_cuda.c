@@ -73,72 +73,107 @@ out:
   return rc;
 }
 
-/* Every PE must be able to reach every other PE's device (NVLink or PCIe peer access). */
-static int check_peer_access(skv_heap_t *heap) {
+/* Each PE's GPU by PCI address (device ordinals differ between processes that see different
+ * CUDA_VISIBLE_DEVICES); ok = 0 when the PE has no usable GPU. */
+typedef struct dev_rec {
+  int32_t ok;
+  int32_t pci[3]; /* domain, bus, device */
+} dev_rec_t;
+
+/* Every PE contributes its GPU, also one that failed to set its GPU up (ok = 0), so that the
+ * gathering never waits for a PE that has failed. Fails only when the bootstrap does. */
+static int gather_devices(skv_heap_t *heap, int dev, dev_rec_t *devs) {
   skv_ctx_t *ctx = heap->ctx;
-  int n = heap->info.npes, me = ctx->device;
-  int32_t devs[SKV_MAX_LOCAL_PES], mine = me;
+  dev_rec_t mine = {0, {0, 0, 0}};
+  if (dev >= 0 && cudaDeviceGetAttribute(&mine.pci[0], cudaDevAttrPciDomainId, dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&mine.pci[1], cudaDevAttrPciBusId, dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&mine.pci[2], cudaDevAttrPciDeviceId, dev) == cudaSuccess)
+    mine.ok = 1;
+  (void)cudaGetLastError();
   char name[160];
   snprintf(name, sizeof name, "%s/dev", heap->name);
-  int32_t *all = calloc((size_t)ctx->cfg.world_size, sizeof *all);
+  dev_rec_t *all = calloc((size_t)ctx->cfg.world_size, sizeof *all);
   if (!all) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
   int rc = skv__store_allgather(ctx->store, name, &mine, all, sizeof mine, ctx->cfg.timeout_ms);
-  for (int i = 0; rc == 0 && i < n; i++) devs[i] = all[ctx->local_ranks[i]];
+  for (int i = 0; rc == 0 && i < heap->info.npes; i++) devs[i] = all[ctx->local_ranks[i]];
   free(all);
-  SKV_CHECK(rc);
-  for (int i = 0; i < n; i++) {
-    if (devs[i] == me) continue;
-    int can = 0;
-    SKV_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, me, devs[i]), SKV_SUBSYS_HEAP);
+  return rc;
+}
+
+/* Every PE must be able to reach every other PE's GPU (NVLink or PCIe peer access). A peer GPU
+ * that this process cannot see (CUDA_VISIBLE_DEVICES) cannot be asked about: mapping its
+ * segment then says whether it works. */
+static int check_peer_access(skv_heap_t *heap, const dev_rec_t *devs) {
+  int me = heap->ctx->device, mine = heap->info.my_pe;
+  for (int i = 0; i < heap->info.npes; i++) {
+    if (i == mine || !devs[i].ok || memcmp(devs[i].pci, devs[mine].pci, sizeof devs[i].pci) == 0)
+      continue;
+    char bus[32];
+    snprintf(bus, sizeof bus, "%04x:%02x:%02x.0", (unsigned)devs[i].pci[0], (unsigned)devs[i].pci[1],
+             (unsigned)devs[i].pci[2]);
+    int peer = -1, can = 0;
+    if (cudaDeviceGetByPCIBusId(&peer, bus) != cudaSuccess) {
+      (void)cudaGetLastError();
+      continue;
+    }
+    SKV_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, me, peer), SKV_SUBSYS_HEAP);
     if (!can)
       return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_HEAP,
-                      "GPU %d cannot access GPU %d (PE %d) as a peer: the cuda backend needs NVLink or PCIe "
-                      "peer access between all local GPUs; use SKV_BACKEND_CUDA_HOST instead",
-                      me, devs[i], i);
+                      "GPU %d cannot access GPU %d (%s, PE %d) as a peer: the cuda backend needs NVLink "
+                      "or PCIe peer access between all local GPUs; use SKV_BACKEND_CUDA_HOST instead",
+                      me, peer, bus, i);
   }
   return 0;
 }
 
-static int cuda_create(skv_heap_t *heap) {
-  skv_ctx_t *ctx = heap->ctx;
-  SKV_CHECK(skv__cuda_use(ctx));
-  int n = heap->info.npes, me = heap->info.my_pe, dev = ctx->device, rc = 0;
-  heap->info.device = dev;
-  SKV_CHECK(check_peer_access(heap));
+/* This PE's part before the exchange: its segment allocated, mapped, zeroed and exported. */
+static int prepare_segment(skv_heap_t *heap, cuda_impl_t *im, int *my_fd) {
+  int me = heap->info.my_pe, dev = heap->ctx->device, rc = 0;
   int handle_ok = 0;
   skv__cu.cuDeviceGetAttribute(&handle_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
   if (!handle_ok)
     return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_HEAP,
                     "GPU %d cannot export memory as POSIX file descriptors (needed to share it between "
                     "processes); use SKV_BACKEND_CUDA_HOST", dev);
-  cuda_impl_t *im = calloc(1, sizeof *im);
-  int *fds = malloc(sizeof(int) * (size_t)n);
-  if (!im || !fds || !(im->handles = calloc((size_t)n, sizeof *im->handles)) ||
-      !(im->mapped = calloc((size_t)n, 1))) {
-    free(fds);
-    if (im) {
-      free(im->handles);
-      free(im->mapped);
-    }
-    free(im);
-    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
-  }
-  for (int i = 0; i < n; i++) fds[i] = -1;
-  int my_fd = -1;
   CUmemAllocationProp prop = alloc_prop(dev);
   size_t seg = heap->info.segment_bytes;
-  SKV_CU_CHECK_GOTO(skv__cu.cuMemCreate(&im->handles[me], seg, &prop, 0), SKV_SUBSYS_HEAP, rc, fail);
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemCreate(&im->handles[me], seg, &prop, 0), SKV_SUBSYS_HEAP, rc, out);
   im->seg = seg;
-  im->reserved = seg * (size_t)n;
-  SKV_CU_CHECK_GOTO(skv__cu.cuMemAddressReserve(&im->base, im->reserved, 0, 0, 0), SKV_SUBSYS_HEAP, rc, fail);
+  im->reserved = seg * (size_t)heap->info.npes;
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemAddressReserve(&im->base, im->reserved, 0, 0, 0), SKV_SUBSYS_HEAP, rc, out);
   /* Fresh segments read as zero, like the host backend's. Zero ours before handing it out: a
    * peer may write into it as soon as its create returns, which can be before ours does. */
-  SKV_CHECK_GOTO(map_segment(im, me, dev), rc, fail);
-  SKV_CUDA_CHECK_GOTO(cudaMemset((void *)(im->base + (CUdeviceptr)me * seg), 0, seg), SKV_SUBSYS_HEAP, rc, fail);
-  SKV_CUDA_CHECK_GOTO(cudaDeviceSynchronize(), SKV_SUBSYS_HEAP, rc, fail);
-  SKV_CU_CHECK_GOTO(skv__cu.cuMemExportToShareableHandle(&my_fd, im->handles[me],
+  SKV_CHECK_GOTO(map_segment(im, me, dev), rc, out);
+  SKV_CUDA_CHECK_GOTO(cudaMemset((void *)(im->base + (CUdeviceptr)me * seg), 0, seg), SKV_SUBSYS_HEAP, rc, out);
+  SKV_CUDA_CHECK_GOTO(cudaDeviceSynchronize(), SKV_SUBSYS_HEAP, rc, out);
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemExportToShareableHandle(my_fd, im->handles[me],
                                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                    SKV_SUBSYS_HEAP, rc, fail);
+                    SKV_SUBSYS_HEAP, rc, out);
+out:
+  return rc;
+}
+
+static int cuda_create(skv_heap_t *heap) {
+  skv_ctx_t *ctx = heap->ctx;
+  int n = heap->info.npes, me = heap->info.my_pe;
+  int rc = skv__cuda_use(ctx);
+  const int dev = rc == 0 ? ctx->device : -1;
+  heap->info.device = dev;
+  dev_rec_t devs[SKV_MAX_LOCAL_PES];
+  SKV_CHECK(gather_devices(heap, dev, devs));
+  if (rc == 0) rc = check_peer_access(heap, devs);
+  int my_fd = -1;
+  int *fds = malloc(sizeof(int) * (size_t)n);
+  cuda_impl_t *im = calloc(1, sizeof *im);
+  if (!im || !fds || !(im->handles = calloc((size_t)n, sizeof *im->handles)) ||
+      !(im->mapped = calloc((size_t)n, 1))) {
+    if (rc == 0) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
+  } else if (rc == 0) {
+    rc = prepare_segment(heap, im, &my_fd);
+  }
+  for (int i = 0; fds && i < n; i++) fds[i] = -1;
+  /* No PE goes into the exchange unless every PE has its segment ready to hand out. */
+  SKV_CHECK_GOTO(skv__heap_agree(heap, "prep", rc), rc, fail);
   SKV_CHECK_GOTO(skv__fd_exchange(ctx->store, heap->name, ctx->local_ranks, n, me, my_fd, fds, ctx->cfg.timeout_ms),
                  rc, fail);
   for (int i = 0; i < n; i++) {
@@ -149,11 +184,11 @@ static int cuda_create(skv_heap_t *heap) {
     SKV_CHECK_GOTO(map_segment(im, i, dev), rc, fail);
   }
   heap->info.base = (void *)im->base;
-  heap->info.stride = seg;
+  heap->info.stride = im->seg;
   heap->impl = im;
   im = NULL;
 fail:
-  for (int i = 0; i < n; i++)
+  for (int i = 0; fds && i < n; i++)
     if (fds[i] >= 0) close(fds[i]);
   if (my_fd >= 0) close(my_fd);
   free(fds);
@@ -186,9 +221,9 @@ const skv_heap_backend_t skv__heap_cuda = {
 extern const skv_heap_backend_t skv__heap_host;
 
 static int cuda_host_create(skv_heap_t *heap) {
-  SKV_CHECK(skv__cuda_use(heap->ctx));
-  heap->info.device = heap->ctx->device;
-  SKV_CHECK(skv__heap_host.create(heap));
+  int rc = skv__cuda_use(heap->ctx);
+  heap->info.device = rc == 0 ? heap->ctx->device : -1;
+  SKV_CHECK(skv__heap_host_create(heap, rc));
   size_t total = (size_t)heap->info.stride * (size_t)heap->info.npes;
   cudaError_t e = cudaHostRegister(heap->info.base, total, cudaHostRegisterPortable | cudaHostRegisterMapped);
   void *dptr = NULL;

@@ -68,19 +68,16 @@ int skv__heap_host_map(skv_heap_t *heap, const int *fds, void **base_out, size_t
   return 0;
 }
 
-static int host_create(skv_heap_t *heap) {
+int skv__heap_host_create(skv_heap_t *heap, int rc) {
   skv_ctx_t *ctx = heap->ctx;
   int n = heap->info.npes;
-  int my_fd = -1, rc;
+  int my_fd = -1;
   int *fds = malloc(sizeof(int) * (size_t)n);
   host_impl_t *impl = calloc(1, sizeof *impl);
-  if (!fds || !impl) {
-    free(fds);
-    free(impl);
-    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
-  }
-  for (int i = 0; i < n; i++) fds[i] = -1;
-  SKV_CHECK_GOTO(make_segment(heap, &my_fd), rc, out);
+  if (rc == 0 && (!fds || !impl)) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
+  if (rc == 0) rc = make_segment(heap, &my_fd);
+  for (int i = 0; fds && i < n; i++) fds[i] = -1;
+  SKV_CHECK_GOTO(skv__heap_agree(heap, "prep", rc), rc, out);
   SKV_CHECK_GOTO(skv__fd_exchange(ctx->store, heap->name, ctx->local_ranks, n, ctx->local_index, my_fd, fds,
                                   ctx->cfg.timeout_ms),
                  rc, out);
@@ -90,13 +87,15 @@ static int host_create(skv_heap_t *heap) {
   impl = NULL;
 out:
   /* The mappings keep the memfds alive; nothing is left to name or unlink. */
-  for (int i = 0; i < n; i++)
+  for (int i = 0; fds && i < n; i++)
     if (fds[i] >= 0) close(fds[i]);
   if (my_fd >= 0) close(my_fd);
   free(fds);
   free(impl);
   return rc;
 }
+
+static int host_create(skv_heap_t *heap) { return skv__heap_host_create(heap, 0); }
 
 static int host_destroy(skv_heap_t *heap) {
   host_impl_t *impl = heap->impl;
