@@ -427,6 +427,69 @@ Test(kv, lru_eviction_respects_pins) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+typedef struct toucher {
+  skv_pool_t *pool;
+  uint64_t pages;
+  int stop;
+  uint64_t rounds;
+} toucher_t;
+
+/* Another PE's readers, as fast as they go: every page used again, over and over. */
+static void *touch_all(void *a) {
+  toucher_t *t = a;
+  while (!__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE)) {
+    uint64_t now = skv__now_ns();
+    for (uint64_t pg = 0; pg < t->pages; pg++) skv__pool_touch(t->pool, 0, (uint32_t)pg, now);
+    __atomic_fetch_add(&t->rounds, 1, __ATOMIC_RELEASE);
+  }
+  return NULL;
+}
+
+/* A full pool of unpinned pages whose every page is touched again while publishes evict: each
+ * publish must still find a page (the eviction pass used to give up, a spurious ENOSPC). */
+static int pe_evict_under_touches(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  enum { PAGES = 64, MORE = 2000 };
+  PE_CHECK(fix_init(&f, PAGES, 64, 20000) == 0, "fixture: %s", skv_last_error());
+  uint64_t ids[PAGES];
+  size_t ins;
+  for (uint64_t i = 0; i < PAGES; i++) ids[i] = 1 + i;
+  PE_CHECK(publish_ids(&f, ids, PAGES, &ins) == 0 && ins == PAGES, "fill: %s", skv_last_error());
+  toucher_t t = {&f.kv->pool, PAGES, 0, 0};
+  pthread_t th;
+  PE_CHECK(pthread_create(&th, NULL, touch_all, &t) == 0, "thread");
+  while (__atomic_load_n(&t.rounds, __ATOMIC_ACQUIRE) < 1000) sched_yield(); /* it runs */
+  const uint64_t r0 = __atomic_load_n(&t.rounds, __ATOMIC_ACQUIRE);
+  int nospace = 0, other = 0, done = 0;
+  const uint64_t t_end = skv__now_ms() + 500; /* long enough to overlap the toucher's time slices */
+  for (uint64_t i = 0; i < MORE || skv__now_ms() < t_end; i++, done++) {
+    uint64_t id = 1000 + i;
+    int rc = publish_ids(&f, &id, 1, &ins);
+    nospace += rc == SKV_ENOSPC;
+    other += rc != 0 && rc != SKV_ENOSPC;
+  }
+  const uint64_t rounds = __atomic_load_n(&t.rounds, __ATOMIC_ACQUIRE) - r0;
+  __atomic_store_n(&t.stop, 1, __ATOMIC_RELEASE);
+  pthread_join(th, NULL);
+  /* the touches went on all along (else this test shows nothing) */
+  PE_CHECK(rounds >= MORE, "only %llu touch rounds during %d publishes", (unsigned long long)rounds, done);
+  PE_CHECK(nospace == 0 && other == 0, "%d of %d publishes found no page (ENOSPC), %d failed otherwise",
+           nospace, done, other);
+  skv_kv_stats_t st;
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.evicted == (uint64_t)done && st.pages_used == PAGES, "evicted %llu of %d, used %llu",
+           (unsigned long long)st.evicted, done, (unsigned long long)st.pages_used);
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, eviction_finds_a_page_while_every_page_is_being_touched) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_evict_under_touches, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 static int pe_stale(int rank, int npes, void *arg) {
   fix_t f;
   PE_CHECK(fix_init(&f, 8, 16, 30000) == 0, "fixture: %s", skv_last_error());

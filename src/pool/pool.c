@@ -270,10 +270,12 @@ static bool try_evict(skv_pool_t *p, uint32_t page, uint32_t gen, skv_pool_evict
 
 /* Evict the LRU unpinned page into the free stack (under mu). Pages other PEs touched since
  * they were pushed go back with their new time; pinned pages are set aside and pushed back at
- * the end. The pass is bounded: other PEs may keep touching pages while it runs. */
+ * the end. Other PEs may keep touching pages while the pass runs: after as many push-backs as
+ * the heap had entries, recency is no longer honoured and the next unpinned page popped goes
+ * (the oldest by its snapshot), so a pool with an unpinned page never reports ENOSPC. */
 static bool evict_lru(skv_pool_t *p, skv_pool_evict_cb evict, void *arg) {
   skv_lru_ent_t *held = NULL;
-  uint64_t nheld = 0, cap = 0, budget = 2 * p->nlru + 8;
+  uint64_t nheld = 0, cap = 0, pushbacks = p->nlru, budget = 2 * p->nlru + 8;
   bool done = false;
   while (p->nlru > 0 && !done && budget-- > 0) {
     skv_lru_ent_t e = lru_pop(p);
@@ -281,10 +283,12 @@ static bool evict_lru(skv_pool_t *p, skv_pool_evict_cb evict, void *arg) {
     uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
     if (skv__st_state(st) != SKV_PAGE_READY || skv__st_gen(st) != e.gen) continue; /* stale entry */
     uint64_t lu = __atomic_load_n(&m->last_use, __ATOMIC_RELAXED);
-    if (lu > e.stamp) {
+    if (lu > e.stamp && pushbacks > 0) {
+      pushbacks--;
       lru_push(p, lu, e.page, e.gen);
       continue;
     }
+    if (lu > e.stamp) e.stamp = lu; /* if it stays (pinned), it goes back with its new time */
     if (try_evict(p, e.page, e.gen, evict, arg)) {
       p->free_stack[p->nfree++] = e.page;
       done = true;

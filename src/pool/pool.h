@@ -27,7 +27,9 @@
  * state becomes FREE(g + 1), so every earlier reference is stale.
  * LRU: the owner keeps a private min-heap of (last_use snapshot, page); a popped page whose
  * shared last_use moved on is pushed back with the new value, so the first page popped with
- * an up-to-date snapshot is exactly the least recently used one.
+ * an up-to-date snapshot is exactly the least recently used one. While other PEs keep touching
+ * pages, a pass gives up on exactness after as many push-backs as the heap holds and takes the
+ * next unpinned page popped: an eviction never fails while an unpinned page exists.
  *
  * What can go wrong
  * -----------------
