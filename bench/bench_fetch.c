@@ -498,6 +498,19 @@ int bench_fetch(bench_t *b) {
   flag[8] = 1;
   struct cudaDeviceProp prop;
   BCUDA(cudaGetDeviceProperties(&prop, f.dev));
+  /* PEs on one GPU (fewer GPUs than PEs): the "peer" rows then read this GPU's own memory. */
+  char bus[32] = "", *buses = calloc((size_t)f.npes, sizeof bus);
+  int same_gpu = 0;
+  BCUDA(cudaDeviceGetPCIBusId(bus, (int)sizeof bus, f.dev));
+  if (!buses) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "fetch: out of memory");
+  if (rc == 0) rc = skv_ctx_allgather(ctx, bus, buses, sizeof bus);
+  if (rc == 0) same_gpu = strcmp(buses + (size_t)f.peer * sizeof bus, bus) == 0;
+  free(buses);
+  if (same_gpu && f.rank == 0)
+    fprintf(stderr,
+            "symkv-bench fetch: PE %d is on this PE's GPU (%s): the peer rows read this GPU's own "
+            "memory, not NVLink; run with one GPU per PE\n",
+            f.peer, bus);
   skv_kv_variant_t def_var;
   skv__kv_cuda_variant_get(&def_var);
 
@@ -612,6 +625,7 @@ int bench_fetch(bench_t *b) {
     bench_config_int(b, "pes", f.npes);
     bench_config_str(b, "device", prop.name);
     bench_config_int(b, "sms", prop.multiProcessorCount);
+    bench_config_int(b, "peer_on_same_gpu", same_gpu);
     bench_config_str(b, "variant", skv__kv_cuda_variant_name(NULL, vb, sizeof vb));
     bench_config_str(b, "layout",
                      preset == SKV_LAYOUT_VLLM_FLASH_HND   ? "vllm_flash_hnd"

@@ -5,7 +5,8 @@
 #   bench/gpu/session.sh BUILD_DIR LIB_DIR STEP...
 # Steps: tests (every test_gpu_* suite), test_gpu_NAME (one suite), allreduce, torch, fetch,
 # fetch-quick, trace (SKV_TRACE_PES, default 4), pytest (the Python tests; pytest importable, e.g. PYTHONPATH=.gpupy).
-# A step gets its own time limit; a step that fails does not stop the others.
+# A step gets its own time limit; a step that fails does not stop the others. Result files are
+# named after the host kind: SKV_HOST_KIND, else from the GPUs (nvidia-h200, nvidia-h200-x2, ...).
 # NVLink multicast stays off everywhere (it can take a shared host's GPUs down).
 set -u
 . "$(dirname "$0")/common.sh"; shift 2
@@ -13,7 +14,15 @@ nccl=$(python3 -c "import nvidia.nccl as m; print(m.__path__[0])" 2>/dev/null)/l
 export LD_LIBRARY_PATH="$PWD/$L:$nccl:${LD_LIBRARY_PATH#"$PWD/$L:"}"
 export SKV_TEST_BIN_DIR="$PWD/$B"
 ngpu=$(nvidia-smi -L | wc -l)
-kind=${SKV_HOST_KIND:-nvidia-h200-x$ngpu}
+model=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'h100|h200' |
+  tr '[:upper:]' '[:lower:]')
+model=${model:-h200}
+def_kind=nvidia-$model-x$ngpu # the lent kinds' names: nvidia-h200 (one H200), nvidia-h100-x1, ...
+if [ "$model" = h200 ] && [ "$ngpu" = 1 ]; then def_kind=nvidia-h200; fi
+kind=${SKV_HOST_KIND:-$def_kind}
+T=${SKV_TRACE:-bench/data/mooncake_synthetic_trace.jsonl}; npes_trace=${SKV_TRACE_PES:-4}
+# These name the session's choices, not library settings: the library would warn about them.
+unset SKV_HOST_KIND SKV_TRACE SKV_TRACE_PES
 { date -u; hostname; nvidia-smi -L; nvidia-smi topo -m
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; } \
   > "$OUT/host.txt" 2>&1
@@ -40,7 +49,7 @@ for step in "$@"; do
   fetch) run fetch 400 "$R" -n 2 --timeout 390 -- "$SB" fetch --json-out "$OUT/fetch_$kind.json" ;;
   fetch-quick) run fetch_quick 200 "$R" -n 2 --timeout 190 -- "$SB" fetch --quick --json-out "$OUT/fetch_quick.json" ;;
   trace) # the trace on SKV_TRACE_PES (4) PEs over the GPUs: unbounded, a quarter of the pages, llama-3-8b
-    T=${SKV_TRACE:-bench/data/mooncake_synthetic_trace.jsonl}; n=${SKV_TRACE_PES:-4}
+    n=$npes_trace
     run trace 200 "$R" -n "$n" --timeout 190 -- "$SB" trace "$T" --backend cuda \
       --json-out "$OUT/trace_$kind.json"
     run trace_quarter 200 "$R" -n "$n" --timeout 190 -- "$SB" trace "$T" --backend cuda \
