@@ -394,7 +394,8 @@ typedef struct skv_kv_stats {
 } skv_kv_stats_t;
 
 /* Collective: every local PE gets `pages_per_pe` pages of `geom` in a heap of `backend`; page
- * metadata and the index live in node-shared host memory. */
+ * metadata and the index live in node-shared host memory. All or nothing: when one PE fails,
+ * every PE fails at once with its code, naming it. */
 SKV_EXTERN int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_t *opts,
                              skv_kv_t **kv);
 /* Collective. Pages pinned by peers are released with the heap. */

@@ -88,15 +88,20 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
     pool_seg[pe] = seg;
     shard_seg[pe] = seg + meta_pool_bytes(pages);
   }
-  SKV_CHECK_GOTO(skv__pool_init(&kv->pool, npes, ctx->local_index, pages, pool_seg), rc, fail);
-  kv->index.hdr = kv->shard_hdr;
-  kv->index.slots = kv->shard_slots;
-  skv__index_bind(&kv->index, npes, sps, shard_seg, kv_alive, kv);
+  rc = skv__pool_init(&kv->pool, npes, ctx->local_index, pages, pool_seg);
+  if (rc == 0) {
+    kv->index.hdr = kv->shard_hdr;
+    kv->index.slots = kv->shard_slots;
+    skv__index_bind(&kv->index, npes, sps, shard_seg, kv_alive, kv);
+  }
 #ifdef SKV_WITH_CUDA
-  SKV_CHECK_GOTO(skv__kv_cuda_init(kv), rc, fail);
+  if (rc == 0) rc = skv__kv_cuda_init(kv);
 #endif
-  /* Every PE's records are initialised before anyone looks at a peer's. */
-  SKV_CHECK_GOTO(skv__coll_check(ctx, NULL, "skv_kv_create: ready"), rc, fail);
+  /* Every PE's records are initialised before anyone looks at a peer's; and a PE that failed
+   * here (out of memory) fails every PE at once, naming it, so that all tear down together. */
+  char key[sizeof kv->data->name + 16];
+  snprintf(key, sizeof key, "%s/kv-ready", kv->data->name);
+  SKV_CHECK_GOTO(skv__coll_agree(ctx, key, rc, "skv_kv_create"), rc, fail);
   if (!kv->pool.my_pidns)
     SKV_WARN(SKV_SUBSYS_KV, "skv_kv_create: /proc/self/ns/pid cannot be read: no PE is ever judged dead, so "
                             "a dead PE's pins and index claims are not released (its pages stay pinned)");
@@ -133,6 +138,11 @@ int skv_kv_destroy(skv_kv_t *kv) {
 #endif
   skv__pool_fini(&kv->pool);
   int r1 = skv_heap_destroy(kv->meta);
+  if (r1 == 0) { /* every PE passed that collective, so has read our agreement key */
+    char key[sizeof kv->data->name + 32];
+    snprintf(key, sizeof key, "%s/kv-ready/%d", kv->data->name, kv->ctx->cfg.rank);
+    (void)skv__store_del(kv->ctx->store, key);
+  }
   int r2 = skv_heap_destroy(kv->data);
   free(kv);
   return rc ? rc : r1 ? r1 : r2;
