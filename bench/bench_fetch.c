@@ -499,12 +499,13 @@ int bench_fetch(bench_t *b) {
   struct cudaDeviceProp prop;
   BCUDA(cudaGetDeviceProperties(&prop, f.dev));
   /* PEs on one GPU (fewer GPUs than PEs): the "peer" rows then read this GPU's own memory. */
-  char bus[32] = "", *buses = calloc((size_t)f.npes, sizeof bus);
+  char bus[32] = "";
   int same_gpu = 0;
   BCUDA(cudaDeviceGetPCIBusId(bus, (int)sizeof bus, f.dev));
+  char *buses = calloc((size_t)f.npes, sizeof bus);
   if (!buses) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "fetch: out of memory");
   if (rc == 0) rc = skv_ctx_allgather(ctx, bus, buses, sizeof bus);
-  if (rc == 0) same_gpu = strcmp(buses + (size_t)f.peer * sizeof bus, bus) == 0;
+  if (rc == 0 && f.peer != f.rank) same_gpu = strcmp(buses + (size_t)f.peer * sizeof bus, bus) == 0;
   free(buses);
   if (same_gpu && f.rank == 0)
     fprintf(stderr,

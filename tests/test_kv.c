@@ -542,11 +542,27 @@ static int pe_kv_create_fails_on_one(int rank, int npes, void *arg) {
   if (rank == 1) PE_CHECK(setrlimit(RLIMIT_AS, &was) == 0, "restore the limit");
   PE_CHECK(rc == SKV_ENOMEM && kv == NULL, "create: %s", skv_err_name(rc));
   PE_CHECK(strstr(skv_last_error(), "page pool"), "the error says why: %s", skv_last_error());
-  if (rank != 1)
+  char name[96] = "";
+  if (rank != 1) {
     PE_CHECK(strstr(skv_last_error(), "rank 1 failed"), "the error names rank 1: %s", skv_last_error());
+    const char *at = strstr(skv_last_error(), "skv_kv_create(");
+    PE_CHECK(at && sscanf(at + strlen("skv_kv_create("), "%95[^)]", name) == 1, "heap name in: %s",
+             skv_last_error());
+  }
   PE_CHECK(took < 5000, "failing took %llu ms (the timeout is 20 s)", (unsigned long long)took);
   PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "create after the failure");
   PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  for (int r = 0; rank == 0 && r < npes; r++) { /* the failed step's keys went with the checks since */
+    char key[160];
+    snprintf(key, sizeof key, "%s/kv-ready/%d", name, r);
+    void *v = NULL;
+    size_t len = 0;
+    int got = skv__store_try_get(ctx->store, key, &v, &len);
+    free(v);
+    PE_CHECK(got == SKV_ENOTFOUND, "store key %s left after the failed create: %s", key, skv_err_name(got));
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
   return 0;
 }

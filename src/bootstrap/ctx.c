@@ -118,6 +118,7 @@ fail:
   if (ctx->server)
     skv__store_server_stop_quiet(ctx->server, SKV_MIN(ctx->cfg.timeout_ms, INIT_FAIL_GRACE_MS));
   pthread_mutex_destroy(&ctx->mu);
+  free(ctx->deferred);
   free(ctx);
   return rc;
 }
@@ -139,6 +140,7 @@ int skv_finalize(skv_ctx_t *ctx) {
     if (rc2 == 0) rc2 = rc3;
   }
   pthread_mutex_destroy(&ctx->mu);
+  free(ctx->deferred);
   free(ctx);
   return rc ? rc : rc2;
 }
@@ -234,6 +236,14 @@ int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, ...) {
       if (ctx->stale_key[i][0]) (void)skv__store_del(ctx->store, ctx->stale_key[i]);
     memset(ctx->stale_key, 0, sizeof ctx->stale_key);
     snprintf(ctx->stale_key[0], sizeof ctx->stale_key[0], "%s/%d", name, ctx->cfg.rank);
+    pthread_mutex_lock(&ctx->mu);
+    char(*keys)[128] = ctx->deferred;
+    int nd = ctx->ndeferred;
+    ctx->deferred = NULL;
+    ctx->ndeferred = ctx->capdeferred = 0;
+    pthread_mutex_unlock(&ctx->mu);
+    for (int i = 0; i < nd; i++) (void)skv__store_del(ctx->store, keys[i]);
+    free(keys);
   }
   if (rc == 0 && seq_out) *seq_out = seq;
   return rc;
@@ -245,13 +255,16 @@ typedef struct agree_rec {
   char msg[504];
 } agree_rec_t;
 
-static bool is_bootstrap_failure(int rc) {
+bool skv__is_bootstrap_failure(int rc) {
   return rc == SKV_ETIMEDOUT || rc == SKV_EPEERDEAD || rc == SKV_ECONN || rc == SKV_EMISMATCH ||
          rc == SKV_EPROTO || rc == SKV_EAUTH;
 }
 
 int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) {
-  if (rc < 0 && is_bootstrap_failure(rc)) return rc;
+  if (rc < 0 && skv__is_bootstrap_failure(rc)) return rc;
+  const int n = ctx->cfg.world_size;
+  agree_rec_t *all = rc < 0 ? NULL : calloc((size_t)n, sizeof *all);
+  if (rc == 0 && !all) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "%s: out of memory", what);
   agree_rec_t me;
   memset(&me, 0, sizeof me);
   me.rc = rc < 0 ? rc : 0;
@@ -267,9 +280,6 @@ int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) 
     skv__error_restore(own);
     return rc;
   }
-  int n = ctx->cfg.world_size;
-  agree_rec_t *all = calloc((size_t)n, sizeof *all);
-  if (!all) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "%s: out of memory", what);
   int out = skv__store_allgather(ctx->store, name, &me, all, sizeof me, ctx->cfg.timeout_ms);
   for (int r = 0; out == 0 && r < n; r++) {
     if (all[r].rc >= 0) continue;
@@ -279,6 +289,21 @@ int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) 
   }
   free(all);
   return out;
+}
+
+void skv__coll_forget_later(skv_ctx_t *ctx, const char *key) {
+  pthread_mutex_lock(&ctx->mu);
+  if (ctx->ndeferred == ctx->capdeferred) {
+    int cap = ctx->capdeferred ? 2 * ctx->capdeferred : 8;
+    void *nd = realloc(ctx->deferred, (size_t)cap * sizeof *ctx->deferred);
+    if (nd) {
+      ctx->deferred = nd;
+      ctx->capdeferred = cap;
+    }
+  }
+  if (ctx->ndeferred < ctx->capdeferred) /* else the key stays: a small leak, never an error */
+    snprintf(ctx->deferred[ctx->ndeferred++], sizeof ctx->deferred[0], "%s", key);
+  pthread_mutex_unlock(&ctx->mu);
 }
 
 /* Remember a key this PE wrote for collective `seq`, to delete after the next check. */

@@ -22,6 +22,8 @@ struct skv_ctx {
   uint64_t job_id;   /* random, equal on every PE: names node-wide objects */
   int device;        /* CUDA device once chosen, else -1 */
   void *cuda;        /* backend state of the CUDA layer (src/heap/heap_cuda.c) */
+  char (*deferred)[128]; /* keys of failed collective steps (skv__coll_forget_later) */
+  int ndeferred, capdeferred;
   char stale_key[2][96]; /* this PE's store keys of the last collectives, deleted once the
                             next collective check proves every PE has read them */
 };
@@ -39,6 +41,12 @@ int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq, const char *fmt, ...) SKV_PRI
  * A failure of the bootstrap itself (timeout, dead peer, lost connection, mismatch) is returned
  * at once: the peers are not all there to tell. Bounded by the context's timeout. */
 int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what);
+/* The codes that mean the bootstrap itself failed (timeout, dead peer, lost connection,
+ * mismatch, protocol, authentication): the peers are not all there to take part any more. */
+bool skv__is_bootstrap_failure(int rc);
+/* Delete this PE's store key `key` after the next collective check completes (by then every
+ * PE has finished the collective step that reads it); for keys of steps that failed. */
+void skv__coll_forget_later(skv_ctx_t *ctx, const char *key);
 /* A unique name for the collective object created under sequence number `seq`. */
 void skv__coll_name(const skv_ctx_t *ctx, uint64_t seq, const char *what, char *buf, size_t cap);
 

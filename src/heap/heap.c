@@ -28,13 +28,15 @@ int skv__heap_agree(skv_heap_t *heap, const char *step, int rc) {
   return skv__coll_agree(heap->ctx, key, rc, what);
 }
 
-/* Delete this PE's store keys of the create steps named, once every PE is known to have read
- * them (docs/bootstrap.md, "Key lifetime"); the keys of skv__heap_agree are "<name>/<step>/<rank>". */
-static void heap_forget_keys(const skv_heap_t *heap, const char *const *steps, int n) {
+/* This PE's store keys of the create steps named (skv__heap_agree's are "<name>/<step>/<rank>"):
+ * deleted now, once every PE is known to have read them, or (later) after the next collective
+ * check, for a create that failed (docs/bootstrap.md, "Key lifetime"). */
+static void heap_forget_keys(const skv_heap_t *heap, const char *const *steps, int n, bool later) {
   char key[sizeof heap->name + 32];
   for (int i = 0; i < n; i++) {
     snprintf(key, sizeof key, "%s/%s/%d", heap->name, steps[i], heap->ctx->cfg.rank);
-    (void)skv__store_del(heap->ctx->store, key);
+    if (later) skv__coll_forget_later(heap->ctx, key);
+    else (void)skv__store_del(heap->ctx->store, key);
   }
 }
 
@@ -114,6 +116,7 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
    * the create on every PE with its message, and the others release what they made, instead of
    * going on with a heap that one PE lacks (and waiting for it until the timeout). */
   int agreed = skv__heap_agree(h, "made", rc);
+  static const char *const steps[] = {"dev", "prep", "made"};
   if (agreed < 0) {
     if (rc == 0) {
       char saved[1024];
@@ -121,12 +124,12 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
       (void)be->destroy(h);
       skv__error_restore(saved);
     }
+    heap_forget_keys(h, steps, 3, true);
     free(h);
     return agreed;
   }
   /* Every PE has contributed to "made", so has read our keys of the steps before it. */
-  static const char *const earlier[] = {"dev", "prep"};
-  heap_forget_keys(h, earlier, 2);
+  heap_forget_keys(h, steps, 2, false);
   char b1[32], b2[32];
   SKV_INFO(SKV_SUBSYS_HEAP, "heap %s: backend %s, %d PEs, segment %s (data %s at +%" PRIu64 "), base %p stride %" PRIu64,
            h->name, be->name, in->npes, skv__fmt_bytes(in->segment_bytes, b1, sizeof b1),
@@ -164,7 +167,7 @@ int skv_heap_destroy(skv_heap_t *heap) {
    * a kernel; bounded by the timeout, and the memory is released even when it fails. */
   int rc = skv__coll_check(heap->ctx, NULL, "skv_heap_destroy(%s)", heap->name);
   static const char *const made[] = {"made"};
-  if (rc == 0) heap_forget_keys(heap, made, 1); /* every PE has read them: it passed the check */
+  if (rc == 0) heap_forget_keys(heap, made, 1, false); /* every PE has read them: it passed the check */
   int rc2 = heap->be->destroy(heap);
   SKV_INFO(SKV_SUBSYS_HEAP, "heap %s destroyed%s", heap->name, rc ? " (peers did not all arrive)" : "");
   free(heap);

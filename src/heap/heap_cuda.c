@@ -81,7 +81,8 @@ typedef struct dev_rec {
 } dev_rec_t;
 
 /* Every PE contributes its GPU, also one that failed to set its GPU up (ok = 0), so that the
- * gathering never waits for a PE that has failed. Fails only when the bootstrap does. */
+ * gathering never waits for a PE that has failed; one that cannot gather (out of memory) still
+ * contributes, and its failure goes through the "prep" agreement. */
 static int gather_devices(skv_heap_t *heap, int dev, dev_rec_t *devs) {
   skv_ctx_t *ctx = heap->ctx;
   dev_rec_t mine = {0, {0, 0, 0}};
@@ -93,7 +94,12 @@ static int gather_devices(skv_heap_t *heap, int dev, dev_rec_t *devs) {
   char name[160];
   snprintf(name, sizeof name, "%s/dev", heap->name);
   dev_rec_t *all = calloc((size_t)ctx->cfg.world_size, sizeof *all);
-  if (!all) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
+  if (!all) {
+    char key[sizeof name + 16];
+    snprintf(key, sizeof key, "%s/%d", name, ctx->cfg.rank);
+    (void)skv__store_set(ctx->store, key, &mine, sizeof mine);
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
+  }
   int rc = skv__store_allgather(ctx->store, name, &mine, all, sizeof mine, ctx->cfg.timeout_ms);
   for (int i = 0; rc == 0 && i < heap->info.npes; i++) devs[i] = all[ctx->local_ranks[i]];
   free(all);
@@ -160,7 +166,9 @@ static int cuda_create(skv_heap_t *heap) {
   const int dev = rc == 0 ? ctx->device : -1;
   heap->info.device = dev;
   dev_rec_t devs[SKV_MAX_LOCAL_PES];
-  SKV_CHECK(gather_devices(heap, dev, devs));
+  int g = gather_devices(heap, dev, devs);
+  if (g < 0 && skv__is_bootstrap_failure(g)) return g;
+  if (rc == 0) rc = g;
   if (rc == 0) rc = check_peer_access(heap, devs);
   int my_fd = -1;
   int *fds = malloc(sizeof(int) * (size_t)n);

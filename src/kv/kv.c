@@ -99,9 +99,15 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
 #endif
   /* Every PE's records are initialised before anyone looks at a peer's; and a PE that failed
    * here (out of memory) fails every PE at once, naming it, so that all tear down together. */
-  char key[sizeof kv->data->name + 16];
+  char key[sizeof kv->data->name + 32], what[sizeof kv->data->name + 32];
   snprintf(key, sizeof key, "%s/kv-ready", kv->data->name);
-  SKV_CHECK_GOTO(skv__coll_agree(ctx, key, rc, "skv_kv_create"), rc, fail);
+  snprintf(what, sizeof what, "skv_kv_create(%s)", kv->data->name);
+  rc = skv__coll_agree(ctx, key, rc, what);
+  if (rc < 0) {
+    snprintf(key, sizeof key, "%s/kv-ready/%d", kv->data->name, ctx->cfg.rank);
+    skv__coll_forget_later(ctx, key);
+    goto fail;
+  }
   if (!kv->pool.my_pidns)
     SKV_WARN(SKV_SUBSYS_KV, "skv_kv_create: /proc/self/ns/pid cannot be read: no PE is ever judged dead, so "
                             "a dead PE's pins and index claims are not released (its pages stay pinned)");
