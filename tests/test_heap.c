@@ -181,13 +181,13 @@ static size_t vm_size(void) {
   return kb << 10;
 }
 
-/* The store keys of heap `name`'s create steps that remain, over every rank (0 when none). The
- * name is read from a peer's error ("skv_heap_create(heap/...): rank R failed: ..."). */
+/* The store keys of a failed heap create's steps that remain, over every rank (0 when none). The
+ * heap's name is read from a peer's error about it. */
 static int create_keys_left(skv_ctx_t *ctx, const char *err, int npes) {
-  const char *at = strstr(err, "skv_heap_create(heap/");
+  const char *at = strstr(err, "heap/"); /* "skv_heap_create(heap/...)" or "fd exchange \"heap/...\"" */
   if (!at) return -1;
   char name[96];
-  if (sscanf(at + strlen("skv_heap_create("), "%95[^)]", name) != 1) return -1;
+  if (sscanf(at, "%95[^)\"]", name) != 1) return -1;
   static const char *const steps[] = {"dev", "prep", "made"};
   int left = 0;
   for (int r = 0; r < npes; r++)
@@ -207,7 +207,7 @@ static int create_keys_left(skv_ctx_t *ctx, const char *err, int npes) {
  * arg 1: after it, reserving the address range refused on PE 2). Every PE must fail at once with
  * that PE's error and keep nothing mapped, and the job must stay usable. */
 static int pe_one_fails(int rank, int npes, void *arg) {
-  const int after = *(const int *)arg, bad = after ? 2 : 1;
+  const int mode = *(const int *)arg, after = mode == 1, in_exchange = mode == 2, bad = after ? 2 : 1;
   const uint64_t bytes = 256ull << 20;
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
@@ -223,7 +223,7 @@ static int pe_one_fails(int rank, int npes, void *arg) {
       int next = dup(0); /* the lowest free descriptor: the limit makes it the last */
       PE_CHECK(next >= 0, "dup");
       close(next);
-      lim.rlim_cur = (rlim_t)next;
+      lim.rlim_cur = (rlim_t)next + (in_exchange ? 1 : 0); /* the memfd gets the last one */
     }
     PE_CHECK(lim.rlim_cur > 0 && setrlimit(which, &lim) == 0, "setrlimit");
   }
@@ -235,12 +235,12 @@ static int pe_one_fails(int rank, int npes, void *arg) {
   const int want = after ? -ENOMEM : -EMFILE;
   PE_CHECK(rc == want && heap == NULL, "create: %s, want %s", skv_err_name(rc), skv_err_name(want));
   PE_CHECK(took < 5.0, "failing took %.1f s (the timeout is 20 s)", took);
-  const char *why = after ? "reserving" : "memfd_create";
+  const char *why = after ? "reserving" : in_exchange ? "listening on a unix socket" : "memfd_create";
   PE_CHECK(strstr(skv_last_error(), why), "the error says why: %s", skv_last_error());
   char err[1024] = "";
   if (rank != bad) {
     char who[32];
-    snprintf(who, sizeof who, "rank %d failed", bad);
+    snprintf(who, sizeof who, in_exchange ? "(rank %d) failed" : "rank %d failed", bad);
     PE_CHECK(strstr(skv_last_error(), who), "the error names rank %d: %s", bad, skv_last_error());
     snprintf(err, sizeof err, "%s", skv_last_error());
   }
@@ -263,6 +263,13 @@ Test(heap, one_pe_failing_before_the_exchange_fails_every_pe_at_once) {
   skv_test_job_t job;
   int after = 0;
   int bad = skv_test_run(&job, 3, pe_one_fails, &after, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+Test(heap, one_pe_failing_in_the_exchange_before_it_listens_fails_every_pe_at_once) {
+  skv_test_job_t job;
+  int mode = 2;
+  int bad = skv_test_run(&job, 3, pe_one_fails, &mode, 60000);
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 

@@ -63,6 +63,51 @@ static int SKV_PRINTF(2, 3) fail_after_probe(int rc, const char *fmt, ...) {
   return SKV_FAIL(rc, SKV_SUBSYS_BOOT, "%s: %s", ctx, inner);
 }
 
+/* A PE that fails before it listens (socket, bind, listen: out of descriptors...) would leave
+ * the others waiting at the ready barrier until the timeout. It stores its error under
+ * "<tag>/failed/<its rank>" and adds FD_FAILED to the barrier's counter: the others get past the
+ * barrier at once, see the counter, and fail with its code and message. */
+#define FD_FAILED (1ll << 40)
+
+typedef struct fd_failure {
+  int32_t rc;
+  char msg[252];
+} fd_failure_t;
+
+static void fail_before_ready(skv_store_t *st, const char *tag, const char *ready_key, int rank, int rc) {
+  fd_failure_t f;
+  memset(&f, 0, sizeof f);
+  f.rc = rc;
+  const char *e = skv_last_error();
+  memcpy(f.msg, e, SKV_MIN(strlen(e), sizeof f.msg - 1));
+  char key[SKV_BOOT_MAX_KEY + 1], saved[1024];
+  snprintf(saved, sizeof saved, "%s", e);
+  snprintf(key, sizeof key, "%s/failed/%d", tag, rank);
+  if (skv__store_set(st, key, &f, sizeof f) == 0) (void)skv__store_add(st, ready_key, FD_FAILED, NULL);
+  skv__error_restore(saved);
+}
+
+/* The barrier's counter says a local PE failed before listening: its code and message. */
+static int peer_failed_before_ready(skv_store_t *st, const char *tag, const int *ranks, int nlocal) {
+  for (int i = 0; i < nlocal; i++) {
+    char key[SKV_BOOT_MAX_KEY + 1];
+    snprintf(key, sizeof key, "%s/failed/%d", tag, ranks[i]);
+    void *v = NULL;
+    size_t n = 0;
+    if (skv__store_try_get(st, key, &v, &n) != 0) continue;
+    fd_failure_t f;
+    memset(&f, 0, sizeof f);
+    memcpy(&f, v, SKV_MIN(n, sizeof f));
+    free(v);
+    f.msg[sizeof f.msg - 1] = '\0';
+    return SKV_FAIL(f.rc < 0 ? f.rc : SKV_EINTERNAL, SKV_SUBSYS_BOOT,
+                    "fd exchange \"%s\": local PE %d (rank %d) failed before it listened: %s", tag, i,
+                    ranks[i], f.msg);
+  }
+  return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BOOT,
+                  "fd exchange \"%s\": a local PE failed before it listened, without saying why", tag);
+}
+
 static socklen_t sock_name(struct sockaddr_un *a, const uint8_t nonce[16], int index) {
   XXH128_hash_t h = XXH3_128bits(nonce, 16);
   memset(a, 0, sizeof *a);
@@ -273,11 +318,18 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
       rc = SKV_FAIL(-errno, SKV_SUBSYS_BOOT,
                     "fd exchange \"%s\": listening on a unix socket failed: %s", tag,
                     strerror(errno));
+      fail_before_ready(st, tag, ready_key, ranks[me], rc);
       goto fail;
     }
     /* 3. every local PE listens */
     SKV_CHECK_GOTO(skv__store_add(st, ready_key, 1, NULL), rc, fail);
     SKV_CHECK_GOTO(skv__store_wait_ge(st, ready_key, nlocal, skv__ms_left(deadline)), rc, fail);
+    int64_t arrived = 0;
+    SKV_CHECK_GOTO(skv__store_add(st, ready_key, 0, &arrived), rc, fail);
+    if (arrived >= FD_FAILED) {
+      rc = peer_failed_before_ready(st, tag, ranks, nlocal);
+      goto fail;
+    }
     /* 4. send to everyone */
     fd_hdr_t h;
     memset(&h, 0, sizeof h);
