@@ -9,6 +9,7 @@ int skv_test_gpu_probe(char *msg, size_t cap);
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
+#include <sys/resource.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -36,6 +37,27 @@ void skv_test_config(const skv_test_job_t *job, int rank, skv_config_t *cfg) {
   cfg->world_size = job->npes;
   cfg->bootstrap = job->bootstrap;
   cfg->token = job->token;
+}
+
+size_t skv_test_vm_bytes(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  size_t kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmSize: %zu kB", &kb) == 1) break;
+  fclose(f);
+  return kb << 10;
+}
+
+int skv_test_limit_fds(int spare, struct rlimit *was) {
+  if (getrlimit(RLIMIT_NOFILE, was) != 0) return -1;
+  int next = dup(0); /* the lowest free descriptor */
+  if (next < 0) return -1;
+  close(next);
+  struct rlimit lim = *was;
+  lim.rlim_cur = (rlim_t)next + (rlim_t)spare;
+  return setrlimit(RLIMIT_NOFILE, &lim);
 }
 
 uint64_t skv_test_seed(void) {

@@ -38,6 +38,13 @@ int skv_test_run(skv_test_job_t *job, int npes, skv_test_pe_fn fn, void *arg, in
 /* Human-readable statuses ("rank0=0 rank1=sig9 ...") for assertion messages. */
 const char *skv_test_statuses(const skv_test_job_t *job);
 
+/* This process's virtual size in bytes (VmSize of /proc/self/status), or 0. */
+size_t skv_test_vm_bytes(void);
+/* Lower RLIMIT_NOFILE so that exactly `spare` more descriptors can be opened (the lowest free
+ * ones); the previous limit goes to *was. 0, or -1 with errno. */
+struct rlimit;
+int skv_test_limit_fds(int spare, struct rlimit *was);
+
 /* Inside a PE: skv_init with the job's config (from the environment) and a timeout. */
 int skv_test_init(skv_ctx_t **ctx, int timeout_ms);
 

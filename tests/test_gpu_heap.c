@@ -130,16 +130,8 @@ static int pe_one_fails_alone(int rank, int npes, void *arg) {
   PE_CHECK(cudaMemGetInfo(&free0, &total) == cudaSuccess, "meminfo"); /* creates the context */
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   PE_CHECK(cudaMemGetInfo(&free0, &total) == cudaSuccess, "meminfo");
-  struct rlimit was, lim;
-  PE_CHECK(getrlimit(RLIMIT_NOFILE, &was) == 0, "getrlimit");
-  if (rank == 1) {
-    int next = dup(0); /* the lowest free descriptor: the limit makes it the last */
-    PE_CHECK(next >= 0, "dup");
-    close(next);
-    lim = was;
-    lim.rlim_cur = (rlim_t)next;
-    PE_CHECK(setrlimit(RLIMIT_NOFILE, &lim) == 0, "setrlimit");
-  }
+  struct rlimit was;
+  if (rank == 1) PE_CHECK(skv_test_limit_fds(0, &was) == 0, "limit the descriptors");
   skv_heap_t *heap = (skv_heap_t *)1;
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);

@@ -169,18 +169,6 @@ static double now_s(void) {
   return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* Process Vm size in bytes (/proc/self/status), or 0. */
-static size_t vm_size(void) {
-  FILE *f = fopen("/proc/self/status", "r");
-  if (!f) return 0;
-  char line[256];
-  size_t kb = 0;
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "VmSize: %zu kB", &kb) == 1) break;
-  fclose(f);
-  return kb << 10;
-}
-
 /* The store keys of a failed heap create's steps that remain, over every rank (0 when none). The
  * heap's name is read from a peer's error about it. */
 static int create_keys_left(skv_ctx_t *ctx, const char *err, int npes) {
@@ -215,18 +203,13 @@ static int pe_one_fails(int rank, int npes, void *arg) {
   struct rlimit was;
   const int which = after ? RLIMIT_AS : RLIMIT_NOFILE;
   PE_CHECK(getrlimit(which, &was) == 0, "getrlimit");
-  if (rank == bad) {
+  if (rank == bad && after) {
     struct rlimit lim = was;
-    if (after) {
-      lim.rlim_cur = vm_size() + (64ull << 20); /* the 768 MiB range cannot be reserved */
-    } else {
-      int next = dup(0); /* the lowest free descriptor: the limit makes it the last */
-      PE_CHECK(next >= 0, "dup");
-      close(next);
-      lim.rlim_cur = (rlim_t)next + (in_exchange ? 1 : 0); /* the memfd gets the last one */
-    }
-    PE_CHECK(lim.rlim_cur > 0 && setrlimit(which, &lim) == 0, "setrlimit");
+    lim.rlim_cur = skv_test_vm_bytes() + (64ull << 20); /* the 768 MiB range cannot be reserved */
+    PE_CHECK(setrlimit(which, &lim) == 0, "setrlimit");
   }
+  if (rank == bad && !after) /* no descriptor for the memfd, or one for it but none for the socket */
+    PE_CHECK(skv_test_limit_fds(in_exchange ? 1 : 0, &was) == 0, "limit the descriptors");
   skv_heap_t *heap = (skv_heap_t *)1;
   double t0 = now_s();
   int rc = skv_heap_create(ctx, bytes, SKV_BACKEND_HOST, &heap);

@@ -498,18 +498,6 @@ const char *__asan_default_options(void);
 const char *__asan_default_options(void) { return "allocator_may_return_null=1"; }
 #endif
 
-/* Process Vm size in bytes (/proc/self/status), or 0. */
-static size_t vm_size(void) {
-  FILE *fp = fopen("/proc/self/status", "r");
-  if (!fp) return 0;
-  char line[256];
-  size_t kb = 0;
-  while (fgets(line, sizeof line, fp))
-    if (sscanf(line, "VmSize: %zu kB", &kb) == 1) break;
-  fclose(fp);
-  return kb << 10;
-}
-
 /* PE 1 has the address space for the cache's heaps but not for its page pool's private tables:
  * its skv_kv_create fails after the heaps exist. Every PE must fail at once with its error (not
  * with mismatched collectives), tear down in step, and create the cache again afterwards. */
@@ -532,7 +520,7 @@ static int pe_kv_create_fails_on_one(int rank, int npes, void *arg) {
   PE_CHECK(getrlimit(RLIMIT_AS, &was) == 0, "getrlimit");
   if (rank == 1) {
     struct rlimit lim = was;
-    lim.rlim_cur = vm_size() + need + (8u << 20);
+    lim.rlim_cur = skv_test_vm_bytes() + need + (8u << 20);
     PE_CHECK(setrlimit(RLIMIT_AS, &lim) == 0, "setrlimit");
   }
   kv = (skv_kv_t *)1;
@@ -671,13 +659,8 @@ static int pe_pinner_while_proc_unreadable(int rank, int npes, void *arg) {
     PE_CHECK(skv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8, "pin all");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
-    struct rlimit old, lim;
-    PE_CHECK(getrlimit(RLIMIT_NOFILE, &old) == 0, "getrlimit");
-    int lowest = dup(0);
-    close(lowest);
-    lim = old;
-    lim.rlim_cur = (rlim_t)lowest; /* every open() fails with EMFILE now */
-    PE_CHECK(setrlimit(RLIMIT_NOFILE, &lim) == 0, "setrlimit");
+    struct rlimit old;
+    PE_CHECK(skv_test_limit_fds(0, &old) == 0, "limit"); /* every open() fails with EMFILE now */
     FILE *probe = fopen("/proc/self/stat", "r");
     bool emfile = probe == NULL && errno == EMFILE;
     if (probe) fclose(probe);
