@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what symkv needs to build and test on Debian/Ubuntu (only what is missing):
 # compilers, CMake, libuv, xxHash, Criterion, jansson; Python packages for the bindings' tests
-# and matplotlib for symkv-bench --plot (not for bench/run.sh, which sets SKV_WITH_PYTHON_DEPS=0).
+# (torch too, best effort) and matplotlib for symkv-bench --plot (not for bench/run.sh, which
+# sets SKV_WITH_PYTHON_DEPS=0).
 set -euo pipefail
 pkgs="build-essential cmake pkg-config libuv1-dev libxxhash-dev libcriterion-dev libjansson-dev python3 python3-pip"
 missing=""
@@ -30,5 +31,20 @@ if [ "${SKV_WITH_PYTHON_DEPS:-1}" = 1 ]; then
   if [ -n "$need" ]; then
     echo "installing Python packages:$need"
     "$py" -m pip install -q $need 2>/dev/null || "$py" -m pip install -q --break-system-packages $need
+  fi
+  # torch: the bindings' torch tests (CPU tensors; CUDA ones skip without a GPU). PyPI's wheel
+  # with its CUDA libraries takes about 5 GB: best effort, and its tests skip, saying why, when
+  # it cannot be had (SKV_WITH_TORCH=0 skips it on purpose).
+  if [ "${SKV_WITH_TORCH:-1}" = 1 ] && ! "$py" -c "import torch" 2>/dev/null; then
+    site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    while [ ! -d "$site" ] && [ "$site" != / ]; do site=$(dirname "$site"); done
+    free_gb=$(df -Pk "$site" | awk 'NR == 2 { print int($4 / 1048576) }')
+    if [ "${free_gb:-0}" -ge 12 ]; then
+      echo "installing Python packages: torch (about 5 GB; SKV_WITH_TORCH=0 to skip)"
+      "$py" -m pip install -q torch 2>/dev/null || "$py" -m pip install -q --break-system-packages torch ||
+        echo "tests/deps.sh: torch could not be installed: the torch tests skip" >&2
+    else
+      echo "tests/deps.sh: ${free_gb:-?} GB free, torch needs about 5: not installed, the torch tests skip" >&2
+    fi
   fi
 fi

@@ -32,6 +32,6 @@ if [ -n "$skips" ]; then echo "== Skipped tests (count, suite: reason) =="; echo
 if [ -z "$san" ] && [ -d bindings/python/tests ]; then
   echo "== Python tests =="
   SKV_LIBRARY="$PWD/$build/libsymkv.so" SKV_RUN="$PWD/$build/symkv-run" \
-    python3 -m pytest -q bindings/python/tests || status=1
+    python3 -m pytest -q -rs bindings/python/tests || status=1
 fi
 exit $status
