@@ -3,6 +3,8 @@
 #define _GNU_SOURCE
 #include "skv_test.h"
 
+#include "bootstrap/ctx.h"
+
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <errno.h>
@@ -22,6 +24,7 @@ static int pe_basic(int rank, int npes, void *arg) {
   PE_CHECK(skv_ctx_rank(ctx) == rank, "rank %d", skv_ctx_rank(ctx));
   PE_CHECK(skv_ctx_world_size(ctx) == npes, "world");
   PE_CHECK(skv_ctx_local_size(ctx) == npes && skv_ctx_local_rank(ctx) == rank, "local");
+  const uint64_t seq0 = ctx->coll_seq; /* the round 0 allgather is check seq0 + 1 */
   /* allgather of distinct values, several rounds */
   for (int round = 0; round < 20; round++) {
     uint64_t mine = (uint64_t)rank * 1000003u + (uint64_t)round, all[SKV_TEST_MAX_PES];
@@ -37,6 +40,26 @@ static int pe_basic(int rank, int npes, void *arg) {
     PE_CHECK(strcmp(msg, want) == 0, "broadcast got '%s'", msg);
     PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   }
+  /* Key lifetime: every rank's keys of the first round's collectives (its allgather and
+   * broadcast) are gone; those of the last collective (a barrier) wait for the next check. */
+  const unsigned long long ag = seq0 + 1, bc = seq0 + 2, last = ctx->coll_seq;
+  for (int r = 0; r <= npes; r++) {
+    for (int i = 0; i < 4; i++) {
+      char k[64];
+      if (r == npes && i > 0) break;
+      if (r == npes) snprintf(k, sizeof k, "bc/%llu", bc); /* the broadcast's one key, by its root */
+      else if (i == 0) snprintf(k, sizeof k, "coll/%llu/%d", ag, r);
+      else if (i == 1) snprintf(k, sizeof k, "ag/%llu/%d", ag, r);
+      else if (i == 2) snprintf(k, sizeof k, "coll/%llu/%d", bc, r);
+      else snprintf(k, sizeof k, "coll/%llu/%d", last, r);
+      void *v = NULL;
+      size_t n = 0;
+      int got = skv__store_try_get(ctx->store, k, &v, &n);
+      free(v);
+      PE_CHECK(i < 3 ? got == SKV_ENOTFOUND : got == 0, "store key %s: %s", k, skv_err_name(got));
+    }
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier"); /* nobody deletes a key another still reads */
   /* the public store */
   char key[32];
   snprintf(key, sizeof key, "user/%d", rank);

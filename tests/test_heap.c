@@ -286,7 +286,7 @@ static int pe_agree_out_of_memory(int rank, int npes, void *arg) {
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   if (rank == 2) {
     fail_calloc_n = (size_t)npes;
-    fail_calloc_size = 512; /* sizeof (agree_rec_t), ctx.c */
+    fail_calloc_size = sizeof(skv_step_result_t); /* the records of skv__coll_agree */
   }
   skv_heap_t *heap = (skv_heap_t *)1;
   double t0 = now_s();

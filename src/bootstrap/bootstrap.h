@@ -77,6 +77,24 @@ int skv__store_barrier(skv_store_t *st, const char *name, int timeout_ms);
 /* Every rank contributes `bytes`; `out` gets nranks * bytes in rank order. */
 int skv__store_allgather(skv_store_t *st, const char *name, const void *in, void *out,
                          size_t bytes, int timeout_ms);
+/* This rank's key of allgather `name` ("<name>/<rank>"): to delete it once every rank has read
+ * it, or to contribute without gathering (skv__store_allgather_put). */
+void skv__store_allgather_key(const skv_store_t *st, const char *name, char *buf, size_t cap);
+/* This rank's contribution to allgather `name` alone: a rank that has failed and needs nothing
+ * from the others still lets them complete. */
+int skv__store_allgather_put(skv_store_t *st, const char *name, const void *in, size_t bytes);
+
+/* A rank's result of a step of a collective, as its peers read it from the store: its code, and
+ * when it failed its message. */
+typedef struct skv_step_result {
+  int32_t rc;
+  char msg[508];
+} skv_step_result_t;
+/* Store this rank's failure `rc`, with the thread's last error as its message, under `key`
+ * (best effort: the peers time out without it); the last error is kept. */
+void skv__store_put_failure(skv_store_t *st, const char *key, int rc);
+/* A result's message (terminated here), or the name of its code when it has none. */
+const char *skv__step_msg(skv_step_result_t *r);
 int skv__store_rank(const skv_store_t *st);
 int skv__store_nranks(const skv_store_t *st);
 

@@ -118,7 +118,6 @@ fail:
   if (ctx->server)
     skv__store_server_stop_quiet(ctx->server, SKV_MIN(ctx->cfg.timeout_ms, INIT_FAIL_GRACE_MS));
   pthread_mutex_destroy(&ctx->mu);
-  free(ctx->deferred);
   free(ctx);
   return rc;
 }
@@ -140,7 +139,6 @@ int skv_finalize(skv_ctx_t *ctx) {
     if (rc2 == 0) rc2 = rc3;
   }
   pthread_mutex_destroy(&ctx->mu);
-  free(ctx->deferred);
   free(ctx);
   return rc ? rc : rc2;
 }
@@ -232,28 +230,18 @@ int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, ...) {
   /* Every PE that contributed to this check had finished reading the keys of its earlier
    * collectives, so this PE's keys of those can go (docs/bootstrap.md, "Key lifetime"). */
   if (rc == 0) {
-    for (int i = 0; i < 2; i++)
-      if (ctx->stale_key[i][0]) (void)skv__store_del(ctx->store, ctx->stale_key[i]);
-    memset(ctx->stale_key, 0, sizeof ctx->stale_key);
-    snprintf(ctx->stale_key[0], sizeof ctx->stale_key[0], "%s/%d", name, ctx->cfg.rank);
     pthread_mutex_lock(&ctx->mu);
-    char(*keys)[128] = ctx->deferred;
     int nd = ctx->ndeferred;
-    ctx->deferred = NULL;
-    ctx->ndeferred = ctx->capdeferred = 0;
+    ctx->ndeferred = 0;
+    for (int i = 0; i < nd; i++) (void)skv__store_del(ctx->store, ctx->deferred[i]);
     pthread_mutex_unlock(&ctx->mu);
-    for (int i = 0; i < nd; i++) (void)skv__store_del(ctx->store, keys[i]);
-    free(keys);
+    char key[SKV_BOOT_MAX_KEY + 16];
+    skv__store_allgather_key(ctx->store, name, key, sizeof key);
+    skv__coll_forget_later(ctx, key);
   }
   if (rc == 0 && seq_out) *seq_out = seq;
   return rc;
 }
-
-typedef struct agree_rec {
-  int32_t rc;
-  int32_t rank;
-  char msg[504];
-} agree_rec_t;
 
 bool skv__is_bootstrap_failure(int rc) {
   return rc == SKV_ETIMEDOUT || rc == SKV_EPEERDEAD || rc == SKV_ECONN || rc == SKV_EMISMATCH ||
@@ -263,52 +251,31 @@ bool skv__is_bootstrap_failure(int rc) {
 int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) {
   if (rc < 0 && skv__is_bootstrap_failure(rc)) return rc;
   const int n = ctx->cfg.world_size;
-  agree_rec_t *all = rc < 0 ? NULL : calloc((size_t)n, sizeof *all);
+  skv_step_result_t *all = rc < 0 ? NULL : calloc((size_t)n, sizeof *all);
   if (rc == 0 && !all) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "%s: out of memory", what);
-  agree_rec_t me;
-  memset(&me, 0, sizeof me);
-  me.rc = rc < 0 ? rc : 0;
-  me.rank = ctx->cfg.rank;
   if (rc < 0) {
     /* A PE that failed only tells the others (its allgather key): it needs nothing from them,
      * and some may have given up already. Its own error stays the one it reports. */
-    char own[1024], key[SKV_BOOT_MAX_KEY + 16];
-    snprintf(own, sizeof own, "%s", skv_last_error());
-    memcpy(me.msg, own, SKV_MIN(strlen(own), sizeof me.msg - 1)); /* cut: the key holds 504 */
-    snprintf(key, sizeof key, "%s/%d", name, ctx->cfg.rank);
-    (void)skv__store_set(ctx->store, key, &me, sizeof me);
-    skv__error_restore(own);
+    char key[SKV_BOOT_MAX_KEY + 16];
+    skv__store_allgather_key(ctx->store, name, key, sizeof key);
+    skv__store_put_failure(ctx->store, key, rc);
     return rc;
   }
+  skv_step_result_t me;
+  memset(&me, 0, sizeof me);
   int out = skv__store_allgather(ctx->store, name, &me, all, sizeof me, ctx->cfg.timeout_ms);
-  for (int r = 0; out == 0 && r < n; r++) {
-    if (all[r].rc >= 0) continue;
-    all[r].msg[sizeof all[r].msg - 1] = '\0';
-    out = SKV_FAIL(all[r].rc, SKV_SUBSYS_INIT, "%s: rank %d failed: %s", what, r,
-                   all[r].msg[0] ? all[r].msg : skv_err_name(all[r].rc));
-  }
+  for (int r = 0; out == 0 && r < n; r++)
+    if (all[r].rc < 0)
+      out = SKV_FAIL(all[r].rc, SKV_SUBSYS_INIT, "%s: rank %d failed: %s", what, r, skv__step_msg(&all[r]));
   free(all);
   return out;
 }
 
 void skv__coll_forget_later(skv_ctx_t *ctx, const char *key) {
   pthread_mutex_lock(&ctx->mu);
-  if (ctx->ndeferred == ctx->capdeferred) {
-    int cap = ctx->capdeferred ? 2 * ctx->capdeferred : 8;
-    void *nd = realloc(ctx->deferred, (size_t)cap * sizeof *ctx->deferred);
-    if (nd) {
-      ctx->deferred = nd;
-      ctx->capdeferred = cap;
-    }
-  }
-  if (ctx->ndeferred < ctx->capdeferred) /* else the key stays: a small leak, never an error */
+  if (ctx->ndeferred < SKV_CTX_DEFERRED_KEYS)
     snprintf(ctx->deferred[ctx->ndeferred++], sizeof ctx->deferred[0], "%s", key);
   pthread_mutex_unlock(&ctx->mu);
-}
-
-/* Remember a key this PE wrote for collective `seq`, to delete after the next check. */
-static void forget_later(skv_ctx_t *ctx, const char *key) {
-  snprintf(ctx->stale_key[1], sizeof ctx->stale_key[1], "%s", key);
 }
 
 /* ---- host collectives and the public store -------------------------------------------- */
@@ -330,8 +297,9 @@ int skv_ctx_allgather(skv_ctx_t *ctx, const void *in, void *out, size_t bytes) {
   char name[64];
   snprintf(name, sizeof name, "ag/%" PRIu64, seq);
   SKV_CHECK(skv__store_allgather(ctx->store, name, in, out, bytes, ctx->cfg.timeout_ms));
-  snprintf(name, sizeof name, "ag/%" PRIu64 "/%d", seq, ctx->cfg.rank);
-  forget_later(ctx, name);
+  char key[SKV_BOOT_MAX_KEY + 16];
+  skv__store_allgather_key(ctx->store, name, key, sizeof key);
+  skv__coll_forget_later(ctx, key);
   return 0;
 }
 
@@ -347,7 +315,7 @@ int skv_ctx_broadcast(skv_ctx_t *ctx, void *buf, size_t bytes, int root) {
   snprintf(name, sizeof name, "bc/%" PRIu64, seq);
   if (ctx->cfg.rank == root) {
     SKV_CHECK(skv__store_set(ctx->store, name, buf, bytes));
-    forget_later(ctx, name);
+    skv__coll_forget_later(ctx, name);
     return 0;
   }
   void *val = NULL;

@@ -9,6 +9,7 @@
 #include <pthread.h>
 
 #define SKV_MAX_LOCAL_PES 64
+#define SKV_CTX_DEFERRED_KEYS 16 /* store keys awaiting deletion at the next collective check */
 
 struct skv_ctx {
   skv_cfg_resolved_t cfg;
@@ -22,10 +23,10 @@ struct skv_ctx {
   uint64_t job_id;   /* random, equal on every PE: names node-wide objects */
   int device;        /* CUDA device once chosen, else -1 */
   void *cuda;        /* backend state of the CUDA layer (src/heap/heap_cuda.c) */
-  char (*deferred)[128]; /* keys of failed collective steps (skv__coll_forget_later) */
-  int ndeferred, capdeferred;
-  char stale_key[2][96]; /* this PE's store keys of the last collectives, deleted once the
-                            next collective check proves every PE has read them */
+  /* this PE's store keys of collectives already done (skv__coll_forget_later), deleted once
+   * the next collective check proves every PE has read them */
+  char deferred[SKV_CTX_DEFERRED_KEYS][SKV_BOOT_MAX_KEY + 16]; /* as the keys built for them */
+  int ndeferred;
 };
 
 /* Collective check: every PE describes the collective it is entering ("skv_heap_create(backend
@@ -45,7 +46,8 @@ int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what);
  * mismatch, protocol, authentication): the peers are not all there to take part any more. */
 bool skv__is_bootstrap_failure(int rc);
 /* Delete this PE's store key `key` after the next collective check completes (by then every
- * PE has finished the collective step that reads it); for keys of steps that failed. */
+ * PE has finished the collective step that reads it). Keys beyond SKV_CTX_DEFERRED_KEYS
+ * before that check stay in the store (a small leak, never an error). */
 void skv__coll_forget_later(skv_ctx_t *ctx, const char *key);
 /* A unique name for the collective object created under sequence number `seq`. */
 void skv__coll_name(const skv_ctx_t *ctx, uint64_t seq, const char *what, char *buf, size_t cap);

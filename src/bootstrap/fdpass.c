@@ -69,22 +69,11 @@ static int SKV_PRINTF(2, 3) fail_after_probe(int rc, const char *fmt, ...) {
  * barrier at once, see the counter, and fail with its code and message. */
 #define FD_FAILED (1ll << 40)
 
-typedef struct fd_failure {
-  int32_t rc;
-  char msg[252];
-} fd_failure_t;
-
 static void fail_before_ready(skv_store_t *st, const char *tag, const char *ready_key, int rank, int rc) {
-  fd_failure_t f;
-  memset(&f, 0, sizeof f);
-  f.rc = rc;
-  const char *e = skv_last_error();
-  memcpy(f.msg, e, SKV_MIN(strlen(e), sizeof f.msg - 1));
-  char key[SKV_BOOT_MAX_KEY + 1], saved[1024];
-  snprintf(saved, sizeof saved, "%s", e);
+  char key[SKV_BOOT_MAX_KEY + 1];
   snprintf(key, sizeof key, "%s/failed/%d", tag, rank);
-  if (skv__store_set(st, key, &f, sizeof f) == 0) (void)skv__store_add(st, ready_key, FD_FAILED, NULL);
-  skv__error_restore(saved);
+  skv__store_put_failure(st, key, rc);
+  (void)skv__store_add(st, ready_key, FD_FAILED, NULL);
 }
 
 /* The barrier's counter says a local PE failed before listening: its code and message. */
@@ -95,14 +84,13 @@ static int peer_failed_before_ready(skv_store_t *st, const char *tag, const int 
     void *v = NULL;
     size_t n = 0;
     if (skv__store_try_get(st, key, &v, &n) != 0) continue;
-    fd_failure_t f;
-    memset(&f, 0, sizeof f);
-    memcpy(&f, v, SKV_MIN(n, sizeof f));
+    skv_step_result_t r;
+    memset(&r, 0, sizeof r);
+    memcpy(&r, v, SKV_MIN(n, sizeof r));
     free(v);
-    f.msg[sizeof f.msg - 1] = '\0';
-    return SKV_FAIL(f.rc < 0 ? f.rc : SKV_EINTERNAL, SKV_SUBSYS_BOOT,
+    return SKV_FAIL(r.rc < 0 ? r.rc : SKV_EINTERNAL, SKV_SUBSYS_BOOT,
                     "fd exchange \"%s\": local PE %d (rank %d) failed before it listened: %s", tag, i,
-                    ranks[i], f.msg);
+                    ranks[i], skv__step_msg(&r));
   }
   return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BOOT,
                   "fd exchange \"%s\": a local PE failed before it listened, without saying why", tag);

@@ -490,6 +490,32 @@ void skv__store_abort(skv_store_t *st) {
   store_free(st);
 }
 
+void skv__store_allgather_key(const skv_store_t *st, const char *name, char *buf, size_t cap) {
+  snprintf(buf, cap, "%s/%d", name, st->rank);
+}
+
+int skv__store_allgather_put(skv_store_t *st, const char *name, const void *in, size_t bytes) {
+  char key[SKV_BOOT_MAX_KEY + 16];
+  skv__store_allgather_key(st, name, key, sizeof key);
+  return skv__store_set(st, key, in, bytes);
+}
+
+void skv__store_put_failure(skv_store_t *st, const char *key, int rc) {
+  skv_step_result_t r;
+  memset(&r, 0, sizeof r);
+  r.rc = rc;
+  char saved[1024];
+  snprintf(saved, sizeof saved, "%s", skv_last_error());
+  memcpy(r.msg, saved, SKV_MIN(strlen(saved), sizeof r.msg - 1)); /* cut to what a record holds */
+  (void)skv__store_set(st, key, &r, sizeof r);
+  skv__error_restore(saved);
+}
+
+const char *skv__step_msg(skv_step_result_t *r) {
+  r->msg[sizeof r->msg - 1] = '\0';
+  return r->msg[0] ? r->msg : skv_err_name(r->rc);
+}
+
 int skv__store_rank(const skv_store_t *st) {
   STORE_CHECK(st, "skv__store_rank");
   return st->rank;
@@ -731,7 +757,7 @@ int skv__store_allgather(skv_store_t *st, const char *name, const void *in, void
                     "%s: name too long for \"<name>/<rank>\" keys (limit %d bytes)", what,
                     SKV_BOOT_MAX_KEY - 12);
   uint64_t deadline = skv__now_ms() + (uint64_t)timeout_ms;
-  snprintf(key, sizeof key, "%s/%d", name, st->rank);
+  skv__store_allgather_key(st, name, key, sizeof key);
   SKV_CHECK(do_set(st, what, key, in, bytes, timeout_ms));
   for (int r = 0; r < st->nranks; r++) {
     uint8_t *dst = (uint8_t *)out + (size_t)r * bytes;

@@ -28,13 +28,14 @@ int skv__heap_agree(skv_heap_t *heap, const char *step, int rc) {
   return skv__coll_agree(heap->ctx, key, rc, what);
 }
 
-/* This PE's store keys of the create steps named (skv__heap_agree's are "<name>/<step>/<rank>"):
- * deleted now, once every PE is known to have read them, or (later) after the next collective
- * check, for a create that failed (docs/bootstrap.md, "Key lifetime"). */
+/* This PE's store keys of the create steps named (the allgathers "<name>/<step>"): deleted now,
+ * once every PE is known to have read them, or (later) after the next collective check, for a
+ * create that failed (docs/bootstrap.md, "Key lifetime"). */
 static void heap_forget_keys(const skv_heap_t *heap, const char *const *steps, int n, bool later) {
-  char key[sizeof heap->name + 32];
+  char step[sizeof heap->name + 16], key[SKV_BOOT_MAX_KEY + 16];
   for (int i = 0; i < n; i++) {
-    snprintf(key, sizeof key, "%s/%s/%d", heap->name, steps[i], heap->ctx->cfg.rank);
+    snprintf(step, sizeof step, "%s/%s", heap->name, steps[i]);
+    skv__store_allgather_key(heap->ctx->store, step, key, sizeof key);
     if (later) skv__coll_forget_later(heap->ctx, key);
     else (void)skv__store_del(heap->ctx->store, key);
   }

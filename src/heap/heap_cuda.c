@@ -95,9 +95,7 @@ static int gather_devices(skv_heap_t *heap, int dev, dev_rec_t *devs) {
   snprintf(name, sizeof name, "%s/dev", heap->name);
   dev_rec_t *all = calloc((size_t)ctx->cfg.world_size, sizeof *all);
   if (!all) {
-    char key[sizeof name + 16];
-    snprintf(key, sizeof key, "%s/%d", name, ctx->cfg.rank);
-    (void)skv__store_set(ctx->store, key, &mine, sizeof mine);
+    (void)skv__store_allgather_put(ctx->store, name, &mine, sizeof mine);
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
   }
   int rc = skv__store_allgather(ctx->store, name, &mine, all, sizeof mine, ctx->cfg.timeout_ms);
