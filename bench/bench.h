@@ -3,7 +3,7 @@
 #ifndef SKV_BENCH_H
 #define SKV_BENCH_H
 
-#include "core.h"
+#include "core/core.h"
 
 #include <stdbool.h>
 #include <stdint.h>

@@ -20,8 +20,8 @@ int bench_fetch(bench_t *b) {
 
 #else
 
-#include "../kernels/kv_copy.h"
-#include "heap/device_cuda.h"
+#include "kernels/kv_copy.h"
+#include "cuda/device.h"
 #include "kv/kv_cuda.h"
 
 #include <cuda_runtime_api.h>

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #ifdef SKV_WITH_CUDA
-#include "heap/device_cuda.h"
+#include "cuda/device.h"
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>

@@ -1,6 +1,6 @@
 /* CUDA kernels of the collectives: Lamport one-shot and two-shot all-reduce, barrier, signal and
  * wait, and the device-API self-test and ping-pong; launch wrappers for src/comm/comm_cuda.c. */
-#include "comm.h"
+#include "kernels/comm_proto.h"
 
 #include "symkv.h"
 #include "symkv_device.cuh"
@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 /* The flag protocol is described in src/comm/comm.c ("How the flag protocols work"); the host
- * backend there runs the same index math (kernels/comm.h) with the CPU. */
+ * backend there runs the same index math (kernels/comm_proto.h) with the CPU. */
 
 namespace {
 

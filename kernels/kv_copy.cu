@@ -1,6 +1,6 @@
 /* KV copy kernels: one launch moves a batch of pages between the symmetric heap (pages of any
  * PE, over NVLink) and an engine's paged KV cache, 16-byte vectors or TMA bulk copies. */
-#include "kv_copy.h"
+#include "kernels/kv_copy.h"
 
 #include <cuda_runtime.h>
 #include <stddef.h>

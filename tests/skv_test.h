@@ -3,7 +3,7 @@
 #ifndef SKV_TEST_H
 #define SKV_TEST_H
 
-#include "core.h"
+#include "core/core.h"
 
 #include <stdbool.h>
 #include <stdint.h>

@@ -4,7 +4,7 @@
 #define _GNU_SOURCE
 #include "skv_test.h"
 
-#include "../kernels/kv_copy.h"
+#include "kernels/kv_copy.h"
 #include "kv/kv.h"
 #include "kv/kv_cuda.h"
 

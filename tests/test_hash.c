@@ -2,7 +2,7 @@
  * streaming, and by tests/vectors/gen_hash_vectors.py), chains, separation and bad input. */
 #define _GNU_SOURCE
 #include "skv_test.h"
-#include "index/hash.h"
+#include "kv/keys.h"
 
 #include <criterion/criterion.h>
 #include <inttypes.h>

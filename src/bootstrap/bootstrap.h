@@ -3,7 +3,7 @@
 #ifndef SKV_BOOTSTRAP_H
 #define SKV_BOOTSTRAP_H
 
-#include "core.h"
+#include "core/core.h"
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,7 +1,7 @@
 /* Context: joining and leaving the job through the bootstrap store, the node's PEs, host
  * barrier/allgather/broadcast, the public store calls and the collective check. */
 #define _GNU_SOURCE
-#include "ctx.h"
+#include "bootstrap/ctx.h"
 
 #include <errno.h>
 #include <inttypes.h>

@@ -3,8 +3,8 @@
 #ifndef SKV_CTX_H
 #define SKV_CTX_H
 
-#include "bootstrap.h"
-#include "core.h"
+#include "bootstrap/bootstrap.h"
+#include "core/core.h"
 
 #include <pthread.h>
 

@@ -1,7 +1,7 @@
 /* File-descriptor exchange between the PEs of one node: abstract unix sockets named from a
  * random nonce shared through the store, SCM_RIGHTS, same-user and nonce checks on every fd. */
 #define _GNU_SOURCE
-#include "bootstrap.h"
+#include "bootstrap/bootstrap.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -1,7 +1,7 @@
 /* The bootstrap store client: a blocking TCP connection to rank 0's store, one request at a
  * time, every wait bounded; set/get/add/wait plus the barrier and allgather built on them. */
 #define _GNU_SOURCE
-#include "bootstrap.h"
+#include "bootstrap/bootstrap.h"
 
 #include <errno.h>
 #include <fcntl.h>

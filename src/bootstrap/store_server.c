@@ -1,7 +1,7 @@
 /* The bootstrap key-value store server: a libuv loop on a background thread of rank 0 that serves
  * SET/GET/ADD/WAIT to every PE over TCP, parking blocking requests until they can be answered. */
 #define _GNU_SOURCE
-#include "bootstrap.h"
+#include "bootstrap/bootstrap.h"
 
 #include <errno.h>
 #include <inttypes.h>

@@ -5,7 +5,7 @@
 
 #include "heap/heap.h"
 
-#include "../../kernels/comm.h"
+#include "kernels/comm_proto.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -83,7 +83,7 @@ int skv__comm_cuda_barrier(skv_comm_t *c, int channel, void *stream);
 int skv__comm_cuda_check(skv_comm_t *c);
 /* The descriptor kernels get (tests and the bench launch the self-test and ping-pong with it). */
 int skv__comm_cuda_dev(skv_comm_t *c, skv__comm_dev_t *d);
-/* Tests and bench: the device-API self-test and the in-kernel ping-pong (kernels/comm.h). */
+/* Tests and bench: the device-API self-test and the in-kernel ping-pong (kernels/comm_proto.h). */
 int skv__comm_devapi_selftest(skv_comm_t *c, uint32_t slot_base, int iters, int blocks,
                               uint64_t data_off, uint64_t bytes_per_block, int errors_out[2],
                               void *stream);

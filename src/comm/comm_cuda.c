@@ -2,7 +2,7 @@
  * launches chunk by chunk, and the NCCL communicator (libnccl.so.2 opened at run time). */
 #define _GNU_SOURCE
 #include "comm/comm.h"
-#include "heap/device_cuda.h"
+#include "cuda/device.h"
 
 #include <dlfcn.h>
 #include <inttypes.h>

@@ -1,7 +1,7 @@
 /* Configuration: the skv_config_t field table, string setters, validation field by field
  * (errors name the field), and resolution against the SKV_* environment and defaults. */
 #define _GNU_SOURCE
-#include "core.h"
+#include "core/core.h"
 
 #include <ctype.h>
 #include <stddef.h>

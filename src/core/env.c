@@ -1,7 +1,7 @@
 /* Environment parameters: every SKV_* variable is read once, on first use, from a table
  * (core.h's SKV_ENV_MAP); skv_init logs the ones that are set and warns about unknown names. */
 #define _GNU_SOURCE
-#include "core.h"
+#include "core/core.h"
 
 #include <pthread.h>
 #include <stdio.h>

@@ -1,7 +1,7 @@
 /* Error codes and messages: the X-macro table of symkv.h, -errno passthrough, and the
  * thread-local last-error text with the file:line of the failure. */
 #define _GNU_SOURCE
-#include "core.h"
+#include "core/core.h"
 
 #include <errno.h>
 #include <stdio.h>

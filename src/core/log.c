@@ -1,7 +1,7 @@
 /* Logging: levels and subsystems from SKV_DEBUG / SKV_DEBUG_SUBSYS, lines prefixed
  * "host:pid:rank", a replaceable sink (default stderr, or SKV_DEBUG_FILE). */
 #define _GNU_SOURCE
-#include "core.h"
+#include "core/core.h"
 
 #include <errno.h>
 #include <fcntl.h>

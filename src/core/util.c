@@ -1,7 +1,7 @@
 /* Small helpers shared by every layer: clocks, integer parsing, randomness, constant-time
  * comparison, byte formatting. */
 #define _GNU_SOURCE
-#include "core.h"
+#include "core/core.h"
 
 #include <errno.h>
 #include <inttypes.h>

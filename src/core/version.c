@@ -1,5 +1,5 @@
 /* Library version, as loaded (callers compare it with the SKV_VERSION_* of their header). */
-#include "core.h"
+#include "core/core.h"
 
 #include <stdio.h>
 

@@ -1,7 +1,7 @@
 /* Symmetric heap front end: argument checks, the [signal | scratch | data] layout, the
  * collective check, and dispatch to the host or CUDA backend. */
 #define _GNU_SOURCE
-#include "heap.h"
+#include "heap/heap.h"
 
 #include <inttypes.h>
 #include <stdio.h>

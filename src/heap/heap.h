@@ -4,7 +4,7 @@
 #define SKV_HEAP_H
 
 #include "bootstrap/ctx.h"
-#include "core.h"
+#include "core/core.h"
 
 typedef struct skv_heap_backend skv_heap_backend_t;
 

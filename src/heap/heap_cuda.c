@@ -3,7 +3,7 @@
  * virtual range at base + pe * stride. `cuda_host`: the host backend's memfd segments,
  * registered with the PE's GPU so that kernels read them at the same addresses. */
 #define _GNU_SOURCE
-#include "heap/device_cuda.h"
+#include "cuda/device.h"
 #include "heap/heap.h"
 
 #include <inttypes.h>

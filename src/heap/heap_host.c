@@ -1,7 +1,7 @@
 /* Host heap backend: each PE's segment is a memfd, passed to the local peers over a unix
  * socket (SCM_RIGHTS) and mapped by every PE into one reserved range at base + pe * stride. */
 #define _GNU_SOURCE
-#include "heap.h"
+#include "heap/heap.h"
 
 #include <errno.h>
 #include <inttypes.h>

@@ -1,6 +1,6 @@
 /* The node-shared lock-free index: claim by 128-bit CAS, first-writer-wins by tickets,
  * seqlock-free lookups. The protocol and its failure cases are described in index.h. */
-#include "index.h"
+#include "index/index.h"
 
 #include <sched.h>
 #include <string.h>

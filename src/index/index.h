@@ -3,7 +3,7 @@
 #ifndef SKV_INDEX_H
 #define SKV_INDEX_H
 
-#include "core.h"
+#include "core/core.h"
 
 /* How it works
  * ------------

@@ -1,6 +1,6 @@
 /* KV geometries: validation of skv_geometry_t field by field and the size of one page,
  * [layer][k|v][token][head][dim] with elem_bytes per element. */
-#include "kv/layout.h"
+#include "kv/geometry.h"
 
 #include <inttypes.h>
 
@@ -60,4 +60,13 @@ int skv_geometry_page_bytes(const skv_geometry_t *geom, uint64_t *page_bytes) {
   SKV_ARG_CHECK(page_bytes, SKV_SUBSYS_KV,
                 "skv_geometry_page_bytes: page_bytes (the result pointer) is NULL");
   return skv__geometry_check(geom, "skv_geometry_page_bytes: geom", page_bytes);
+}
+
+bool skv__geometry_equal(const skv_geometry_t *a, const skv_geometry_t *b) {
+  if (a == b) return true;
+  if (!a || !b) return false;
+  /* size and version describe the struct, not the geometry: they are not compared. */
+  return a->kv_kind == b->kv_kind && a->num_layers == b->num_layers &&
+         a->num_kv_heads == b->num_kv_heads && a->head_dim == b->head_dim &&
+         a->elem_bytes == b->elem_bytes && a->page_tokens == b->page_tokens;
 }

@@ -2,7 +2,7 @@
  * lookup with pins, publish with deduplication and LRU eviction, fetch (host path here; the
  * CUDA path is kv_cuda.c), stats. */
 #define _GNU_SOURCE
-#include "kv.h"
+#include "kv/kv.h"
 
 #include <inttypes.h>
 #include <stdio.h>

@@ -4,7 +4,7 @@
 #define SKV_KV_H
 
 #include "heap/heap.h"
-#include "index/hash.h"
+#include "kv/keys.h"
 #include "index/index.h"
 #include "kv/layout.h"
 #include "pool/pool.h"

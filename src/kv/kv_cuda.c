@@ -5,8 +5,8 @@
 #define _GNU_SOURCE
 #include "kv/kv_cuda.h"
 
-#include "../../kernels/kv_copy.h"
-#include "heap/device_cuda.h"
+#include "kernels/kv_copy.h"
+#include "cuda/device.h"
 
 #include <errno.h>
 #include <inttypes.h>

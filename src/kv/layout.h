@@ -1,22 +1,9 @@
-/* Internal view of KV geometries and engine layouts, and the host copy between a page
+/* Internal view of engine layouts (skv_layout_t) and the host copy between a page
  * ([layer][k|v][token][head][dim]) and the engine blocks a layout describes. */
 #ifndef SKV_LAYOUT_H
 #define SKV_LAYOUT_H
 
-#include "core.h"
-
-/* ---- geometry.c ----------------------------------------------------------------------- */
-
-/* Validate (errors name the field, prefixed by `what`) and compute derived sizes. */
-int skv__geometry_check(const skv_geometry_t *g, const char *what, uint64_t *page_bytes);
-/* K and V (2) or the MLA latent (1). */
-static inline uint32_t skv__geometry_kvn(const skv_geometry_t *g) {
-  return g->kv_kind == SKV_KV_MLA ? 1u : 2u;
-}
-/* Bytes of one [token][head][dim] slab of one layer and one of k/v within a page. */
-static inline uint64_t skv__geometry_slab_bytes(const skv_geometry_t *g) {
-  return (uint64_t)g->page_tokens * g->num_kv_heads * g->head_dim * g->elem_bytes;
-}
+#include "kv/geometry.h"
 
 /* ---- layout.c ------------------------------------------------------------------------- */
 

@@ -1,7 +1,7 @@
 /* Page pool: shared page metadata, the pin protocol against the owner's eviction, an exact
  * LRU by lazy min-heap, and liveness of peers. The protocol is described in pool.h. */
 #define _GNU_SOURCE
-#include "pool.h"
+#include "pool/pool.h"
 
 #include <errno.h>
 #include <sched.h>

@@ -3,7 +3,7 @@
 #ifndef SKV_POOL_H
 #define SKV_POOL_H
 
-#include "core.h"
+#include "core/core.h"
 
 #include <pthread.h>
 

@@ -5,7 +5,7 @@
 #define SKV_DEVICE_CUDA_H
 
 #include "bootstrap/ctx.h"
-#include "core.h"
+#include "core/core.h"
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -13,7 +13,7 @@
 /* Driver API functions symkv uses; NULL until skv__cuda_driver() succeeded. */
 typedef struct skv_cu_api {
 #define SKV_CU_FN(name, ret, args) ret(CUDAAPI *name) args;
-#include "heap/cuda_fns.h"
+#include "cuda/driver_fns.h"
 #undef SKV_CU_FN
 } skv_cu_api_t;
 

@@ -1,7 +1,7 @@
 /* CUDA helpers: driver entry points through the runtime (no libcuda link), device choice per
  * context, error text, graph-capture detection. */
 #define _GNU_SOURCE
-#include "heap/device_cuda.h"
+#include "cuda/device.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -33,7 +33,7 @@ static void resolve(void) {
     cu_status = SKV_ENOTSUP;                                                                   \
     return;                                                                                    \
   }
-#include "heap/cuda_fns.h"
+#include "cuda/driver_fns.h"
 #undef SKV_CU_FN
   cu_status = 0;
 }

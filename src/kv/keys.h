@@ -1,9 +1,9 @@
 /* Internal view of namespaces and key hashing (XXH3-128 chains keyed with the namespace and
  * the deployment secret); the byte format is docs/hashing.md. */
-#ifndef SKV_HASH_H
-#define SKV_HASH_H
+#ifndef SKV_KEYS_H
+#define SKV_KEYS_H
 
-#include "core.h"
+#include "kv/geometry.h"
 
 struct skv_namespace {
   skv_key_t id;          /* 128-bit namespace id (secret, model, geometry, salt) */
@@ -17,8 +17,5 @@ static inline skv_key_t skv__key_fix(skv_key_t k) {
   if (k.hi == 0) k.hi = 1;
   return k;
 }
-
-/* Same geometry (every field)? */
-bool skv__geometry_equal(const skv_geometry_t *a, const skv_geometry_t *b);
 
 #endif

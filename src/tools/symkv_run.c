@@ -1,7 +1,7 @@
 /* symkv-run: start N local PEs with the bootstrap environment (like torchrun), prefix their
  * output with the rank, and stop every PE when one fails, on a timeout or on a signal. */
 #define _GNU_SOURCE
-#include "core.h"
+#include "core/core.h"
 
 #include <errno.h>
 #include <fcntl.h>

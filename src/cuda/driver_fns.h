@@ -1,5 +1,5 @@
 /* The driver API functions symkv resolves at run time: SKV_CU_FN(name, return type, args).
- * Included by device_cuda.h/.c with SKV_CU_FN defined; no include guard on purpose. */
+ * Included by cuda/device.h and .c with SKV_CU_FN defined; no include guard on purpose. */
 SKV_CU_FN(cuGetErrorName, CUresult, (CUresult, const char **))
 SKV_CU_FN(cuGetErrorString, CUresult, (CUresult, const char **))
 SKV_CU_FN(cuMemCreate, CUresult, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long))

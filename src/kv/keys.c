@@ -1,8 +1,9 @@
 /* Namespaces and key hashing: XXH3-128 chains over explicitly serialised little-endian bytes,
  * keyed with the namespace id and the deployment secret. The byte format is docs/hashing.md. */
 #define _GNU_SOURCE
-#include "index/hash.h"
-#include "kv/layout.h"
+#include "kv/keys.h"
+
+#include "core/bytes.h"
 
 #include <inttypes.h>
 #include <stdlib.h>
@@ -42,21 +43,9 @@
 #define HOST_IS_LE 0
 #endif
 
-static inline void put_u32le(uint8_t *p, uint32_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-  p[2] = (uint8_t)(v >> 16);
-  p[3] = (uint8_t)(v >> 24);
-}
-
-static inline void put_u64le(uint8_t *p, uint64_t v) {
-  put_u32le(p, (uint32_t)v);
-  put_u32le(p + 4, (uint32_t)(v >> 32));
-}
-
 static inline void put_key(uint8_t *p, skv_key_t k) {
-  put_u64le(p, k.hi);
-  put_u64le(p + 8, k.lo);
+  skv__put_le64(p, k.hi);
+  skv__put_le64(p + 8, k.lo);
 }
 
 static inline skv_key_t key_of(XXH128_hash_t h) {
@@ -69,7 +58,7 @@ static inline void put_tokens(uint8_t *dst, const uint32_t *tok, size_t n) {
 #if HOST_IS_LE
   memcpy(dst, tok, n * sizeof(uint32_t));
 #else
-  for (size_t i = 0; i < n; i++) put_u32le(dst + 4 * i, tok[i]);
+  for (size_t i = 0; i < n; i++) skv__put_le32(dst + 4 * i, tok[i]);
 #endif
 }
 
@@ -90,7 +79,7 @@ static void update_tokens(XXH3_state_t *st, const uint32_t *tok, size_t n) {
 
 static void update_u32(XXH3_state_t *st, uint32_t v) {
   uint8_t b[4];
-  put_u32le(b, v);
+  skv__put_le32(b, v);
   XXH3_128bits_update(st, b, sizeof b);
 }
 
@@ -105,15 +94,6 @@ static void wipe(void *p, size_t n) {
 }
 
 /* ---- namespaces ---------------------------------------------------------------------------- */
-
-bool skv__geometry_equal(const skv_geometry_t *a, const skv_geometry_t *b) {
-  if (a == b) return true;
-  if (!a || !b) return false;
-  /* size and version describe the struct, not the geometry: they are not compared. */
-  return a->kv_kind == b->kv_kind && a->num_layers == b->num_layers &&
-         a->num_kv_heads == b->num_kv_heads && a->head_dim == b->head_dim &&
-         a->elem_bytes == b->elem_bytes && a->page_tokens == b->page_tokens;
-}
 
 int skv_namespace_create(const char *model, const skv_geometry_t *geom, const void *salt,
                          size_t salt_len, const void *secret, size_t secret_len,
