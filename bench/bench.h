@@ -19,21 +19,21 @@ typedef struct bench_row {
 } bench_row_t;
 
 typedef struct bench {
-  const char *cmd;        /* "heap", "micro", ... */
-  char command[1024];     /* the command line, as run */
+  const char *cmd;    /* "heap", "micro", ... */
+  char command[1024]; /* the command line, as run */
   int argc;
   char **argv;
-  bool json;              /* --json: the JSON object on stdout instead of the table */
-  const char *json_out;   /* --json-out FILE: the JSON object into FILE as well */
+  bool json;            /* --json: the JSON object on stdout instead of the table */
+  const char *json_out; /* --json-out FILE: the JSON object into FILE as well */
   bool quiet;
-  void *config;           /* json_t * object of the command's settings */
+  void *config; /* json_t * object of the command's settings */
   bench_row_t *rows;
   size_t nrows, cap;
 } bench_t;
 
 /* Add a row; baseline < 0 means none. Returns the row. */
-bench_row_t *bench_row(bench_t *b, const char *name, double value, const char *unit, const char *better,
-                       const char *baseline_name, double baseline);
+bench_row_t *bench_row(bench_t *b, const char *name, double value, const char *unit,
+                       const char *better, const char *baseline_name, double baseline);
 void bench_config_str(bench_t *b, const char *key, const char *val);
 void bench_config_int(bench_t *b, const char *key, long long val);
 void bench_config_real(bench_t *b, const char *key, double val);
@@ -41,7 +41,9 @@ void bench_config_real(bench_t *b, const char *key, double val);
 int bench_report(bench_t *b);
 
 /* Wall-clock seconds (monotonic). */
-static inline double bench_now(void) { return (double)skv__now_ns() * 1e-9; }
+static inline double bench_now(void) {
+  return (double)skv__now_ns() * 1e-9;
+}
 /* splitmix64 */
 static inline uint64_t bench_rand(uint64_t *s) {
   uint64_t z = (*s += 0x9e3779b97f4a7c15ull);

@@ -31,8 +31,10 @@ int bench_heap(bench_t *b) {
   const char *bk = bench_opt(b, "--backend");
   if (!bk) bk = skv__env(SKV_ENV_HEAP_BACKEND);
   if (bk && strcmp(bk, "host") != 0)
-    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH, "symkv-bench heap measures the host backend (got --backend %s); "
-                    "GPU bandwidth is measured by symkv-bench fetch", bk);
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH,
+                    "symkv-bench heap measures the host backend (got --backend %s); "
+                    "GPU bandwidth is measured by symkv-bench fetch",
+                    bk);
   skv_ctx_t *ctx;
   SKV_CHECK(skv_init(NULL, &ctx));
   int rank = skv_ctx_rank(ctx), npes = skv_ctx_world_size(ctx);

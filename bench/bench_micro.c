@@ -100,7 +100,9 @@ static int bench_index(bench_t *b, skv_ctx_t *ctx, idx_result_t *res) {
         for (int rep = 0; rep < 64; rep++, c++) {
           size_t nhit;
           skv_lookup(kv, ns, peer_keys + (c % nchains) * CHAIN, CHAIN, 0, refs, &nhit);
-          if (nhit != CHAIN) return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "lookup found %zu of %d keys", nhit, CHAIN);
+          if (nhit != CHAIN)
+            return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "lookup found %zu of %d keys", nhit,
+                            CHAIN);
           done += CHAIN;
         }
         t1 = bench_now();
@@ -171,7 +173,8 @@ typedef struct fetch_result {
 } fetch_result_t;
 
 /* Fetch `batch` random pages of `page_bytes` from the next PE into random engine blocks. */
-static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int preset, fetch_result_t *res) {
+static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int preset,
+                            fetch_result_t *res) {
   int rank = skv_ctx_rank(ctx), npes = skv_ctx_world_size(ctx);
   uint64_t batch_bytes = (uint64_t)bench_opt_int(b, "--batch-bytes", 64 << 20);
   int reps = (int)bench_opt_int(b, "--reps", 5);
@@ -221,8 +224,9 @@ static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int
   skv_page_ref_t *refs = malloc(batch * sizeof *refs);
   size_t nhit;
   SKV_CHECK(skv_lookup(kv, ns, keys, batch, 0, refs, &nhit));
-  if (nhit != batch) return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "lookup found %zu of %llu pages", nhit,
-                                     (unsigned long long)batch);
+  if (nhit != batch)
+    return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "lookup found %zu of %llu pages", nhit,
+                    (unsigned long long)batch);
   /* random page order and random destination blocks */
   uint64_t s = 99 + (uint64_t)rank;
   for (uint64_t i = batch - 1; i > 0; i--) {
@@ -298,17 +302,21 @@ int bench_micro(bench_t *b) {
     for (int r = 0; r < npes; r++) sum += iall[r].lookup_all_kps;
     bench_row(b, "index/prefix_lookup/one_pe", iall[0].lookup_kps, "keys/s", "higher",
               "private 64-bit hash table lookup", iall[0].priv_kps);
-    bench_row(b, "index/prefix_lookup/all_pes", sum, "keys/s", "higher", "one PE x PEs", iall[0].lookup_kps * npes);
+    bench_row(b, "index/prefix_lookup/all_pes", sum, "keys/s", "higher", "one PE x PEs",
+              iall[0].lookup_kps * npes);
     bench_row(b, "index/publish_256B/one_pe", iall[0].publish_kps, "keys/s", "higher", NULL, 0);
-    bench_row(b, "pool/alloc_free", iall[0].alloc_ops, "ops/s", "higher", "malloc+free of a page", iall[0].malloc_ops);
+    bench_row(b, "pool/alloc_free", iall[0].alloc_ops, "ops/s", "higher", "malloc+free of a page",
+              iall[0].malloc_ops);
     char name[96];
     for (int p = 0; p < 2; p++)
       for (int i = 0; i < NPS; i++) {
         char sz[32];
-        snprintf(name, sizeof name, "fetch_host/%s/%s", preset_names[p], skv__fmt_bytes(page_sizes[i], sz, sizeof sz));
+        snprintf(name, sizeof name, "fetch_host/%s/%s", preset_names[p],
+                 skv__fmt_bytes(page_sizes[i], sz, sizeof sz));
         for (char *c = name; *c; c++)
           if (*c == ' ') *c = '_';
-        bench_row(b, name, fr[p][i].fetch_gbps, "GB/s", "higher", "memcpy of the same bytes", fr[p][i].memcpy_gbps);
+        bench_row(b, name, fr[p][i].fetch_gbps, "GB/s", "higher", "memcpy of the same bytes",
+                  fr[p][i].memcpy_gbps);
       }
     bench_report(b);
   }

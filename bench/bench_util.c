@@ -10,8 +10,8 @@
 #include <time.h>
 #include <unistd.h>
 
-bench_row_t *bench_row(bench_t *b, const char *name, double value, const char *unit, const char *better,
-                       const char *baseline_name, double baseline) {
+bench_row_t *bench_row(bench_t *b, const char *name, double value, const char *unit,
+                       const char *better, const char *baseline_name, double baseline) {
   if (b->nrows == b->cap) {
     b->cap = b->cap ? 2 * b->cap : 32;
     b->rows = realloc(b->rows, b->cap * sizeof *b->rows);
@@ -62,7 +62,8 @@ static json_t *to_json(bench_t *b) {
     if (r->baseline >= 0) {
       json_object_set_new(jr, "baseline_name", json_string(r->baseline_name));
       json_object_set_new(jr, "baseline", json_real(r->baseline));
-      json_object_set_new(jr, "ratio", r->baseline > 0 ? json_real(r->value / r->baseline) : json_null());
+      json_object_set_new(jr, "ratio",
+                          r->baseline > 0 ? json_real(r->value / r->baseline) : json_null());
     }
     json_array_append_new(rows, jr);
   }
@@ -83,12 +84,13 @@ int bench_report(bench_t *b) {
     json_dumpf(o, stdout, JSON_COMPACT | JSON_REAL_PRECISION(10));
     fputc('\n', stdout);
   } else {
-    printf("%-40s %14s %-6s  %-34s %14s %8s\n", "name", "value", "unit", "baseline", "baseline", "ratio");
+    printf("%-40s %14s %-6s  %-34s %14s %8s\n", "name", "value", "unit", "baseline", "baseline",
+           "ratio");
     for (size_t i = 0; i < b->nrows; i++) {
       bench_row_t *r = &b->rows[i];
       if (r->baseline >= 0)
-        printf("%-40s %14.4g %-6s  %-34s %14.4g %8.3f\n", r->name, r->value, r->unit, r->baseline_name, r->baseline,
-               r->baseline > 0 ? r->value / r->baseline : NAN);
+        printf("%-40s %14.4g %-6s  %-34s %14.4g %8.3f\n", r->name, r->value, r->unit,
+               r->baseline_name, r->baseline, r->baseline > 0 ? r->value / r->baseline : NAN);
       else
         printf("%-40s %14.4g %-6s\n", r->name, r->value, r->unit);
     }
@@ -114,7 +116,9 @@ double bench_percentile(double *v, size_t n, double p) {
   return v[lo] * (1 - f) + v[lo + 1] * f;
 }
 
-double bench_median(double *v, size_t n) { return bench_percentile(v, n, 0.5); }
+double bench_median(double *v, size_t n) {
+  return bench_percentile(v, n, 0.5);
+}
 
 const char *bench_opt(bench_t *b, const char *name) {
   size_t n = strlen(name);
@@ -139,7 +143,8 @@ long long bench_opt_int(bench_t *b, const char *name, long long def) {
   long long x;
   if (!v) return def;
   if (!skv__parse_int(v, 0, 1LL << 50, true, &x)) {
-    fprintf(stderr, "symkv-bench: %s %s is not a non-negative integer (suffixes K, M, G allowed)\n", name, v);
+    fprintf(stderr, "symkv-bench: %s %s is not a non-negative integer (suffixes K, M, G allowed)\n",
+            name, v);
     exit(2);
   }
   return x;
@@ -166,8 +171,8 @@ void bench_progress(bench_t *b, const char *what, double done, double total) {
   last_progress = now;
   int width = 30, fill = total > 0 ? (int)(width * done / total) : 0;
   if (fill > width) fill = width;
-  fprintf(stderr, "\r%-16s [%.*s%*s] %5.1f%%", what, fill, "##############################", width - fill, "",
-          total > 0 ? 100.0 * done / total : 0.0);
+  fprintf(stderr, "\r%-16s [%.*s%*s] %5.1f%%", what, fill, "##############################",
+          width - fill, "", total > 0 ? 100.0 * done / total : 0.0);
   fflush(stderr);
 }
 

@@ -32,7 +32,8 @@ static const command_t commands[] = {
     {"trace", bench_trace,
      "replay a Mooncake JSONL trace (request i on PE i mod N); policies none, per_pe, shared\n"
      "      FILE [--model tiny|llama-3-8b|llama-3-70b|qwen2.5-32b|deepseek-v3] [--tp N]\n"
-     "      [--capacity-pages N|unbounded | --capacity-fraction F] [--ordered | --realtime --speed X]\n"
+     "      [--capacity-pages N|unbounded | --capacity-fraction F] [--ordered | --realtime --speed "
+     "X]\n"
      "      [--backend host|cuda|cuda_host] [--prefill-tflops T] [--requests N] [--plot FILE.png]\n"
      "      (docs/workloads.md has every option)"},
     {"longdoc", bench_longdoc,
@@ -51,10 +52,11 @@ static const command_t commands[] = {
 };
 
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: symkv-bench COMMAND [options] [--json] [--json-out FILE] [--quiet]\n"
-          "Run under symkv-run (e.g. symkv-run -n 4 -- symkv-bench heap); a single process runs as a\n"
-          "1-PE job. Every command measures its baselines in the same run.\n\ncommands:\n");
+  fprintf(
+      f,
+      "usage: symkv-bench COMMAND [options] [--json] [--json-out FILE] [--quiet]\n"
+      "Run under symkv-run (e.g. symkv-run -n 4 -- symkv-bench heap); a single process runs as a\n"
+      "1-PE job. Every command measures its baselines in the same run.\n\ncommands:\n");
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     fprintf(f, "  %-8s %s\n", commands[i].name, commands[i].help);
 }
@@ -73,7 +75,8 @@ static void default_single_pe(void) {
   int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t len = sizeof a;
-  if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+  if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
     port = ntohs(a.sin_port);
   if (fd >= 0) close(fd);
   char addr[64];
@@ -108,7 +111,8 @@ int main(int argc, char **argv) {
   default_single_pe();
   int rc = cmd->run(&b);
   if (rc != 0) {
-    fprintf(stderr, "symkv-bench %s failed: %s\n", cmd->name, skv_last_error()[0] ? skv_last_error() : skv_strerror(rc));
+    fprintf(stderr, "symkv-bench %s failed: %s\n", cmd->name,
+            skv_last_error()[0] ? skv_last_error() : skv_strerror(rc));
     return 1;
   }
   return 0;

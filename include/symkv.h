@@ -23,7 +23,7 @@ extern "C" {
 #define SKV_VERSION_MAJOR 0
 #define SKV_VERSION_MINOR 1
 #define SKV_VERSION_PATCH 0
-#define SKV_VERSION_HEX ((SKV_VERSION_MAJOR << 16) | (SKV_VERSION_MINOR << 8) | SKV_VERSION_PATCH)
+#define SKV_VERSION_HEX   ((SKV_VERSION_MAJOR << 16) | (SKV_VERSION_MINOR << 8) | SKV_VERSION_PATCH)
 
 /* SKV_VERSION_HEX of the library actually loaded (compare with the header's to detect skew). */
 SKV_EXTERN unsigned int skv_version(void);
@@ -38,25 +38,25 @@ SKV_EXTERN const char *skv_version_string(void);
 /* ------------------------------------------------------------------------------------------ */
 
 #define SKV_ERRNO_MAP(XX)                                                                        \
-  XX(EINVAL, -1001, "invalid argument")                                                        \
-  XX(ENOMEM, -1002, "out of memory")                                                           \
+  XX(EINVAL, -1001, "invalid argument")                                                          \
+  XX(ENOMEM, -1002, "out of memory")                                                             \
   XX(ETIMEDOUT, -1003, "timed out waiting for a peer (raise SKV_TIMEOUT_MS or check the peers)") \
-  XX(EAUTH, -1004, "bootstrap token rejected (every PE must use the same SKV_TOKEN)")         \
-  XX(EPROTO, -1005, "malformed or oversized bootstrap message")                               \
-  XX(ECONN, -1006, "bootstrap connection failed or lost (is rank 0 running?)")               \
-  XX(EPEERDEAD, -1007, "a peer process exited")                                                \
-  XX(EMISMATCH, -1008, "PEs called collectives that do not match")                            \
-  XX(ENOTSUP, -1009, "not supported by this build, backend or device")                        \
-  XX(ECUDA, -1010, "CUDA call failed")                                                         \
-  XX(ENCCL, -1011, "NCCL call failed")                                                         \
-  XX(ENOTFOUND, -1012, "not found")                                                            \
-  XX(ESTALE, -1013, "stale page reference (the page was evicted or reused)")                  \
-  XX(ENOSPC, -1014, "no free page or index slot (every page is pinned or the index is full)") \
-  XX(EEXIST, -1015, "already exists")                                                          \
-  XX(ERANGE, -1016, "value out of range")                                                      \
-  XX(ESTATE, -1017, "call not valid in the current state")                                     \
-  XX(ECAPTURE, -1018, "not allowed while a CUDA graph is being captured")                      \
-  XX(EVERSION, -1019, "version mismatch between caller and library")                         \
+  XX(EAUTH, -1004, "bootstrap token rejected (every PE must use the same SKV_TOKEN)")            \
+  XX(EPROTO, -1005, "malformed or oversized bootstrap message")                                  \
+  XX(ECONN, -1006, "bootstrap connection failed or lost (is rank 0 running?)")                   \
+  XX(EPEERDEAD, -1007, "a peer process exited")                                                  \
+  XX(EMISMATCH, -1008, "PEs called collectives that do not match")                               \
+  XX(ENOTSUP, -1009, "not supported by this build, backend or device")                           \
+  XX(ECUDA, -1010, "CUDA call failed")                                                           \
+  XX(ENCCL, -1011, "NCCL call failed")                                                           \
+  XX(ENOTFOUND, -1012, "not found")                                                              \
+  XX(ESTALE, -1013, "stale page reference (the page was evicted or reused)")                     \
+  XX(ENOSPC, -1014, "no free page or index slot (every page is pinned or the index is full)")    \
+  XX(EEXIST, -1015, "already exists")                                                            \
+  XX(ERANGE, -1016, "value out of range")                                                        \
+  XX(ESTATE, -1017, "call not valid in the current state")                                       \
+  XX(ECAPTURE, -1018, "not allowed while a CUDA graph is being captured")                        \
+  XX(EVERSION, -1019, "version mismatch between caller and library")                             \
   XX(EINTERNAL, -1020, "internal error (please report it with the SKV_DEBUG=INFO log)")
 
 typedef enum skv_err {
@@ -85,22 +85,22 @@ SKV_EXTERN void skv_clear_error(void);
 
 enum { SKV_LOG_NONE = 0, SKV_LOG_WARN = 1, SKV_LOG_INFO = 2, SKV_LOG_TRACE = 3 };
 
-#define SKV_SUBSYS_MAP(XX)                                                                       \
-  XX(INIT, 0x01)                                                                               \
-  XX(BOOT, 0x02)                                                                               \
-  XX(HEAP, 0x04)                                                                               \
-  XX(POOL, 0x08)                                                                               \
-  XX(INDEX, 0x10)                                                                              \
-  XX(KV, 0x20)                                                                                 \
-  XX(COMM, 0x40)                                                                               \
+#define SKV_SUBSYS_MAP(XX) \
+  XX(INIT, 0x01)           \
+  XX(BOOT, 0x02)           \
+  XX(HEAP, 0x04)           \
+  XX(POOL, 0x08)           \
+  XX(INDEX, 0x10)          \
+  XX(KV, 0x20)             \
+  XX(COMM, 0x40)           \
   XX(BENCH, 0x80)
 
 enum {
 #define SKV__SUBSYS_ENUM(name, bit) SKV_SUBSYS_##name = (bit),
   SKV_SUBSYS_MAP(SKV__SUBSYS_ENUM)
 #undef SKV__SUBSYS_ENUM
-  SKV_SUBSYS_ALL = 0xff
 };
+enum { SKV_SUBSYS_ALL = 0xff };
 
 /* A log sink receives one formatted line (no trailing newline). It may be called from any
  * thread, including symkv's background threads; it must not call back into symkv. */
@@ -137,7 +137,7 @@ typedef struct skv_config {
   const char *bind_addr; /* NULL: SKV_BIND_ADDR, else the host of `bootstrap` (loopback) */
 } skv_config_t;
 
-#define SKV_CONFIG_INIT                                                                          \
+#define SKV_CONFIG_INIT \
   { sizeof(skv_config_t), SKV_CONFIG_VERSION, -1, -1, -1, -1, -1, -1, 0u, NULL, NULL, NULL }
 
 /* Same as assigning SKV_CONFIG_INIT (for bindings that cannot use the macro). */
@@ -182,13 +182,12 @@ SKV_EXTERN int skv_ctx_broadcast(skv_ctx_t *ctx, void *buf, size_t bytes, int ro
 
 /* The bootstrap key-value store (point to point; keys up to SKV_STORE_MAX_KEY bytes,
  * values up to SKV_STORE_MAX_VALUE bytes). Waits are bounded by the context's timeout. */
-#define SKV_STORE_MAX_KEY 256
+#define SKV_STORE_MAX_KEY   256
 #define SKV_STORE_MAX_VALUE (16u << 20)
 SKV_EXTERN int skv_store_set(skv_ctx_t *ctx, const char *key, const void *value, size_t len);
 /* Wait until `key` exists, then copy up to `cap` bytes of it; `*len` gets its full length
  * (SKV_ERANGE if it did not fit: the buffer then holds its first `cap` bytes). */
-SKV_EXTERN int skv_store_get(skv_ctx_t *ctx, const char *key, void *value, size_t cap,
-                             size_t *len);
+SKV_EXTERN int skv_store_get(skv_ctx_t *ctx, const char *key, void *value, size_t cap, size_t *len);
 /* Atomically add `delta` to the 64-bit counter `key` (created at 0); `*result` gets the sum. */
 SKV_EXTERN int skv_store_add(skv_ctx_t *ctx, const char *key, int64_t delta, int64_t *result);
 /* Wait until every one of the `n` keys exists. */
@@ -219,7 +218,8 @@ typedef struct skv_heap_opts {
   uint64_t scratch_bytes; /* 0: none (host) / default (cuda: 8 MiB for the collectives) */
 } skv_heap_opts_t;
 
-#define SKV_HEAP_OPTS_INIT { sizeof(skv_heap_opts_t), SKV_HEAP_OPTS_VERSION, SKV_BACKEND_HOST, 0, 0, 0 }
+#define SKV_HEAP_OPTS_INIT \
+  { sizeof(skv_heap_opts_t), SKV_HEAP_OPTS_VERSION, SKV_BACKEND_HOST, 0, 0, 0 }
 
 typedef struct skv_heap_info {
   uint64_t segment_bytes; /* bytes of one PE's segment (signal + scratch + data) */
@@ -236,17 +236,14 @@ typedef struct skv_heap_info {
 
 /* Collective: every PE gets a segment of the same size and maps every local peer's segment.
  * All or nothing: when one PE fails, every PE fails at once with its code, naming it. */
-SKV_EXTERN int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, int backend,
-                               skv_heap_t **heap);
-SKV_EXTERN int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts,
-                                  skv_heap_t **heap);
+SKV_EXTERN int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, int backend, skv_heap_t **heap);
+SKV_EXTERN int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t **heap);
 /* Address of byte `offset` of PE `pe`'s segment, or NULL (last error set) when `pe` or
  * `offset` is out of range. Pure arithmetic; never blocks. */
 SKV_EXTERN void *skv_heap_ptr(const skv_heap_t *heap, int pe, uint64_t offset);
 SKV_EXTERN int skv_heap_get_info(const skv_heap_t *heap, skv_heap_info_t *info);
 /* Collective (bounded by the timeout): unmaps everything; nothing stays behind in /dev/shm. */
 SKV_EXTERN int skv_heap_destroy(skv_heap_t *heap);
-
 
 /* ------------------------------------------------------------------------------------------ */
 /* KV geometry, engine layouts, namespaces and keys                                           */
@@ -271,7 +268,8 @@ typedef struct skv_geometry {
   uint32_t page_tokens;  /* tokens per page, 1..65536 */
 } skv_geometry_t;
 
-#define SKV_GEOMETRY_INIT { sizeof(skv_geometry_t), SKV_GEOMETRY_VERSION, SKV_KV_SPLIT, 0, 0, 0, 0, 0 }
+#define SKV_GEOMETRY_INIT \
+  { sizeof(skv_geometry_t), SKV_GEOMETRY_VERSION, SKV_KV_SPLIT, 0, 0, 0, 0, 0 }
 
 /* Validate a geometry (the error names the bad field) and give the bytes of one page. */
 SKV_EXTERN int skv_geometry_page_bytes(const skv_geometry_t *geom, uint64_t *page_bytes);
@@ -298,11 +296,12 @@ enum {
 #define SKV_LAYOUT_DESC_VERSION 1
 /* A custom description of an engine's paged KV cache. */
 typedef struct skv_layout_desc {
-  size_t size;          /* sizeof(skv_layout_desc_t) */
-  uint32_t version;     /* SKV_LAYOUT_DESC_VERSION */
+  size_t size;           /* sizeof(skv_layout_desc_t) */
+  uint32_t version;      /* SKV_LAYOUT_DESC_VERSION */
   uint32_t block_tokens; /* tokens per engine block; must divide the geometry's page_tokens */
-  uint64_t num_blocks;  /* engine blocks (block ids are checked against it) */
-  void *const *k_base;  /* [num_layers]: address of block 0, token 0, head 0 of K (MLA: the latent) */
+  uint64_t num_blocks;   /* engine blocks (block ids are checked against it) */
+  void *const
+      *k_base; /* [num_layers]: address of block 0, token 0, head 0 of K (MLA: the latent) */
   void *const *v_base;  /* [num_layers]: same for V; NULL for MLA */
   int64_t stride_block; /* elements between consecutive blocks */
   int64_t stride_token; /* elements between consecutive tokens of a block */
@@ -310,7 +309,8 @@ typedef struct skv_layout_desc {
   int32_t device;       /* -1: host memory; >= 0: memory of that CUDA device */
 } skv_layout_desc_t;
 
-#define SKV_LAYOUT_DESC_INIT { sizeof(skv_layout_desc_t), SKV_LAYOUT_DESC_VERSION, 0, 0, NULL, NULL, 0, 0, 0, -1 }
+#define SKV_LAYOUT_DESC_INIT \
+  { sizeof(skv_layout_desc_t), SKV_LAYOUT_DESC_VERSION, 0, 0, NULL, NULL, 0, 0, 0, -1 }
 
 typedef struct skv_layout skv_layout_t;
 
@@ -321,8 +321,7 @@ SKV_EXTERN int skv_layout_create(const skv_geometry_t *geom, const skv_layout_de
                                  skv_layout_t **layout);
 SKV_EXTERN int skv_layout_create_preset(const skv_geometry_t *geom, int preset,
                                         uint32_t block_tokens, uint64_t num_blocks,
-                                        void *const *layer_ptrs, int device,
-                                        skv_layout_t **layout);
+                                        void *const *layer_ptrs, int device, skv_layout_t **layout);
 /* Bytes a preset's tensor for one layer occupies (to allocate engine caches in tests). */
 SKV_EXTERN int skv_layout_preset_layer_bytes(const skv_geometry_t *geom, int preset,
                                              uint32_t block_tokens, uint64_t num_blocks,
@@ -340,9 +339,9 @@ typedef struct skv_namespace skv_namespace_t;
 /* Keys of different namespaces never meet: the namespace covers the model name, the KV
  * geometry, a tenant salt and the deployment secret (NULL/0: SKV_HASH_SECRET, else none). The
  * byte format is in docs/hashing.md. */
-SKV_EXTERN int skv_namespace_create(const char *model, const skv_geometry_t *geom,
-                                    const void *salt, size_t salt_len, const void *secret,
-                                    size_t secret_len, skv_namespace_t **ns);
+SKV_EXTERN int skv_namespace_create(const char *model, const skv_geometry_t *geom, const void *salt,
+                                    size_t salt_len, const void *secret, size_t secret_len,
+                                    skv_namespace_t **ns);
 SKV_EXTERN int skv_namespace_id(const skv_namespace_t *ns, skv_key_t *id);
 SKV_EXTERN int skv_namespace_destroy(skv_namespace_t *ns);
 
@@ -350,8 +349,7 @@ SKV_EXTERN int skv_namespace_destroy(skv_namespace_t *ns);
  * `parent`: the key of the page before tokens[0] when continuing a sequence, else NULL.
  * Writes min(ntokens / page_tokens, cap) keys; *nkeys gets the count of full pages. */
 SKV_EXTERN int skv_hash_tokens(const skv_namespace_t *ns, const uint32_t *tokens, size_t ntokens,
-                               const skv_key_t *parent, skv_key_t *keys, size_t cap,
-                               size_t *nkeys);
+                               const skv_key_t *parent, skv_key_t *keys, size_t cap, size_t *nkeys);
 /* Fold an engine's own block hash (any bytes) into a key of this namespace. */
 SKV_EXTERN int skv_key_from_bytes(const skv_namespace_t *ns, const void *bytes, size_t len,
                                   skv_key_t *key);
@@ -364,14 +362,15 @@ typedef struct skv_kv skv_kv_t;
 
 #define SKV_KV_OPTS_VERSION 1
 typedef struct skv_kv_opts {
-  size_t size;          /* sizeof(skv_kv_opts_t) */
-  uint32_t version;     /* SKV_KV_OPTS_VERSION */
-  int32_t backend;      /* where pages live: SKV_BACKEND_HOST, _CUDA or _CUDA_HOST */
+  size_t size;           /* sizeof(skv_kv_opts_t) */
+  uint32_t version;      /* SKV_KV_OPTS_VERSION */
+  int32_t backend;       /* where pages live: SKV_BACKEND_HOST, _CUDA or _CUDA_HOST */
   uint64_t pages_per_pe; /* capacity of each PE, >= 1 */
-  uint64_t index_slots; /* 0: 4 per page of the node (rounded up to a power of 2 per PE) */
+  uint64_t index_slots;  /* 0: 4 per page of the node (rounded up to a power of 2 per PE) */
 } skv_kv_opts_t;
 
-#define SKV_KV_OPTS_INIT { sizeof(skv_kv_opts_t), SKV_KV_OPTS_VERSION, SKV_BACKEND_HOST, 0, 0 }
+#define SKV_KV_OPTS_INIT \
+  { sizeof(skv_kv_opts_t), SKV_KV_OPTS_VERSION, SKV_BACKEND_HOST, 0, 0 }
 
 /* Where a page is: PE (local index), page number, generation at lookup time. */
 typedef struct skv_page_ref {
@@ -382,15 +381,15 @@ typedef struct skv_page_ref {
 } skv_page_ref_t;
 
 typedef struct skv_kv_stats {
-  uint64_t page_bytes;     /* bytes of one page */
-  uint64_t pages_per_pe;   /* capacity of each PE */
-  uint64_t pages_used;     /* this PE's pages holding data */
-  uint64_t pages_pinned;   /* this PE's pages pinned by some PE */
-  uint64_t index_slots;    /* slots of the node-wide index */
-  uint64_t index_entries;  /* keys in the index (all PEs) */
-  uint64_t lookups, lookup_hits; /* keys asked / found by this PE */
+  uint64_t page_bytes;                              /* bytes of one page */
+  uint64_t pages_per_pe;                            /* capacity of each PE */
+  uint64_t pages_used;                              /* this PE's pages holding data */
+  uint64_t pages_pinned;                            /* this PE's pages pinned by some PE */
+  uint64_t index_slots;                             /* slots of the node-wide index */
+  uint64_t index_entries;                           /* keys in the index (all PEs) */
+  uint64_t lookups, lookup_hits;                    /* keys asked / found by this PE */
   uint64_t published, deduplicated, evicted, stale; /* this PE's counters */
-  uint64_t index_full;     /* keys this PE could not cache: no free slot near their home */
+  uint64_t index_full; /* keys this PE could not cache: no free slot near their home */
 } skv_kv_stats_t;
 
 /* Collective: every local PE gets `pages_per_pe` pages of `geom` in a heap of `backend`; page
@@ -465,7 +464,14 @@ enum {
   SKV_ALGO_NCCL = 3,    /* ncclAllReduce on a communicator made through the bootstrap */
 };
 enum { SKV_SIGNAL_SET = 0, SKV_SIGNAL_ADD = 1 };
-enum { SKV_CMP_EQ = 0, SKV_CMP_NE = 1, SKV_CMP_GE = 2, SKV_CMP_GT = 3, SKV_CMP_LT = 4, SKV_CMP_LE = 5 };
+enum {
+  SKV_CMP_EQ = 0,
+  SKV_CMP_NE = 1,
+  SKV_CMP_GE = 2,
+  SKV_CMP_GT = 3,
+  SKV_CMP_LT = 4,
+  SKV_CMP_LE = 5
+};
 
 typedef struct skv_comm skv_comm_t;
 
@@ -481,7 +487,8 @@ typedef struct skv_comm_opts {
 
 enum { SKV_COMM_NO_NCCL = 1u };
 
-#define SKV_COMM_OPTS_INIT { sizeof(skv_comm_opts_t), SKV_COMM_OPTS_VERSION, SKV_BACKEND_CUDA, 0, 0, 0 }
+#define SKV_COMM_OPTS_INIT \
+  { sizeof(skv_comm_opts_t), SKV_COMM_OPTS_VERSION, SKV_BACKEND_CUDA, 0, 0, 0 }
 
 /* Collective: a symmetric heap for signals and scratch, and (CUDA) an NCCL communicator. */
 SKV_EXTERN int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **comm);

@@ -7,7 +7,8 @@ int skv_test_gpu_probe(char *msg, size_t cap) {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
-    snprintf(msg, cap, "no usable CUDA device: %s (%s)", cudaGetErrorString(e), cudaGetErrorName(e));
+    snprintf(msg, cap, "no usable CUDA device: %s (%s)", cudaGetErrorString(e),
+             cudaGetErrorName(e));
     return 0;
   }
   snprintf(msg, cap, "%d CUDA device(s)", n);

@@ -22,7 +22,8 @@ int skv_test_free_port(void) {
   if (fd < 0) return -1;
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t len = sizeof a;
-  if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
+  if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
+      getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
     close(fd);
     return -1;
   }
@@ -176,7 +177,9 @@ int skv_test_init(skv_ctx_t **ctx, int timeout_ms) {
 
 int skv_test_gpus(char *why, size_t cap) {
 #ifndef SKV_WITH_CUDA
-  if (why) snprintf(why, cap, "this build has no CUDA (configure with -DSKV_CUDA=ON on a machine with nvcc)");
+  if (why)
+    snprintf(why, cap,
+             "this build has no CUDA (configure with -DSKV_CUDA=ON on a machine with nvcc)");
   return 0;
 #else
   int pfd[2];

@@ -53,11 +53,11 @@ int skv_test_init(skv_ctx_t **ctx, int timeout_ms);
  * `why` (may be NULL) gets the reason for 0. */
 int skv_test_gpus(char *why, size_t cap);
 /* Skip the current Criterion test unless `n` GPUs exist, with the reason. */
-#define SKV_TEST_REQUIRE_GPUS(n)                                                                 \
-  do {                                                                                         \
-    char why_[256];                                                                            \
-    int have_ = skv_test_gpus(why_, sizeof why_);                                              \
-    if (have_ < (n)) cr_skip_test("needs %d GPU(s), found %d: %s", (n), have_, why_);          \
+#define SKV_TEST_REQUIRE_GPUS(n)                                                      \
+  do {                                                                                \
+    char why_[256];                                                                   \
+    int have_ = skv_test_gpus(why_, sizeof why_);                                     \
+    if (have_ < (n)) cr_skip_test("needs %d GPU(s), found %d: %s", (n), have_, why_); \
   } while (0)
 
 /* Deterministic-per-call fresh randomness: a seed from /dev/urandom, printed on failure. */
@@ -71,14 +71,14 @@ static inline uint64_t skv_test_rand(uint64_t *s) { /* splitmix64 */
 void skv_test_fill_random(void *buf, size_t n, uint64_t *state);
 
 /* Fail the current PE (child) with a message: prints "rank R: file:line: msg" and returns 1. */
-#define PE_CHECK(cond, ...)                                                                      \
-  do {                                                                                         \
-    if (!(cond)) {                                                                             \
-      fprintf(stderr, "PE check failed at %s:%d: %s: ", __FILE__, __LINE__, #cond);           \
-      fprintf(stderr, __VA_ARGS__);                                                            \
-      fprintf(stderr, " (last error: %s)\n", skv_last_error());                               \
-      return 1;                                                                                \
-    }                                                                                          \
+#define PE_CHECK(cond, ...)                                                         \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      fprintf(stderr, "PE check failed at %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                                 \
+      fprintf(stderr, " (last error: %s)\n", skv_last_error());                     \
+      return 1;                                                                     \
+    }                                                                               \
   } while (0)
 
 #endif

@@ -594,11 +594,11 @@ static int pe_bad_env_on_one(int rank, int npes, void *arg) {
   uint64_t ms = skv__now_ms() - t0;
   PE_CHECK(comm == NULL, "comm created");
   if (rank == 1)
-    PE_CHECK(rc == SKV_EINVAL && strstr(skv_last_error(), "SKV_ALLREDUCE_ONESHOT_MAX=lots"), "%s: %s",
-             skv_err_name(rc), skv_last_error());
+    PE_CHECK(rc == SKV_EINVAL && strstr(skv_last_error(), "SKV_ALLREDUCE_ONESHOT_MAX=lots"),
+             "%s: %s", skv_err_name(rc), skv_last_error());
   else
-    PE_CHECK(rc == SKV_EMISMATCH && strstr(skv_last_error(), "SKV_ALLREDUCE_ONESHOT_MAX=lots"), "%s: %s",
-             skv_err_name(rc), skv_last_error());
+    PE_CHECK(rc == SKV_EMISMATCH && strstr(skv_last_error(), "SKV_ALLREDUCE_ONESHOT_MAX=lots"),
+             "%s: %s", skv_err_name(rc), skv_last_error());
   PE_CHECK(ms < 10000, "failed after %llu ms", (unsigned long long)ms);
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "the job is still usable");
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");

@@ -65,7 +65,8 @@ Test(core, last_error_is_thread_local_with_location) {
   pthread_create(&t, NULL, other_thread, buf);
   pthread_join(t, NULL);
   cr_assert(strstr(buf, "other thread") != NULL);
-  cr_assert(strstr(skv_last_error(), "bad thing 42") != NULL, "overwritten by another thread: %s", skv_last_error());
+  cr_assert(strstr(skv_last_error(), "bad thing 42") != NULL, "overwritten by another thread: %s",
+            skv_last_error());
 }
 
 Test(core, version_matches_header) {
@@ -91,7 +92,8 @@ Test(core, config_init_and_validate) {
 static void expect_invalid(skv_config_t *c, const char *field) {
   int rc = skv_config_validate(c);
   cr_assert_lt(rc, 0, "field %s accepted", field);
-  cr_assert(strstr(skv_last_error(), field) != NULL, "error does not name %s: %s", field, skv_last_error());
+  cr_assert(strstr(skv_last_error(), field) != NULL, "error does not name %s: %s", field,
+            skv_last_error());
 }
 
 Test(core, config_rejects_bad_fields_by_name) {
@@ -270,7 +272,9 @@ static void capture_sink(void *arg, int level, unsigned subsys, const char *line
 }
 
 static int side_effects;
-static int count_me(void) { return ++side_effects; }
+static int count_me(void) {
+  return ++side_effects;
+}
 
 Test(core, logging_levels_subsystems_sink_and_prefix) {
   captured_t cap = {0};
@@ -308,6 +312,7 @@ Test(core, logging_from_environment) {
   SKV_WARN(SKV_SUBSYS_HEAP, "heap excluded");
   cr_assert_eq(cap.n, 1, "got %d lines", cap.n);
   cr_assert(strstr(cap.lines[0], "trace pool") != NULL);
-  cr_assert(strstr(cap.lines[0], "test_core.c:") != NULL, "TRACE lines carry file:line: %s", cap.lines[0]);
+  cr_assert(strstr(cap.lines[0], "test_core.c:") != NULL, "TRACE lines carry file:line: %s",
+            cap.lines[0]);
   skv_log_set_sink(NULL, NULL);
 }

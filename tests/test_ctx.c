@@ -30,7 +30,8 @@ static int pe_basic(int rank, int npes, void *arg) {
     uint64_t mine = (uint64_t)rank * 1000003u + (uint64_t)round, all[SKV_TEST_MAX_PES];
     PE_CHECK(skv_ctx_allgather(ctx, &mine, all, sizeof mine) == 0, "allgather");
     for (int r = 0; r < npes; r++)
-      PE_CHECK(all[r] == (uint64_t)r * 1000003u + (uint64_t)round, "allgather slot %d round %d", r, round);
+      PE_CHECK(all[r] == (uint64_t)r * 1000003u + (uint64_t)round, "allgather slot %d round %d", r,
+               round);
     char msg[32] = {0};
     int root = round % npes;
     if (rank == root) snprintf(msg, sizeof msg, "from %d in %d", root, round);
@@ -47,11 +48,16 @@ static int pe_basic(int rank, int npes, void *arg) {
     for (int i = 0; i < 4; i++) {
       char k[64];
       if (r == npes && i > 0) break;
-      if (r == npes) snprintf(k, sizeof k, "bc/%llu", bc); /* the broadcast's one key, by its root */
-      else if (i == 0) snprintf(k, sizeof k, "coll/%llu/%d", ag, r);
-      else if (i == 1) snprintf(k, sizeof k, "ag/%llu/%d", ag, r);
-      else if (i == 2) snprintf(k, sizeof k, "coll/%llu/%d", bc, r);
-      else snprintf(k, sizeof k, "coll/%llu/%d", last, r);
+      if (r == npes)
+        snprintf(k, sizeof k, "bc/%llu", bc); /* the broadcast's one key, by its root */
+      else if (i == 0)
+        snprintf(k, sizeof k, "coll/%llu/%d", ag, r);
+      else if (i == 1)
+        snprintf(k, sizeof k, "ag/%llu/%d", ag, r);
+      else if (i == 2)
+        snprintf(k, sizeof k, "coll/%llu/%d", bc, r);
+      else
+        snprintf(k, sizeof k, "coll/%llu/%d", last, r);
       void *v = NULL;
       size_t n = 0;
       int got = skv__store_try_get(ctx->store, k, &v, &n);
@@ -72,10 +78,11 @@ static int pe_basic(int rank, int npes, void *arg) {
   PE_CHECK(skv_store_get(ctx, key, &peer, sizeof peer, &len) == 0 && len == sizeof peer, "get");
   PE_CHECK(peer == (rank + 1) % npes, "peer value %d", peer);
   char small[1];
-  PE_CHECK(skv_store_get(ctx, key, small, sizeof small, &len) == SKV_ERANGE && len == sizeof peer, "ERANGE");
+  PE_CHECK(skv_store_get(ctx, key, small, sizeof small, &len) == SKV_ERANGE && len == sizeof peer,
+           "ERANGE");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
-  PE_CHECK(skv_store_add(ctx, "user/counter", 0, &total) == 0 && total == npes * (npes + 1) / 2, "counter %lld",
-           (long long)total);
+  PE_CHECK(skv_store_add(ctx, "user/counter", 0, &total) == 0 && total == npes * (npes + 1) / 2,
+           "counter %lld", (long long)total);
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
   return 0;
 }
@@ -98,7 +105,8 @@ static int pe_mismatch(int rank, int npes, void *arg) {
   int rc = rank == 1 ? skv_ctx_allgather(ctx, &x, all, sizeof x) : skv_ctx_barrier(ctx);
   PE_CHECK(rc == SKV_EMISMATCH, "expected SKV_EMISMATCH, got %s", skv_err_name(rc));
   const char *e = skv_last_error();
-  PE_CHECK(strstr(e, "skv_ctx_allgather(bytes=8)") && strstr(e, "skv_ctx_barrier()"), "message names both sides: %s", e);
+  PE_CHECK(strstr(e, "skv_ctx_allgather(bytes=8)") && strstr(e, "skv_ctx_barrier()"),
+           "message names both sides: %s", e);
   PE_CHECK(strstr(e, "rank 1") != NULL, "message names the other rank: %s", e);
   skv_finalize(ctx);
   return 0;
@@ -176,7 +184,8 @@ Test(ctx, killed_pe_mid_barrier_fails_the_others) {
   int sig = SIGKILL;
   skv_test_spawn(&job, 4, pe_barrier_victim, &sig);
   skv_test_wait(&job, 40000);
-  for (int r = 0; r < 3; r++) cr_assert_eq(job.status[r], 0, "survivors: %s", skv_test_statuses(&job));
+  for (int r = 0; r < 3; r++)
+    cr_assert_eq(job.status[r], 0, "survivors: %s", skv_test_statuses(&job));
   cr_assert_eq(job.status[3], 128 + SIGKILL);
 }
 
@@ -199,7 +208,8 @@ Test(ctx, stopped_pe_mid_barrier_times_out) {
   }
   kill(job.pids[2], SIGKILL);
   skv_test_wait(&job, 5000);
-  for (int r = 0; r < 2; r++) cr_assert_eq(job.status[r], 0, "survivors: %s", skv_test_statuses(&job));
+  for (int r = 0; r < 2; r++)
+    cr_assert_eq(job.status[r], 0, "survivors: %s", skv_test_statuses(&job));
 }
 
 /* Rank 0 passes another timeout, so the collective check of skv_init mismatches. Every PE must

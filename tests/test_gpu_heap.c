@@ -49,14 +49,16 @@ static int pe_gpu_rw(int rank, int npes, void *arg) {
   /* fresh segments are zero */
   uint8_t *host = malloc(p->bytes), *want = malloc(p->bytes);
   PE_CHECK(cudaMemcpy(host, mine, p->bytes, cudaMemcpyDefault) == cudaSuccess, "read own");
-  for (uint64_t i = 0; i < p->bytes; i++) PE_CHECK(host[i] == 0, "byte %llu of a fresh segment is %u", (unsigned long long)i, host[i]);
+  for (uint64_t i = 0; i < p->bytes; i++)
+    PE_CHECK(host[i] == 0, "byte %llu of a fresh segment is %u", (unsigned long long)i, host[i]);
   uint64_t seed = skv_test_seed(), seeds[SKV_TEST_MAX_PES];
   PE_CHECK(skv_ctx_allgather(ctx, &seed, seeds, sizeof seed) == 0, "seeds");
   int to = (rank + 1) % npes, from = (rank + npes - 1) % npes;
   uint64_t s = seed;
   skv_test_fill_random(host, p->bytes, &s);
   /* write through the symmetric address of the next PE's segment */
-  PE_CHECK(cudaMemcpy(skv_heap_ptr(heap, to, in.data_offset), host, p->bytes, cudaMemcpyDefault) == cudaSuccess,
+  PE_CHECK(cudaMemcpy(skv_heap_ptr(heap, to, in.data_offset), host, p->bytes, cudaMemcpyDefault) ==
+               cudaSuccess,
            "write to peer %d", to);
   PE_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
@@ -66,14 +68,16 @@ static int pe_gpu_rw(int rank, int npes, void *arg) {
   skv_test_fill_random(want, p->bytes, &s);
   PE_CHECK(memcmp(host, want, p->bytes) == 0, "my segment does not hold what PE %d wrote", from);
   if (p->backend == SKV_BACKEND_CUDA_HOST)
-    PE_CHECK(memcmp(mine, want, p->bytes) == 0, "the CPU sees other bytes than the GPU at the same address");
+    PE_CHECK(memcmp(mine, want, p->bytes) == 0,
+             "the CPU sees other bytes than the GPU at the same address");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
   PE_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   size_t free1;
   PE_CHECK(cudaMemGetInfo(&free1, &total) == cudaSuccess, "meminfo");
-  PE_CHECK(free1 + (4u << 20) >= free0, "device memory not given back: %zu -> %zu free", free0, free1);
+  PE_CHECK(free1 + (4u << 20) >= free0, "device memory not given back: %zu -> %zu free", free0,
+           free1);
   free(host);
   free(want);
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
@@ -82,8 +86,9 @@ static int pe_gpu_rw(int rank, int npes, void *arg) {
 
 ParameterizedTestParameters(gpu_heap, peers_read_what_peers_wrote) {
   static gh_param_t p[] = {
-      {2, SKV_BACKEND_CUDA, 64 << 20}, {4, SKV_BACKEND_CUDA, 8 << 20}, {2, SKV_BACKEND_CUDA, 4097},
-      {2, SKV_BACKEND_CUDA_HOST, 16 << 20}, {4, SKV_BACKEND_CUDA_HOST, 1 << 20},
+      {2, SKV_BACKEND_CUDA, 64 << 20},     {4, SKV_BACKEND_CUDA, 8 << 20},
+      {2, SKV_BACKEND_CUDA, 4097},         {2, SKV_BACKEND_CUDA_HOST, 16 << 20},
+      {4, SKV_BACKEND_CUDA_HOST, 1 << 20},
   };
   return cr_make_param_array(gh_param_t, p, sizeof p / sizeof p[0]);
 }
@@ -101,8 +106,8 @@ static int pe_bad(int rank, int npes, void *arg) {
   skv_heap_t *heap;
   /* more than any GPU has: a clear CUDA error, and the job stays usable */
   int rc = skv_heap_create(ctx, 1ull << 40, SKV_BACKEND_CUDA, &heap);
-  PE_CHECK(rc == SKV_ECUDA && strstr(skv_last_error(), "cuMemCreate"), "1 TiB: %s / %s", skv_err_name(rc),
-           skv_last_error());
+  PE_CHECK(rc == SKV_ECUDA && strstr(skv_last_error(), "cuMemCreate"), "1 TiB: %s / %s",
+           skv_err_name(rc), skv_last_error());
   /* every PE failed on its own here; one_pe_failing_alone... below has one fail alone */
   PE_CHECK(skv_heap_create(ctx, 1 << 20, SKV_BACKEND_CUDA, &heap) == 0, "create after failure");
   PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
@@ -142,16 +147,19 @@ static int pe_one_fails_alone(int rank, int npes, void *arg) {
   int rcs[2];
   PE_CHECK(skv_ctx_allgather(ctx, &rc, rcs, sizeof rc) == 0, "results");
   PE_CHECK(rcs[1] < 0, "PE 1 created a cuda heap without a free file descriptor");
-  PE_CHECK(rc == rcs[1] && heap == NULL, "create: %s, PE 1 got %s", skv_err_name(rc), skv_err_name(rcs[1]));
+  PE_CHECK(rc == rcs[1] && heap == NULL, "create: %s, PE 1 got %s", skv_err_name(rc),
+           skv_err_name(rcs[1]));
   PE_CHECK(took < 5.0, "failing took %.1f s (the timeout is 20 s)", took);
   if (rank == 0)
-    PE_CHECK(strstr(skv_last_error(), "rank 1 failed"), "the error names rank 1: %s", skv_last_error());
+    PE_CHECK(strstr(skv_last_error(), "rank 1 failed"), "the error names rank 1: %s",
+             skv_last_error());
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   size_t free1;
   PE_CHECK(cudaMemGetInfo(&free1, &total) == cudaSuccess, "meminfo");
-  PE_CHECK(free1 + (4u << 20) >= free0, "device memory not given back: %zu -> %zu MiB free", free0 >> 20,
-           free1 >> 20);
-  PE_CHECK(skv_heap_create(ctx, 256ull << 20, SKV_BACKEND_CUDA, &heap) == 0, "create after the failure");
+  PE_CHECK(free1 + (4u << 20) >= free0, "device memory not given back: %zu -> %zu MiB free",
+           free0 >> 20, free1 >> 20);
+  PE_CHECK(skv_heap_create(ctx, 256ull << 20, SKV_BACKEND_CUDA, &heap) == 0,
+           "create after the failure");
   PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
   return 0;

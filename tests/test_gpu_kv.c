@@ -959,7 +959,8 @@ static int pe_large(int rank, int npes, void *arg) {
   skv_page_ref_t *own = malloc(N * sizeof *own);
   pe_keys(ns, rank, N, keys);
   PE_CHECK(skv_lookup(kv, ns, keys, N, 0, own, &nhit) == 0 && nhit == N, "own lookup %zu", nhit);
-  for (uint64_t i = 0; i < N; i++) PE_CHECK(own[i].pe == (uint32_t)rank, "own page on PE %u", own[i].pe);
+  for (uint64_t i = 0; i < N; i++)
+    PE_CHECK(own[i].pe == (uint32_t)rank, "own page on PE %u", own[i].pe);
   PE_CHECK(de_fill(&ref, seed) == 0, "ref");
   PE_CHECK(de_poison(&dst) == 0, "poison");
   PE_CHECK(skv_fetch(kv, own, N, dst.lay, dblocks, 0, st) == 0, "large local fetch");

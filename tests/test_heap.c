@@ -52,11 +52,14 @@ static int pe_peer_rw(int rank, int npes, void *arg) {
   skv_heap_info_t in;
   PE_CHECK(skv_heap_get_info(heap, &in) == 0, "info");
   PE_CHECK(in.npes == npes && in.my_pe == rank && in.data_bytes == bytes, "info fields");
-  PE_CHECK(in.signal_offset == 0 && in.scratch_offset >= in.signal_bytes && in.data_offset % 4096 == 0 &&
-               in.data_offset >= in.scratch_offset + in.scratch_bytes && in.segment_bytes >= in.data_offset + bytes,
+  PE_CHECK(in.signal_offset == 0 && in.scratch_offset >= in.signal_bytes &&
+               in.data_offset % 4096 == 0 &&
+               in.data_offset >= in.scratch_offset + in.scratch_bytes &&
+               in.segment_bytes >= in.data_offset + bytes,
            "layout");
   for (int pe = 0; pe < npes; pe++)
-    PE_CHECK(skv_heap_ptr(heap, pe, 0) == (char *)in.base + (uint64_t)pe * in.stride, "symmetric address of %d", pe);
+    PE_CHECK(skv_heap_ptr(heap, pe, 0) == (char *)in.base + (uint64_t)pe * in.stride,
+             "symmetric address of %d", pe);
   /* identical layout everywhere */
   skv_heap_info_t all[SKV_TEST_MAX_PES];
   PE_CHECK(skv_ctx_allgather(ctx, &in, all, sizeof in) == 0, "allgather info");
@@ -66,7 +69,8 @@ static int pe_peer_rw(int rank, int npes, void *arg) {
              "layout of rank %d differs", r);
   /* freshly created memory is zero */
   const uint8_t *mine = skv_heap_ptr(heap, rank, in.data_offset);
-  for (uint64_t i = 0; i < bytes; i += 4093) PE_CHECK(mine[i] == 0, "byte %llu not zero", (unsigned long long)i);
+  for (uint64_t i = 0; i < bytes; i += 4093)
+    PE_CHECK(mine[i] == 0, "byte %llu not zero", (unsigned long long)i);
   /* each PE writes a random pattern into the next PE's data area */
   uint64_t seed = skv_test_seed(), all_seeds[SKV_TEST_MAX_PES];
   PE_CHECK(skv_ctx_allgather(ctx, &seed, all_seeds, sizeof seed) == 0, "seeds");
@@ -82,19 +86,25 @@ static int pe_peer_rw(int rank, int npes, void *arg) {
   /* and every PE sees every segment the same way */
   s = all_seeds[(rank + 2 * npes - 2) % npes];
   skv_test_fill_random(want, bytes, &s);
-  PE_CHECK(memcmp(skv_heap_ptr(heap, from, in.data_offset), want, bytes) == 0, "peer segment content");
+  PE_CHECK(memcmp(skv_heap_ptr(heap, from, in.data_offset), want, bytes) == 0,
+           "peer segment content");
   free(want);
   PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
-  PE_CHECK(count_dir("/proc/self/fd") == fds_before, "fds leaked: %d -> %d", fds_before, count_dir("/proc/self/fd"));
+  PE_CHECK(count_dir("/proc/self/fd") == fds_before, "fds leaked: %d -> %d", fds_before,
+           count_dir("/proc/self/fd"));
   PE_CHECK(heap_maps() == 0, "%d heap mappings left after destroy", heap_maps());
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
   return 0;
 }
 
-typedef struct { int npes; uint64_t bytes; } rw_param_t;
+typedef struct {
+  int npes;
+  uint64_t bytes;
+} rw_param_t;
 
 ParameterizedTestParameters(heap, peers_read_what_peers_wrote) {
-  static rw_param_t p[] = {{1, 4096}, {2, 1}, {2, 1 << 20}, {3, 12345}, {4, 4 << 20}, {8, 256 << 10}};
+  static rw_param_t p[] = {{1, 4096},  {2, 1},       {2, 1 << 20},
+                           {3, 12345}, {4, 4 << 20}, {8, 256 << 10}};
   return cr_make_param_array(rw_param_t, p, sizeof p / sizeof p[0]);
 }
 
@@ -111,7 +121,8 @@ static int pe_mismatch(int rank, int npes, void *arg) {
   skv_heap_t *heap = NULL;
   int rc = skv_heap_create(ctx, rank == 0 ? 4096 : 8192, SKV_BACKEND_HOST, &heap);
   PE_CHECK(rc == SKV_EMISMATCH && heap == NULL, "got %s", skv_err_name(rc));
-  PE_CHECK(strstr(skv_last_error(), "data_bytes=4096") && strstr(skv_last_error(), "data_bytes=8192"),
+  PE_CHECK(strstr(skv_last_error(), "data_bytes=4096") &&
+               strstr(skv_last_error(), "data_bytes=8192"),
            "message names both sides: %s", skv_last_error());
   /* the job is still usable afterwards */
   PE_CHECK(skv_heap_create(ctx, 4096, SKV_BACKEND_HOST, &heap) == 0, "create after mismatch");
@@ -145,7 +156,8 @@ static int pe_bad_input(int rank, int npes, void *arg) {
   PE_CHECK(skv_heap_create(ctx, 4096, SKV_BACKEND_HOST, &heap) == 0, "good create");
   skv_heap_info_t in;
   skv_heap_get_info(heap, &in);
-  PE_CHECK(skv_heap_ptr(heap, npes, 0) == NULL && strstr(skv_last_error(), "PE"), "pe out of range");
+  PE_CHECK(skv_heap_ptr(heap, npes, 0) == NULL && strstr(skv_last_error(), "PE"),
+           "pe out of range");
   PE_CHECK(skv_heap_ptr(heap, -1, 0) == NULL, "negative pe");
   PE_CHECK(skv_heap_ptr(heap, 0, in.segment_bytes) == NULL, "offset out of range");
   PE_CHECK(skv_heap_ptr(heap, 0, in.segment_bytes - 1) != NULL, "last byte in range");
@@ -172,7 +184,8 @@ static double now_s(void) {
 /* The store keys of a failed heap create's steps that remain, over every rank (0 when none). The
  * heap's name is read from a peer's error about it. */
 static int create_keys_left(skv_ctx_t *ctx, const char *err, int npes) {
-  const char *at = strstr(err, "heap/"); /* "skv_heap_create(heap/...)" or "fd exchange \"heap/...\"" */
+  const char *at =
+      strstr(err, "heap/"); /* "skv_heap_create(heap/...)" or "fd exchange \"heap/...\"" */
   if (!at) return -1;
   char name[96];
   if (sscanf(at, "%95[^)\"]", name) != 1) return -1;
@@ -195,7 +208,8 @@ static int create_keys_left(skv_ctx_t *ctx, const char *err, int npes) {
  * arg 1: after it, reserving the address range refused on PE 2). Every PE must fail at once with
  * that PE's error and keep nothing mapped, and the job must stay usable. */
 static int pe_one_fails(int rank, int npes, void *arg) {
-  const int mode = *(const int *)arg, after = mode == 1, in_exchange = mode == 2, bad = after ? 2 : 1;
+  const int mode = *(const int *)arg, after = mode == 1, in_exchange = mode == 2,
+            bad = after ? 2 : 1;
   const uint64_t bytes = 256ull << 20;
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
@@ -208,7 +222,8 @@ static int pe_one_fails(int rank, int npes, void *arg) {
     lim.rlim_cur = skv_test_vm_bytes() + (64ull << 20); /* the 768 MiB range cannot be reserved */
     PE_CHECK(setrlimit(which, &lim) == 0, "setrlimit");
   }
-  if (rank == bad && !after) /* no descriptor for the memfd, or one for it but none for the socket */
+  if (rank == bad &&
+      !after) /* no descriptor for the memfd, or one for it but none for the socket */
     PE_CHECK(skv_test_limit_fds(in_exchange ? 1 : 0, &was) == 0, "limit the descriptors");
   skv_heap_t *heap = (skv_heap_t *)1;
   double t0 = now_s();
@@ -218,7 +233,9 @@ static int pe_one_fails(int rank, int npes, void *arg) {
   const int want = after ? -ENOMEM : -EMFILE;
   PE_CHECK(rc == want && heap == NULL, "create: %s, want %s", skv_err_name(rc), skv_err_name(want));
   PE_CHECK(took < 5.0, "failing took %.1f s (the timeout is 20 s)", took);
-  const char *why = after ? "reserving" : in_exchange ? "listening on a unix socket" : "memfd_create";
+  const char *why = after         ? "reserving"
+                    : in_exchange ? "listening on a unix socket"
+                                  : "memfd_create";
   PE_CHECK(strstr(skv_last_error(), why), "the error says why: %s", skv_last_error());
   char err[1024] = "";
   if (rank != bad) {
@@ -296,7 +313,8 @@ static int pe_agree_out_of_memory(int rank, int npes, void *arg) {
   PE_CHECK(rc == SKV_ENOMEM && heap == NULL, "create: %s", skv_err_name(rc));
   PE_CHECK(took < 5.0, "failing took %.1f s (the timeout is 20 s)", took);
   if (rank != 2)
-    PE_CHECK(strstr(skv_last_error(), "rank 2 failed"), "the error names rank 2: %s", skv_last_error());
+    PE_CHECK(strstr(skv_last_error(), "rank 2 failed"), "the error names rank 2: %s",
+             skv_last_error());
   PE_CHECK(skv_heap_create(ctx, 1 << 20, SKV_BACKEND_HOST, &heap) == 0, "create after the failure");
   PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
@@ -306,7 +324,8 @@ static int pe_agree_out_of_memory(int rank, int npes, void *arg) {
 
 Test(heap, a_pe_out_of_memory_in_an_agreement_still_tells_the_others) {
 #ifdef __SANITIZE_ADDRESS__
-  cr_skip_test("interposes calloc, which ASan's allocator does not allow (runs in the plain build)");
+  cr_skip_test(
+      "interposes calloc, which ASan's allocator does not allow (runs in the plain build)");
 #else
   skv_test_job_t job;
   int bad = skv_test_run(&job, 3, pe_agree_out_of_memory, NULL, 60000);
@@ -326,7 +345,8 @@ static int pe_dies_with_heap(int rank, int npes, void *arg) {
   const uint8_t *dead = skv_heap_ptr(heap, 1, heap->info.data_offset);
   PE_CHECK(dead[0] == 0x41 && dead[(1 << 20) - 1] == 0x41, "dead PE's data");
   int rc = skv_heap_destroy(heap);
-  PE_CHECK(rc == SKV_EPEERDEAD || rc == SKV_ETIMEDOUT, "destroy with a dead peer: %s", skv_err_name(rc));
+  PE_CHECK(rc == SKV_EPEERDEAD || rc == SKV_ETIMEDOUT, "destroy with a dead peer: %s",
+           skv_err_name(rc));
   /* the dead PE's segment too: a survivor's mapping is what keeps its memory alive */
   PE_CHECK(heap_maps() == 0, "%d heap mappings left after destroy", heap_maps());
   skv_finalize(ctx);

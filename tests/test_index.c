@@ -19,9 +19,9 @@ TestSuite(index, .timeout = 120);
 
 /* An assertion for hot loops: Criterion's own asserts are each reported to the runner under
  * --full-stats (as ctest runs the suites), which makes 400,000 of them take minutes. */
-#define LOOP_CHECK(cond, ...)                                                                   \
-  do {                                                                                         \
-    if (!(cond)) cr_assert_fail(__VA_ARGS__);                                                  \
+#define LOOP_CHECK(cond, ...)                 \
+  do {                                        \
+    if (!(cond)) cr_assert_fail(__VA_ARGS__); \
   } while (0)
 
 typedef struct table {
@@ -75,11 +75,13 @@ Test(index, insert_lookup_erase_semantics) {
   cr_assert_eq(skv__val_pe(v), 1);
   cr_assert_eq(skv__val_page(v), 77);
   cr_assert_eq(skv__val_gen(v), 5);
-  cr_assert_eq(skv__index_insert(&t->ix, k, skv__val_pack(0, 3, 1), 0), SKV_EEXIST, "first writer wins");
+  cr_assert_eq(skv__index_insert(&t->ix, k, skv__val_pack(0, 3, 1), 0), SKV_EEXIST,
+               "first writer wins");
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
   cr_assert_eq(v, val);
   cr_assert_eq(skv__index_entries(&t->ix), 1);
-  cr_assert_eq(skv__index_erase(&t->ix, k, skv__val_pack(1, 77, 4)), SKV_ENOTFOUND, "wrong generation");
+  cr_assert_eq(skv__index_erase(&t->ix, k, skv__val_pack(1, 77, 4)), SKV_ENOTFOUND,
+               "wrong generation");
   cr_assert_eq(skv__index_erase(&t->ix, other, val), SKV_ENOTFOUND);
   cr_assert_eq(skv__index_erase(&t->ix, k, val), 0);
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
@@ -101,7 +103,8 @@ Test(index, full_window_gives_enospc_and_lookups_still_work) {
   }
   for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++)
     cr_assert_eq(skv__index_insert(&t->ix, keys[i], skv__val_pack(0, i, 1), 0), 0);
-  cr_assert_eq(skv__index_insert(&t->ix, keys[SKV_INDEX_WINDOW], skv__val_pack(0, 99, 1), 0), SKV_ENOSPC);
+  cr_assert_eq(skv__index_insert(&t->ix, keys[SKV_INDEX_WINDOW], skv__val_pack(0, 99, 1), 0),
+               SKV_ENOSPC);
   for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
     cr_assert_eq(skv__index_lookup(&t->ix, keys[i], &v), 0);
     cr_assert_eq(skv__val_page(v), i);
@@ -129,7 +132,8 @@ Test(index, churn_matches_a_reference_model) {
     case 0: {
       uint64_t val = skv__val_pack((uint32_t)(op % 4), (uint32_t)i, gen++);
       int rc = skv__index_insert(&t->ix, keys[i], val, op % 4);
-      if (model[i]) LOOP_CHECK(rc == SKV_EEXIST, "op %d: insert of a cached key: %s", op, skv_err_name(rc));
+      if (model[i])
+        LOOP_CHECK(rc == SKV_EEXIST, "op %d: insert of a cached key: %s", op, skv_err_name(rc));
       else {
         LOOP_CHECK(rc == 0, "op %d: %s", op, skv_err_name(rc));
         model[i] = val;
@@ -139,8 +143,10 @@ Test(index, churn_matches_a_reference_model) {
     }
     case 1: {
       int rc = skv__index_lookup(&t->ix, keys[i], &v);
-      if (model[i]) LOOP_CHECK(rc == 0 && v == model[i], "op %d lookup", op);
-      else LOOP_CHECK(rc == SKV_ENOTFOUND, "op %d phantom", op);
+      if (model[i])
+        LOOP_CHECK(rc == 0 && v == model[i], "op %d lookup", op);
+      else
+        LOOP_CHECK(rc == SKV_ENOTFOUND, "op %d phantom", op);
       break;
     }
     default:
@@ -149,7 +155,8 @@ Test(index, churn_matches_a_reference_model) {
         model[i] = 0;
         live--;
       } else {
-        LOOP_CHECK(skv__index_erase(&t->ix, keys[i], skv__val_pack(0, 0, 1)) == SKV_ENOTFOUND, "op %d erase of an absent key", op);
+        LOOP_CHECK(skv__index_erase(&t->ix, keys[i], skv__val_pack(0, 0, 1)) == SKV_ENOTFOUND,
+                   "op %d erase of an absent key", op);
       }
     }
   }
@@ -274,9 +281,12 @@ Test(index, clearing_live_claims_never_mixes_up_keys) {
   table_t *t = table_new(1, 256); /* one shard: keys share windows */
   t->slow_alive = true;
   uint64_t seed = skv_test_seed();
-  skv_key_t *keys = mmap(NULL, sizeof(skv_key_t) * NKEYS, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  uint64_t *held = mmap(NULL, sizeof(uint64_t) * NPROC * NKEYS, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  int *lost = mmap(NULL, sizeof(int) * NPROC, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  skv_key_t *keys = mmap(NULL, sizeof(skv_key_t) * NKEYS, PROT_READ | PROT_WRITE,
+                         MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  uint64_t *held = mmap(NULL, sizeof(uint64_t) * NPROC * NKEYS, PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  int *lost =
+      mmap(NULL, sizeof(int) * NPROC, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   uint64_t s = seed;
   for (int i = 0; i < NKEYS; i++) {
     keys[i] = rand_key(&s);
@@ -324,8 +334,10 @@ Test(index, clearing_live_claims_never_mixes_up_keys) {
         }
         uint64_t val = skv__val_pack((uint32_t)p, (uint32_t)i, (uint32_t)j + 1);
         int rc = skv__index_insert(&t->ix, keys[i], val, p);
-        if (rc == 0) *h = val;
-        else if (rc == SKV_EEXIST) lost[p]++;
+        if (rc == 0)
+          *h = val;
+        else if (rc == SKV_EEXIST)
+          lost[p]++;
         else {
           fprintf(stderr, "child %d key %d: %s\n", p, i, skv_err_name(rc));
           _exit(3);
@@ -343,7 +355,8 @@ Test(index, clearing_live_claims_never_mixes_up_keys) {
     for (int p = NPROC; p < NPROC + 2; p++) {
       int st;
       waitpid(pids[p], &st, 0);
-      cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "round %d: %s failed", round, p == NPROC ? "liar" : "reader");
+      cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "round %d: %s failed", round,
+                p == NPROC ? "liar" : "reader");
     }
     memset(t->dead, 0, sizeof t->dead);
     for (uint64_t j = 0; j < t->ix.slots_per_shard; j++) {
@@ -351,8 +364,8 @@ Test(index, clearing_live_claims_never_mixes_up_keys) {
       if (!(sl->val & SKV_VAL_VALID)) continue;
       skv_key_t want = keys[skv__val_page(sl->val)];
       cr_assert(sl->key.p.hi == want.hi && sl->key.p.lo == want.lo,
-                "round %d: slot %llu is VALID for key %u but holds another key", round, (unsigned long long)j,
-                skv__val_page(sl->val));
+                "round %d: slot %llu is VALID for key %u but holds another key", round,
+                (unsigned long long)j, skv__val_page(sl->val));
     }
     cr_assert_geq(skv__index_check(&t->ix), 0, "%s", skv_last_error());
     for (int i = 0; i < NKEYS; i++) {
@@ -363,14 +376,16 @@ Test(index, clearing_live_claims_never_mixes_up_keys) {
       uint64_t v;
       int rc = skv__index_lookup(&t->ix, keys[i], &v);
       if (holders) {
-        cr_assert(rc == 0 && v == held[who * NKEYS + i], "round %d key %d: its holder's value is not indexed", round, i);
+        cr_assert(rc == 0 && v == held[who * NKEYS + i],
+                  "round %d key %d: its holder's value is not indexed", round, i);
         cr_assert_eq(skv__index_erase(&t->ix, keys[i], v), 0);
       } else {
         cr_assert_eq(rc, SKV_ENOTFOUND, "round %d key %d: indexed without a holder", round, i);
       }
     }
     if (getenv("IDX_STATS"))
-      fprintf(stderr, "round %d: inserts lost %d %d %d %d\n", round, lost[0], lost[1], lost[2], lost[3]);
+      fprintf(stderr, "round %d: inserts lost %d %d %d %d\n", round, lost[0], lost[1], lost[2],
+              lost[3]);
     cr_assert_eq(skv__index_check(&t->ix), 0);
   }
   munmap(keys, sizeof(skv_key_t) * NKEYS);
@@ -398,7 +413,8 @@ Test(index, a_claim_in_flight_is_not_the_end_of_the_chain) {
   h->val = SKV_VAL_ERASING;
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0, "lookup stopped at a claim in flight");
   cr_assert_eq(v, val);
-  cr_assert_eq(skv__index_insert(&t->ix, k, skv__val_pack(2, 9, 9), 2), SKV_EEXIST, "insert missed the copy");
+  cr_assert_eq(skv__index_insert(&t->ix, k, skv__val_pack(2, 9, 9), 2), SKV_EEXIST,
+               "insert missed the copy");
   cr_assert_eq(skv__index_erase(&t->ix, k, val), 0, "erase stopped at a claim in flight");
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
 }
@@ -408,7 +424,8 @@ Test(index, racing_processes_agree_on_one_winner_per_key) {
   enum { NPROC = 4, NKEYS = 20000, ROUNDS = 3 };
   table_t *t = table_new(4, 16384);
   uint64_t seed = skv_test_seed();
-  int *won = mmap(NULL, sizeof(int) * NPROC * NKEYS, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  int *won = mmap(NULL, sizeof(int) * NPROC * NKEYS, PROT_READ | PROT_WRITE,
+                  MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   for (int round = 0; round < ROUNDS; round++) {
     memset(won, 0, sizeof(int) * NPROC * NKEYS);
     volatile int *go = &t->go;
@@ -424,8 +441,10 @@ Test(index, racing_processes_agree_on_one_winner_per_key) {
           int i = (p % 2) ? NKEYS - 1 - j : j;
           uint64_t ks = s ^ ((uint64_t)i * 0x9e3779b97f4a7c15ull);
           skv_key_t k = rand_key(&ks);
-          int rc = skv__index_insert(&t->ix, k, skv__val_pack((uint32_t)p, (uint32_t)i, (uint32_t)round + 1), p);
-          if (rc == 0) won[p * NKEYS + i] = 1;
+          int rc = skv__index_insert(
+              &t->ix, k, skv__val_pack((uint32_t)p, (uint32_t)i, (uint32_t)round + 1), p);
+          if (rc == 0)
+            won[p * NKEYS + i] = 1;
           else if (rc != SKV_EEXIST) {
             fprintf(stderr, "child %d key %d: %s\n", p, i, skv_err_name(rc));
             _exit(3);
@@ -450,8 +469,8 @@ Test(index, racing_processes_agree_on_one_winner_per_key) {
       skv_key_t k = rand_key(&ks);
       uint64_t v;
       LOOP_CHECK(skv__index_lookup(&t->ix, k, &v) == 0, "round %d key %d not indexed", round, i);
-      LOOP_CHECK((int)skv__val_pe(v) == who, "round %d key %d: the winner's value is not the one indexed",
-                 round, i);
+      LOOP_CHECK((int)skv__val_pe(v) == who,
+                 "round %d key %d: the winner's value is not the one indexed", round, i);
       /* erase for the next round (tombstones everywhere) */
       LOOP_CHECK(skv__index_erase(&t->ix, k, v) == 0, "round %d key %d: erase", round, i);
     }

@@ -27,15 +27,15 @@ TestSuite(kv, .timeout = 240);
 typedef struct engine {
   skv_geometry_t g;
   int preset;
-  uint32_t bt;      /* block tokens */
-  uint64_t nb;      /* blocks */
+  uint32_t bt; /* block tokens */
+  uint64_t nb; /* blocks */
   uint64_t layer_bytes;
   uint8_t **layers; /* [num_layers] (CONTIGUOUS: [0] only) */
   skv_layout_t *lay;
 } engine_t;
 
-static skv_geometry_t geom_make(uint32_t kind, uint32_t layers, uint32_t heads, uint32_t dim, uint32_t eb,
-                                uint32_t pt) {
+static skv_geometry_t geom_make(uint32_t kind, uint32_t layers, uint32_t heads, uint32_t dim,
+                                uint32_t eb, uint32_t pt) {
   skv_geometry_t g = SKV_GEOMETRY_INIT;
   g.kv_kind = kind;
   g.num_layers = layers;
@@ -55,7 +55,8 @@ static int engine_new(engine_t *e, const skv_geometry_t *g, int preset, uint32_t
   if (skv_layout_preset_layer_bytes(g, preset, bt, nb, &e->layer_bytes) != 0) return -1;
   uint32_t nl = preset == SKV_LAYOUT_CONTIGUOUS ? 1 : g->num_layers;
   e->layers = calloc(g->num_layers, sizeof *e->layers);
-  for (uint32_t l = 0; l < nl; l++) e->layers[l] = aligned_alloc(64, SKV_ALIGN_UP(e->layer_bytes, 64));
+  for (uint32_t l = 0; l < nl; l++)
+    e->layers[l] = aligned_alloc(64, SKV_ALIGN_UP(e->layer_bytes, 64));
   return skv_layout_create_preset(g, preset, bt, nb, (void *const *)e->layers, -1, &e->lay);
 }
 
@@ -80,15 +81,26 @@ static void engine_poison(engine_t *e) {
 }
 
 /* Address of the vector (layer, kv, block, token, head) straight from the preset's shape. */
-static uint8_t *ref_vec(const engine_t *e, uint32_t l, uint32_t kv, uint64_t b, uint32_t t, uint32_t h) {
+static uint8_t *ref_vec(const engine_t *e, uint32_t l, uint32_t kv, uint64_t b, uint32_t t,
+                        uint32_t h) {
   const skv_geometry_t *g = &e->g;
   uint64_t H = g->num_kv_heads, D = g->head_dim, T = e->bt, NB = e->nb, eb = g->elem_bytes, idx;
   switch (e->preset) {
-  case SKV_LAYOUT_VLLM_FLASH_NHD: idx = ((kv * NB + b) * T + t) * H + h; break;
-  case SKV_LAYOUT_VLLM_FLASH_HND: idx = ((kv * NB + b) * H + h) * T + t; break;
-  case SKV_LAYOUT_FLASHINFER_NHD: idx = ((b * 2 + kv) * T + t) * H + h; break;
-  case SKV_LAYOUT_FLASHINFER_HND: idx = ((b * 2 + kv) * H + h) * T + t; break;
-  case SKV_LAYOUT_MLA: idx = b * T + t; break;
+  case SKV_LAYOUT_VLLM_FLASH_NHD:
+    idx = ((kv * NB + b) * T + t) * H + h;
+    break;
+  case SKV_LAYOUT_VLLM_FLASH_HND:
+    idx = ((kv * NB + b) * H + h) * T + t;
+    break;
+  case SKV_LAYOUT_FLASHINFER_NHD:
+    idx = ((b * 2 + kv) * T + t) * H + h;
+    break;
+  case SKV_LAYOUT_FLASHINFER_HND:
+    idx = ((b * 2 + kv) * H + h) * T + t;
+    break;
+  case SKV_LAYOUT_MLA:
+    idx = b * T + t;
+    break;
   default: { /* CONTIGUOUS: blocks stored as pages */
     uint64_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
     uint64_t block_vecs = g->num_layers * kvn * T * H;
@@ -100,7 +112,8 @@ static uint8_t *ref_vec(const engine_t *e, uint32_t l, uint32_t kv, uint64_t b, 
 }
 
 /* Do page i of `src` (blocks sb[]) and of `dst` (blocks db[]) hold the same vectors? */
-static int pages_equal(const engine_t *src, const uint64_t *sb, const engine_t *dst, const uint64_t *db) {
+static int pages_equal(const engine_t *src, const uint64_t *sb, const engine_t *dst,
+                       const uint64_t *db) {
   const skv_geometry_t *g = &src->g;
   uint32_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
   size_t vb = (size_t)g->head_dim * g->elem_bytes;
@@ -185,7 +198,8 @@ static int pe_round_trip(int rank, int npes, void *arg) {
   uint64_t s = seed ^ 0x55;
   pick_blocks(nb, NPAGES * m, sblocks, &s);
   size_t ins;
-  PE_CHECK(skv_publish(kv, ns, keys, NPAGES, src.lay, sblocks, NULL, &ins) == 0 && ins == NPAGES, "publish");
+  PE_CHECK(skv_publish(kv, ns, keys, NPAGES, src.lay, sblocks, NULL, &ins) == 0 && ins == NPAGES,
+           "publish");
   uint64_t all_blocks[SKV_TEST_MAX_PES][NPAGES * 8];
   PE_CHECK(skv_ctx_allgather(ctx, sblocks, all_blocks, sizeof sblocks) == 0, "blocks");
   /* fetch every other PE's chain (and our own) */
@@ -197,9 +211,10 @@ static int pe_round_trip(int rank, int npes, void *arg) {
     fk[NPAGES].lo ^= 1; /* a key nobody published ends the prefix */
     skv_page_ref_t refs[NPAGES + 1];
     size_t nhit;
-    PE_CHECK(skv_lookup(kv, ns, fk, NPAGES + 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NPAGES, "lookup hit %zu",
-             nhit);
-    for (int i = 0; i < NPAGES; i++) PE_CHECK(refs[i].pe == (uint32_t)from, "page %d is on PE %u", i, refs[i].pe);
+    PE_CHECK(skv_lookup(kv, ns, fk, NPAGES + 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NPAGES,
+             "lookup hit %zu", nhit);
+    for (int i = 0; i < NPAGES; i++)
+      PE_CHECK(refs[i].pe == (uint32_t)from, "page %d is on PE %u", i, refs[i].pe);
     engine_poison(&dst);
     uint64_t dblocks[NPAGES * 8];
     s = skv_test_seed();
@@ -209,7 +224,8 @@ static int pe_round_trip(int rank, int npes, void *arg) {
     PE_CHECK(engine_new(&ref, &g, p->preset, p->bt, nb) == 0, "ref engine");
     engine_fill(&ref, seeds[from]);
     for (int i = 0; i < NPAGES; i++)
-      PE_CHECK(pages_equal(&ref, &all_blocks[from][i * m], &dst, &dblocks[i * m]), "page %d from PE %d differs", i, from);
+      PE_CHECK(pages_equal(&ref, &all_blocks[from][i * m], &dst, &dblocks[i * m]),
+               "page %d from PE %d differs", i, from);
     uint8_t *used = calloc(nb, 1);
     for (uint32_t i = 0; i < NPAGES * m; i++) used[dblocks[i]] = 1;
     PE_CHECK(untouched_outside(&dst, used), "fetch wrote outside its blocks");
@@ -221,7 +237,8 @@ static int pe_round_trip(int rank, int npes, void *arg) {
   PE_CHECK(skv_kv_get_stats(kv, &st) == 0, "stats");
   PE_CHECK(st.pages_pinned == 0 && st.pages_used == NPAGES, "pinned %llu used %llu",
            (unsigned long long)st.pages_pinned, (unsigned long long)st.pages_used);
-  PE_CHECK(st.index_entries == (uint64_t)npes * NPAGES, "entries %llu", (unsigned long long)st.index_entries);
+  PE_CHECK(st.index_entries == (uint64_t)npes * NPAGES, "entries %llu",
+           (unsigned long long)st.index_entries);
   engine_free(&src);
   engine_free(&dst);
   skv_namespace_destroy(ns);
@@ -255,8 +272,9 @@ Test(kv, round_trip_random_geometries) {
   for (int iter = 0; iter < 6; iter++) {
     rt_param_t p;
     p.preset = 1 + (int)(skv_test_rand(&s) % 6);
-    p.kind = p.preset == SKV_LAYOUT_MLA ? SKV_KV_MLA
-             : (p.preset == SKV_LAYOUT_CONTIGUOUS && skv_test_rand(&s) % 2) ? SKV_KV_MLA : SKV_KV_SPLIT;
+    p.kind = p.preset == SKV_LAYOUT_MLA                                     ? SKV_KV_MLA
+             : (p.preset == SKV_LAYOUT_CONTIGUOUS && skv_test_rand(&s) % 2) ? SKV_KV_MLA
+                                                                            : SKV_KV_SPLIT;
     p.layers = 1 + (uint32_t)(skv_test_rand(&s) % 4);
     p.heads = p.kind == SKV_KV_MLA ? 1 : 1 + (uint32_t)(skv_test_rand(&s) % 4);
     p.dim = dims[skv_test_rand(&s) % 5];
@@ -265,8 +283,8 @@ Test(kv, round_trip_random_geometries) {
     p.pt = p.bt * (1 + (uint32_t)(skv_test_rand(&s) % 4));
     skv_test_job_t job;
     int bad = skv_test_run(&job, 2, pe_round_trip, &p, 120000);
-    cr_assert_eq(bad, 0, "preset %d kind %u L%u H%u D%u eb%u pt%u bt%u: %s", p.preset, p.kind, p.layers, p.heads,
-                 p.dim, p.eb, p.pt, p.bt, skv_test_statuses(&job));
+    cr_assert_eq(bad, 0, "preset %d kind %u L%u H%u D%u eb%u pt%u bt%u: %s", p.preset, p.kind,
+                 p.layers, p.heads, p.dim, p.eb, p.pt, p.bt, skv_test_statuses(&job));
   }
 }
 
@@ -384,13 +402,15 @@ static int pe_lru_and_pins(int rank, int npes, void *arg) {
     /* touch key 1 (so 2 becomes the LRU) and pin key 3 */
     skv_key_t k1 = key_of(&f, 1), k3 = key_of(&f, 3);
     PE_CHECK(skv_lookup(f.kv, f.ns, &k1, 1, 0, refs, &nhit) == 0 && nhit == 1, "touch 1");
-    PE_CHECK(skv_lookup(f.kv, f.ns, &k3, 1, SKV_LOOKUP_PIN, &refs[3], &nhit) == 0 && nhit == 1, "pin 3");
+    PE_CHECK(skv_lookup(f.kv, f.ns, &k3, 1, SKV_LOOKUP_PIN, &refs[3], &nhit) == 0 && nhit == 1,
+             "pin 3");
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
     /* publishing 3 more pages evicts the 3 least recently used unpinned ones: 2, 4, 5 */
     uint64_t more[3] = {9, 10, 11};
-    PE_CHECK(publish_ids(&f, more, 3, &ins) == 0 && ins == 3, "publish beyond capacity: %s", skv_last_error());
+    PE_CHECK(publish_ids(&f, more, 3, &ins) == 0 && ins == 3, "publish beyond capacity: %s",
+             skv_last_error());
     skv_kv_stats_t st;
     skv_kv_get_stats(f.kv, &st);
     PE_CHECK(st.evicted == 3, "evicted %llu", (unsigned long long)st.evicted);
@@ -400,19 +420,22 @@ static int pe_lru_and_pins(int rank, int npes, void *arg) {
   for (uint64_t id = 1; id <= 11; id++) {
     skv_key_t k = key_of(&f, id);
     PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, refs, &nhit) == 0, "lookup");
-    PE_CHECK((int)nhit == want[id], "key %llu: hit %zu, expected %d", (unsigned long long)id, nhit, want[id]);
+    PE_CHECK((int)nhit == want[id], "key %llu: hit %zu, expected %d", (unsigned long long)id, nhit,
+             want[id]);
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 1) {
     /* our pin kept page 3; fetch it, then release */
-    PE_CHECK(skv_fetch(f.kv, &refs[3], 1, f.eng.lay, (uint64_t[]){40}, SKV_FETCH_UNPIN, NULL) == 0, "fetch pinned");
+    PE_CHECK(skv_fetch(f.kv, &refs[3], 1, f.eng.lay, (uint64_t[]){40}, SKV_FETCH_UNPIN, NULL) == 0,
+             "fetch pinned");
     PE_CHECK(block_holds(&f, 40, 3), "pinned page content");
     PE_CHECK(skv_unpin(f.kv, &refs[3], 1) == SKV_EINVAL, "double unpin is refused");
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
     uint64_t n;
-    PE_CHECK(skv_evict(f.kv, 100, &n) == 0 && n == 8, "all pages evictable once unpinned: %llu", (unsigned long long)n);
+    PE_CHECK(skv_evict(f.kv, 100, &n) == 0 && n == 8, "all pages evictable once unpinned: %llu",
+             (unsigned long long)n);
     skv_kv_stats_t st;
     skv_kv_get_stats(f.kv, &st);
     PE_CHECK(st.pages_used == 0 && st.index_entries == 0, "empty after evicting all");
@@ -474,9 +497,10 @@ static int pe_evict_under_touches(int rank, int npes, void *arg) {
   __atomic_store_n(&t.stop, 1, __ATOMIC_RELEASE);
   pthread_join(th, NULL);
   /* the touches went on all along (else this test shows nothing) */
-  PE_CHECK(rounds >= MORE, "only %llu touch rounds during %d publishes", (unsigned long long)rounds, done);
-  PE_CHECK(nospace == 0 && other == 0, "%d of %d publishes found no page (ENOSPC), %d failed otherwise",
-           nospace, done, other);
+  PE_CHECK(rounds >= MORE, "only %llu touch rounds during %d publishes", (unsigned long long)rounds,
+           done);
+  PE_CHECK(nospace == 0 && other == 0,
+           "%d of %d publishes found no page (ENOSPC), %d failed otherwise", nospace, done, other);
   skv_kv_stats_t st;
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.evicted == (uint64_t)done && st.pages_used == PAGES, "evicted %llu of %d, used %llu",
@@ -495,7 +519,9 @@ Test(kv, eviction_finds_a_page_while_every_page_is_being_touched) {
 /* Under ASan a failed allocation returns NULL, as without it (pe_kv_create_fails_on_one runs
  * a PE out of address space); ASan's default is to abort. */
 const char *__asan_default_options(void);
-const char *__asan_default_options(void) { return "allocator_may_return_null=1"; }
+const char *__asan_default_options(void) {
+  return "allocator_may_return_null=1";
+}
 #endif
 
 /* PE 1 has the address space for the cache's heaps but not for its page pool's private tables:
@@ -532,7 +558,8 @@ static int pe_kv_create_fails_on_one(int rank, int npes, void *arg) {
   PE_CHECK(strstr(skv_last_error(), "page pool"), "the error says why: %s", skv_last_error());
   char name[96] = "";
   if (rank != 1) {
-    PE_CHECK(strstr(skv_last_error(), "rank 1 failed"), "the error names rank 1: %s", skv_last_error());
+    PE_CHECK(strstr(skv_last_error(), "rank 1 failed"), "the error names rank 1: %s",
+             skv_last_error());
     const char *at = strstr(skv_last_error(), "skv_kv_create(");
     PE_CHECK(at && sscanf(at + strlen("skv_kv_create("), "%95[^)]", name) == 1, "heap name in: %s",
              skv_last_error());
@@ -541,14 +568,16 @@ static int pe_kv_create_fails_on_one(int rank, int npes, void *arg) {
   PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "create after the failure");
   PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
-  for (int r = 0; rank == 0 && r < npes; r++) { /* the failed step's keys went with the checks since */
+  for (int r = 0; rank == 0 && r < npes;
+       r++) { /* the failed step's keys went with the checks since */
     char key[160];
     snprintf(key, sizeof key, "%s/kv-ready/%d", name, r);
     void *v = NULL;
     size_t len = 0;
     int got = skv__store_try_get(ctx->store, key, &v, &len);
     free(v);
-    PE_CHECK(got == SKV_ENOTFOUND, "store key %s left after the failed create: %s", key, skv_err_name(got));
+    PE_CHECK(got == SKV_ENOTFOUND, "store key %s left after the failed create: %s", key,
+             skv_err_name(got));
   }
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
@@ -608,7 +637,8 @@ static int pe_dead_pinner(int rank, int npes, void *arg) {
     skv_key_t keys[8];
     skv_page_ref_t refs[8];
     for (int i = 0; i < 8; i++) keys[i] = key_of(&f, ids[i]);
-    PE_CHECK(skv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8, "pin all");
+    PE_CHECK(skv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8,
+             "pin all");
     PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
     PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier"); /* rank 0 has seen our pins hold */
     raise(SIGKILL);
@@ -656,7 +686,8 @@ static int pe_pinner_while_proc_unreadable(int rank, int npes, void *arg) {
   if (rank == 0) PE_CHECK(publish_ids(&f, ids, 8, &ins) == 0 && ins == 8, "publish");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 1)
-    PE_CHECK(skv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8, "pin all");
+    PE_CHECK(skv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8,
+             "pin all");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
     struct rlimit old;
@@ -669,19 +700,22 @@ static int pe_pinner_while_proc_unreadable(int rank, int npes, void *arg) {
     int rc = skv_evict(f.kv, 8, &n);
     setrlimit(RLIMIT_NOFILE, &old);
     PE_CHECK(emfile, "the descriptor limit did not take");
-    PE_CHECK(rc == 0 && n == 0, "evicted %llu pages a live PE pins (rc %d)", (unsigned long long)n, rc);
+    PE_CHECK(rc == 0 && n == 0, "evicted %llu pages a live PE pins (rc %d)", (unsigned long long)n,
+             rc);
     usleep(30000);
-    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 0, "later: evicted %llu pinned pages", (unsigned long long)n);
+    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 0, "later: evicted %llu pinned pages",
+             (unsigned long long)n);
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 1) {
-    PE_CHECK(skv_fetch(f.kv, refs, 8, f.eng.lay, ids, SKV_FETCH_UNPIN, NULL) == 0, "fetch of pinned pages: %s",
-             skv_last_error());
+    PE_CHECK(skv_fetch(f.kv, refs, 8, f.eng.lay, ids, SKV_FETCH_UNPIN, NULL) == 0,
+             "fetch of pinned pages: %s", skv_last_error());
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
     uint64_t n;
-    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 8, "unpinned: evicted %llu of 8", (unsigned long long)n);
+    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 8, "unpinned: evicted %llu of 8",
+             (unsigned long long)n);
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   fix_fini(&f);
@@ -720,7 +754,8 @@ static int pe_pin_meets_evicting(int rank, int npes, void *arg) {
   size_t nhit;
   PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
   skv_page_meta_t *m = &f.kv->pool.meta[ref.pe][ref.page];
-  uint64_t ready = skv__st_make(ref.gen, SKV_PAGE_READY), evicting = skv__st_make(ref.gen, SKV_PAGE_EVICTING);
+  uint64_t ready = skv__st_make(ref.gen, SKV_PAGE_READY),
+           evicting = skv__st_make(ref.gen, SKV_PAGE_EVICTING);
   PE_CHECK(__atomic_load_n(&m->state, __ATOMIC_SEQ_CST) == ready, "page READY");
   evicting_arg_t e = {&m->state, &m->pinmask, ready, 1ull << rank};
   __atomic_store_n(&m->state, evicting, __ATOMIC_SEQ_CST);
@@ -733,9 +768,12 @@ static int pe_pin_meets_evicting(int rank, int npes, void *arg) {
   /* an evictor that stopped in EVICTING: the pin gives up (bounded) and reports stale */
   __atomic_store_n(&m->state, evicting, __ATOMIC_SEQ_CST);
   uint64_t t0 = skv__now_ms();
-  PE_CHECK(skv__pool_pin(&f.kv->pool, ref.pe, ref.page, ref.gen) == SKV_ESTALE, "stuck EVICTING is stale");
-  PE_CHECK(skv__now_ms() - t0 < 1000, "the pin waited %llu ms", (unsigned long long)(skv__now_ms() - t0));
-  PE_CHECK((__atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST) & 1ull << ref.pe) == 0, "pin bit cleared");
+  PE_CHECK(skv__pool_pin(&f.kv->pool, ref.pe, ref.page, ref.gen) == SKV_ESTALE,
+           "stuck EVICTING is stale");
+  PE_CHECK(skv__now_ms() - t0 < 1000, "the pin waited %llu ms",
+           (unsigned long long)(skv__now_ms() - t0));
+  PE_CHECK((__atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST) & 1ull << ref.pe) == 0,
+           "pin bit cleared");
   __atomic_store_n(&m->state, ready, __ATOMIC_SEQ_CST);
   fix_fini(&f);
   return 0;
@@ -764,20 +802,27 @@ static int pe_bad_input(int rank, int npes, void *arg) {
   g2.page_tokens = 32;
   skv_namespace_t *ns2;
   PE_CHECK(skv_namespace_create("fixture", &g2, NULL, 0, "s3cret", 6, &ns2) == 0, "ns2");
-  PE_CHECK(skv_lookup(f.kv, ns2, &k, 1, 0, &ref, &nhit) == SKV_EINVAL && strstr(skv_last_error(), "namespace"),
+  PE_CHECK(skv_lookup(f.kv, ns2, &k, 1, 0, &ref, &nhit) == SKV_EINVAL &&
+               strstr(skv_last_error(), "namespace"),
            "wrong namespace: %s", skv_last_error());
-  PE_CHECK(skv_publish(f.kv, ns2, &k, 1, f.eng.lay, &blk, NULL, NULL) == SKV_EINVAL, "publish wrong namespace");
+  PE_CHECK(skv_publish(f.kv, ns2, &k, 1, f.eng.lay, &blk, NULL, NULL) == SKV_EINVAL,
+           "publish wrong namespace");
   skv_namespace_destroy(ns2);
-  skv_page_ref_t bad_pe = {(uint32_t)npes, 0, 1, 0}, bad_page = {0, 8, 1, 0}, bad_gen = {0, 0, 0, 0};
+  skv_page_ref_t bad_pe = {(uint32_t)npes, 0, 1, 0}, bad_page = {0, 8, 1, 0},
+                 bad_gen = {0, 0, 0, 0};
   PE_CHECK(skv_fetch(f.kv, &bad_pe, 1, f.eng.lay, &blk, 0, NULL) == SKV_ERANGE, "PE out of range");
-  PE_CHECK(skv_fetch(f.kv, &bad_page, 1, f.eng.lay, &blk, 0, NULL) == SKV_ERANGE, "page out of range");
+  PE_CHECK(skv_fetch(f.kv, &bad_page, 1, f.eng.lay, &blk, 0, NULL) == SKV_ERANGE,
+           "page out of range");
   PE_CHECK(skv_fetch(f.kv, &bad_gen, 1, f.eng.lay, &blk, 0, NULL) == SKV_EINVAL, "generation 0");
   uint64_t big = 16;
-  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &big, 0, NULL) == SKV_EINVAL, "block id out of range");
+  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &big, 0, NULL) == SKV_EINVAL,
+           "block id out of range");
   PE_CHECK(skv_fetch(f.kv, &ref, 1, NULL, &blk, 0, NULL) == SKV_EINVAL, "NULL layout");
   PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, NULL, 0, NULL) == SKV_EINVAL, "NULL block ids");
-  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &blk, 0, NULL) == SKV_ESTALE, "never-published page is stale");
-  PE_CHECK(skv_publish(f.kv, f.ns, &k, 1, f.eng.lay, &big, NULL, NULL) == SKV_EINVAL, "publish bad block");
+  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &blk, 0, NULL) == SKV_ESTALE,
+           "never-published page is stale");
+  PE_CHECK(skv_publish(f.kv, f.ns, &k, 1, f.eng.lay, &big, NULL, NULL) == SKV_EINVAL,
+           "publish bad block");
   PE_CHECK(skv_unpin(f.kv, &ref, 1) == SKV_EINVAL, "unpin of an unpinned page");
   skv_kv_opts_t o = SKV_KV_OPTS_INIT;
   skv_kv_t *kv2;
@@ -791,7 +836,8 @@ static int pe_bad_input(int rank, int npes, void *arg) {
   bad.head_dim = 0;
   o = (skv_kv_opts_t)SKV_KV_OPTS_INIT;
   o.pages_per_pe = 4;
-  PE_CHECK(skv_kv_create(f.ctx, &bad, &o, &kv2) == SKV_EINVAL && strstr(skv_last_error(), "head_dim"),
+  PE_CHECK(skv_kv_create(f.ctx, &bad, &o, &kv2) == SKV_EINVAL &&
+               strstr(skv_last_error(), "head_dim"),
            "bad geometry named: %s", skv_last_error());
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   fix_fini(&f);
@@ -839,7 +885,8 @@ static int pe_stress(int rank, int npes, void *arg) {
       int rc = skv_fetch(f.kv, refs, nhit, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
       PE_CHECK(rc == 0, "fetch of pinned pages: %s", skv_err_name(rc));
       for (size_t i = 0; i < nhit; i++)
-        PE_CHECK(block_holds(&f, blocks[i], ids[i]), "fetched page of key %llu holds other data (freed or reused?)",
+        PE_CHECK(block_holds(&f, blocks[i], ids[i]),
+                 "fetched page of key %llu holds other data (freed or reused?)",
                  (unsigned long long)ids[i]);
       fetched += nhit;
       break;
@@ -862,7 +909,8 @@ static int pe_stress(int rank, int npes, void *arg) {
           break;
         }
         PE_CHECK(rc == 0, "fetch: %s", skv_err_name(rc));
-        for (size_t i = 0; i < nhit; i++) PE_CHECK(block_holds(&f, blocks[i], ids[i]), "unpinned fetch content");
+        for (size_t i = 0; i < nhit; i++)
+          PE_CHECK(block_holds(&f, blocks[i], ids[i]), "unpinned fetch content");
       }
     }
     }
@@ -882,8 +930,10 @@ static int pe_stress(int rank, int npes, void *arg) {
     ready++;
     skv_key_t k = {m->key_hi, m->key_lo};
     uint64_t v;
-    PE_CHECK(skv__index_lookup(&f.kv->index, k, &v) == 0, "READY page %llu is not indexed", (unsigned long long)pg);
-    PE_CHECK(skv__val_pe(v) == (uint32_t)rank && skv__val_page(v) == pg && skv__val_gen(v) == skv__st_gen(m->state),
+    PE_CHECK(skv__index_lookup(&f.kv->index, k, &v) == 0, "READY page %llu is not indexed",
+             (unsigned long long)pg);
+    PE_CHECK(skv__val_pe(v) == (uint32_t)rank && skv__val_page(v) == pg &&
+                 skv__val_gen(v) == skv__st_gen(m->state),
              "index entry of page %llu names another page", (unsigned long long)pg);
   }
   /* and every VALID entry naming one of our pages names a READY page holding that key */
@@ -894,22 +944,26 @@ static int pe_stress(int rank, int npes, void *arg) {
       uint64_t v = sl->val;
       if (sl->key.p.hi == 0 || !(v & SKV_VAL_VALID) || skv__val_pe(v) != (uint32_t)rank) continue;
       skv_page_meta_t *m = &f.kv->pool.meta[rank][skv__val_page(v)];
-      PE_CHECK(skv__st_state(m->state) == SKV_PAGE_READY && skv__st_gen(m->state) == skv__val_gen(v) &&
-                   m->key_hi == sl->key.p.hi && m->key_lo == sl->key.p.lo,
-               "orphan entry shard %d slot %llu -> page %u gen %u; page state %u gen %u, key %s, ticket %llu", sh,
-               (unsigned long long)i, skv__val_page(v), skv__val_gen(v), skv__st_state(m->state),
-               skv__st_gen(m->state), m->key_hi == sl->key.p.hi && m->key_lo == sl->key.p.lo ? "same" : "differs",
+      PE_CHECK(skv__st_state(m->state) == SKV_PAGE_READY &&
+                   skv__st_gen(m->state) == skv__val_gen(v) && m->key_hi == sl->key.p.hi &&
+                   m->key_lo == sl->key.p.lo,
+               "orphan entry shard %d slot %llu -> page %u gen %u; page state %u gen %u, key %s, "
+               "ticket %llu",
+               sh, (unsigned long long)i, skv__val_page(v), skv__val_gen(v),
+               skv__st_state(m->state), skv__st_gen(m->state),
+               m->key_hi == sl->key.p.hi && m->key_lo == sl->key.p.lo ? "same" : "differs",
                (unsigned long long)sl->ticket);
     }
   uint64_t all_ready[SKV_TEST_MAX_PES];
   PE_CHECK(skv_ctx_allgather(f.ctx, &ready, all_ready, sizeof ready) == 0, "ag");
   uint64_t total = 0;
   for (int r = 0; r < npes; r++) total += all_ready[r];
-  PE_CHECK((uint64_t)entries == total, "index has %lld entries, PEs hold %llu READY pages", (long long)entries,
-           (unsigned long long)total);
-  PE_CHECK(st.pages_used == ready, "used %llu ready %llu", (unsigned long long)st.pages_used, (unsigned long long)ready);
-  fprintf(stderr, "rank %d: %llu ops, %llu pages fetched and verified, %llu stale\n", rank, (unsigned long long)ops,
-          (unsigned long long)fetched, (unsigned long long)stale);
+  PE_CHECK((uint64_t)entries == total, "index has %lld entries, PEs hold %llu READY pages",
+           (long long)entries, (unsigned long long)total);
+  PE_CHECK(st.pages_used == ready, "used %llu ready %llu", (unsigned long long)st.pages_used,
+           (unsigned long long)ready);
+  fprintf(stderr, "rank %d: %llu ops, %llu pages fetched and verified, %llu stale\n", rank,
+          (unsigned long long)ops, (unsigned long long)fetched, (unsigned long long)stale);
   PE_CHECK(fetched > 0, "the stress test fetched nothing");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   fix_fini(&f);

@@ -330,7 +330,9 @@ static void check_lines(const char *text, const char *tag, int n, int lines) {
   for (int j = 0; j < (tag ? 1 : 2); j++)
     for (int r = 0; r < n; r++)
       CHECK(next_tag[j][r] == lines, "rank %d: %d of %d %s lines", r, next_tag[j][r], lines,
-            tag ? tag : j ? "ERR" : "OUT");
+            tag ? tag
+            : j ? "ERR"
+                : "OUT");
   CHECK(total == (tag ? 1 : 2) * n * lines, "%d lines, expected %d", total,
         (tag ? 1 : 2) * n * lines);
 }
@@ -455,8 +457,8 @@ Test(launcher, timeout_works_while_stdout_is_not_read, .timeout = 30) {
   launch_opts_t o = {.timeout_ms = 12000, .stall_ms = -1};
   launch_t a;
   launch_opts(&a, args, &o);
-  cr_assert_eq(a.status, 124, "symkv-run exited %d after %.1f s (-1: hung); stderr:\n%s",
-               a.status, a.secs, a.err);
+  cr_assert_eq(a.status, 124, "symkv-run exited %d after %.1f s (-1: hung); stderr:\n%s", a.status,
+               a.secs, a.err);
   cr_assert_lt(a.secs, 8.0);
   cr_assert(strstr(a.err, "symkv-run: timeout after 1 s"), "stderr:\n%s", a.err);
   launch_free(&a);

@@ -9,13 +9,13 @@
 #include <stdint.h>
 
 /* Protocol limits (docs/bootstrap.md describes the wire format). */
-#define SKV_BOOT_PROTO_VERSION 1
-#define SKV_BOOT_MAX_KEY SKV_STORE_MAX_KEY                 /* bytes of a key */
-#define SKV_BOOT_MAX_VALUE SKV_STORE_MAX_VALUE             /* bytes of a value */
-#define SKV_BOOT_MAX_FRAME (SKV_BOOT_MAX_VALUE + 1024u)    /* bytes of one frame's payload */
-#define SKV_BOOT_MAX_KEYS (1u << 20)                       /* keys the server holds at most */
-#define SKV_BOOT_MAX_BYTES (1ull << 30)                    /* value bytes the server holds at most */
-#define SKV_BOOT_HELLO_TIMEOUT_MS 10000                    /* a connection must say HELLO by then */
+#define SKV_BOOT_PROTO_VERSION    1
+#define SKV_BOOT_MAX_KEY          SKV_STORE_MAX_KEY            /* bytes of a key */
+#define SKV_BOOT_MAX_VALUE        SKV_STORE_MAX_VALUE          /* bytes of a value */
+#define SKV_BOOT_MAX_FRAME        (SKV_BOOT_MAX_VALUE + 1024u) /* bytes of one frame's payload */
+#define SKV_BOOT_MAX_KEYS         (1u << 20)                   /* keys the server holds at most */
+#define SKV_BOOT_MAX_BYTES        (1ull << 30) /* value bytes the server holds at most */
+#define SKV_BOOT_HELLO_TIMEOUT_MS 10000        /* a connection must say HELLO by then */
 
 /* ---- store_server.c ------------------------------------------------------------------------ */
 
@@ -75,8 +75,8 @@ int skv__store_del(skv_store_t *st, const char *key);
 /* Barrier of all nranks under a caller-chosen unique name. */
 int skv__store_barrier(skv_store_t *st, const char *name, int timeout_ms);
 /* Every rank contributes `bytes`; `out` gets nranks * bytes in rank order. */
-int skv__store_allgather(skv_store_t *st, const char *name, const void *in, void *out,
-                         size_t bytes, int timeout_ms);
+int skv__store_allgather(skv_store_t *st, const char *name, const void *in, void *out, size_t bytes,
+                         int timeout_ms);
 /* This rank's key of allgather `name` ("<name>/<rank>"): to delete it once every rank has read
  * it, or to contribute without gathering (skv__store_allgather_put). */
 void skv__store_allgather_key(const skv_store_t *st, const char *name, char *buf, size_t cap);

@@ -12,9 +12,9 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-#define SKV_CTX_CHECK(ctx, fn)                                                                   \
-  do {                                                                                         \
-    if (!(ctx)) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, fn ": ctx is NULL");              \
+#define SKV_CTX_CHECK(ctx, fn)                                                    \
+  do {                                                                            \
+    if (!(ctx)) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, fn ": ctx is NULL"); \
   } while (0)
 
 /* How long rank 0 keeps serving after its skv_init failed, for the others to finish and leave. */
@@ -57,7 +57,8 @@ static int find_local_pes(skv_ctx_t *ctx, const char *local_from) {
     if (strcmp(all[r].host, me.host) != 0 || strcmp(all[r].boot_id, me.boot_id) != 0) continue;
     if (ctx->nlocal == SKV_MAX_LOCAL_PES) {
       free(all);
-      return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_INIT, "more than %d PEs on node %s", SKV_MAX_LOCAL_PES, me.host);
+      return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_INIT, "more than %d PEs on node %s",
+                      SKV_MAX_LOCAL_PES, me.host);
     }
     if (r == ctx->cfg.rank) ctx->local_index = ctx->nlocal;
     ctx->local_ranks[ctx->nlocal++] = r;
@@ -69,7 +70,8 @@ static int find_local_pes(skv_ctx_t *ctx, const char *local_from) {
                     "leave %s unset to use the PEs found on each node",
                     ctx->cfg.local_size, local_from, ctx->nlocal, me.host, local_from);
   if (ctx->cfg.local_rank >= 0 && ctx->local_index != ctx->cfg.local_rank)
-    SKV_INFO(SKV_SUBSYS_INIT, "local rank %d (configured) differs from position %d among this node's PEs; using %d",
+    SKV_INFO(SKV_SUBSYS_INIT,
+             "local rank %d (configured) differs from position %d among this node's PEs; using %d",
              ctx->cfg.local_rank, ctx->local_index, ctx->local_index);
   ctx->cfg.local_rank = ctx->local_index;
   ctx->cfg.local_size = ctx->nlocal;
@@ -87,8 +89,9 @@ int skv_init(const skv_config_t *cfg, skv_ctx_t **out) {
   SKV_CHECK_GOTO(skv__config_resolve(cfg, &ctx->cfg), rc, fail);
   skv__log_rank = ctx->cfg.rank;
   skv__env_report();
-  SKV_INFO(SKV_SUBSYS_INIT, "symkv %s: rank %d of %d, store %s:%d, timeout %d ms", skv_version_string(),
-           ctx->cfg.rank, ctx->cfg.world_size, ctx->cfg.host, ctx->cfg.port, ctx->cfg.timeout_ms);
+  SKV_INFO(SKV_SUBSYS_INIT, "symkv %s: rank %d of %d, store %s:%d, timeout %d ms",
+           skv_version_string(), ctx->cfg.rank, ctx->cfg.world_size, ctx->cfg.host, ctx->cfg.port,
+           ctx->cfg.timeout_ms);
   if (ctx->cfg.rank == 0)
     SKV_CHECK_GOTO(skv__store_server_start(ctx->cfg.bind_addr, ctx->cfg.port, ctx->cfg.token,
                                            ctx->cfg.world_size, &ctx->server),
@@ -166,7 +169,8 @@ int skv_ctx_timeout_ms(const skv_ctx_t *ctx) {
 #ifndef SKV_WITH_CUDA
 int skv_ctx_device(skv_ctx_t *ctx) {
   SKV_CTX_CHECK(ctx, "skv_ctx_device");
-  return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_INIT, "skv_ctx_device: this symkv was built without CUDA");
+  return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_INIT,
+                  "skv_ctx_device: this symkv was built without CUDA");
 }
 #endif
 
@@ -213,17 +217,20 @@ int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, ...) {
     free(all);
     char what[300];
     snprintf(what, sizeof what, "%s", skv_last_error());
-    return SKV_FAIL(rc, SKV_SUBSYS_INIT, "%s: collective call #%" PRIu64 " did not complete on every PE: %s",
-                    me.desc, seq, what);
+    return SKV_FAIL(rc, SKV_SUBSYS_INIT,
+                    "%s: collective call #%" PRIu64 " did not complete on every PE: %s", me.desc,
+                    seq, what);
   }
   for (int r = 0; r < n; r++) {
-    if (all[r].seq == seq && all[r].digest == me.digest && strcmp(all[r].desc, me.desc) == 0) continue;
+    if (all[r].seq == seq && all[r].digest == me.digest && strcmp(all[r].desc, me.desc) == 0)
+      continue;
     all[r].desc[sizeof all[r].desc - 1] = '\0';
-    rc = SKV_FAIL(SKV_EMISMATCH, SKV_SUBSYS_INIT,
-                  "collective call #%" PRIu64 " does not match across PEs: rank %d called %s but rank %d "
-                  "called %s; every PE must make the same collective calls in the same order with the "
-                  "same arguments",
-                  seq, ctx->cfg.rank, me.desc, r, all[r].desc);
+    rc = SKV_FAIL(
+        SKV_EMISMATCH, SKV_SUBSYS_INIT,
+        "collective call #%" PRIu64 " does not match across PEs: rank %d called %s but rank %d "
+        "called %s; every PE must make the same collective calls in the same order with the "
+        "same arguments",
+        seq, ctx->cfg.rank, me.desc, r, all[r].desc);
     break;
   }
   free(all);
@@ -266,7 +273,8 @@ int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) 
   int out = skv__store_allgather(ctx->store, name, &me, all, sizeof me, ctx->cfg.timeout_ms);
   for (int r = 0; out == 0 && r < n; r++)
     if (all[r].rc < 0)
-      out = SKV_FAIL(all[r].rc, SKV_SUBSYS_INIT, "%s: rank %d failed: %s", what, r, skv__step_msg(&all[r]));
+      out = SKV_FAIL(all[r].rc, SKV_SUBSYS_INIT, "%s: rank %d failed: %s", what, r,
+                     skv__step_msg(&all[r]));
   free(all);
   return out;
 }
@@ -291,7 +299,8 @@ int skv_ctx_barrier(skv_ctx_t *ctx) {
 int skv_ctx_allgather(skv_ctx_t *ctx, const void *in, void *out, size_t bytes) {
   SKV_CTX_CHECK(ctx, "skv_ctx_allgather");
   SKV_ARG_CHECK(in && out && bytes > 0 && bytes <= SKV_STORE_MAX_VALUE, SKV_SUBSYS_BOOT,
-                "skv_ctx_allgather: need non-NULL in/out and 1..%u bytes (got %zu)", SKV_STORE_MAX_VALUE, bytes);
+                "skv_ctx_allgather: need non-NULL in/out and 1..%u bytes (got %zu)",
+                SKV_STORE_MAX_VALUE, bytes);
   uint64_t seq;
   SKV_CHECK(skv__coll_check(ctx, &seq, "skv_ctx_allgather(bytes=%zu)", bytes));
   char name[64];
@@ -306,9 +315,11 @@ int skv_ctx_allgather(skv_ctx_t *ctx, const void *in, void *out, size_t bytes) {
 int skv_ctx_broadcast(skv_ctx_t *ctx, void *buf, size_t bytes, int root) {
   SKV_CTX_CHECK(ctx, "skv_ctx_broadcast");
   SKV_ARG_CHECK(buf && bytes > 0 && bytes <= SKV_STORE_MAX_VALUE, SKV_SUBSYS_BOOT,
-                "skv_ctx_broadcast: need a buffer and 1..%u bytes (got %zu)", SKV_STORE_MAX_VALUE, bytes);
+                "skv_ctx_broadcast: need a buffer and 1..%u bytes (got %zu)", SKV_STORE_MAX_VALUE,
+                bytes);
   SKV_ARG_CHECK(root >= 0 && root < ctx->cfg.world_size, SKV_SUBSYS_BOOT,
-                "skv_ctx_broadcast: root %d is not a rank of this %d-PE job", root, ctx->cfg.world_size);
+                "skv_ctx_broadcast: root %d is not a rank of this %d-PE job", root,
+                ctx->cfg.world_size);
   uint64_t seq;
   SKV_CHECK(skv__coll_check(ctx, &seq, "skv_ctx_broadcast(bytes=%zu, root=%d)", bytes, root));
   char name[64];
@@ -323,7 +334,8 @@ int skv_ctx_broadcast(skv_ctx_t *ctx, void *buf, size_t bytes, int root) {
   SKV_CHECK(skv__store_get(ctx->store, name, &val, &len, ctx->cfg.timeout_ms));
   int rc = 0;
   if (len != bytes)
-    rc = SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_BOOT, "broadcast from rank %d carried %zu bytes, expected %zu", root, len, bytes);
+    rc = SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_BOOT,
+                  "broadcast from rank %d carried %zu bytes, expected %zu", root, len, bytes);
   else
     memcpy(buf, val, bytes);
   free(val);
@@ -334,7 +346,8 @@ static int check_key(const char *fn, const char *key) {
   if (!key) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT, "%s: key is NULL", fn);
   size_t n = strlen(key);
   if (n == 0 || n > SKV_STORE_MAX_KEY)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT, "%s: key length %zu is not in 1..%d", fn, n, SKV_STORE_MAX_KEY);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT, "%s: key length %zu is not in 1..%d", fn, n,
+                    SKV_STORE_MAX_KEY);
   return 0;
 }
 
@@ -342,15 +355,16 @@ int skv_store_set(skv_ctx_t *ctx, const char *key, const void *value, size_t len
   SKV_CTX_CHECK(ctx, "skv_store_set");
   SKV_CHECK(check_key("skv_store_set", key));
   SKV_ARG_CHECK(len <= SKV_STORE_MAX_VALUE && (value || len == 0), SKV_SUBSYS_BOOT,
-                "skv_store_set(\"%s\"): value of %zu bytes is NULL or over the %u-byte limit", key, len,
-                SKV_STORE_MAX_VALUE);
+                "skv_store_set(\"%s\"): value of %zu bytes is NULL or over the %u-byte limit", key,
+                len, SKV_STORE_MAX_VALUE);
   return skv__store_set(ctx->store, key, value, len);
 }
 
 int skv_store_get(skv_ctx_t *ctx, const char *key, void *value, size_t cap, size_t *len) {
   SKV_CTX_CHECK(ctx, "skv_store_get");
   SKV_CHECK(check_key("skv_store_get", key));
-  SKV_ARG_CHECK(value || cap == 0, SKV_SUBSYS_BOOT, "skv_store_get(\"%s\"): value buffer is NULL", key);
+  SKV_ARG_CHECK(value || cap == 0, SKV_SUBSYS_BOOT, "skv_store_get(\"%s\"): value buffer is NULL",
+                key);
   void *v = NULL;
   size_t n = 0;
   SKV_CHECK(skv__store_get(ctx->store, key, &v, &n, ctx->cfg.timeout_ms));
@@ -359,10 +373,11 @@ int skv_store_get(skv_ctx_t *ctx, const char *key, void *value, size_t cap, size
   size_t copy = SKV_MIN(n, cap); /* as much as fits: all of it, or its first cap bytes */
   if (copy) memcpy(value, v, copy);
   if (n > cap)
-    rc = SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_BOOT,
-                  "skv_store_get(\"%s\"): value has %zu bytes, buffer %zu (its first %zu bytes were "
-                  "copied); pass a buffer of *len bytes",
-                  key, n, cap, cap);
+    rc =
+        SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_BOOT,
+                 "skv_store_get(\"%s\"): value has %zu bytes, buffer %zu (its first %zu bytes were "
+                 "copied); pass a buffer of *len bytes",
+                 key, n, cap, cap);
   free(v);
   return rc;
 }

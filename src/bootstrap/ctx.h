@@ -8,7 +8,7 @@
 
 #include <pthread.h>
 
-#define SKV_MAX_LOCAL_PES 64
+#define SKV_MAX_LOCAL_PES     64
 #define SKV_CTX_DEFERRED_KEYS 16 /* store keys awaiting deletion at the next collective check */
 
 struct skv_ctx {
@@ -20,9 +20,9 @@ struct skv_ctx {
   int nlocal;        /* PEs on this node */
   int local_index;   /* this PE among them (ordered by rank) */
   int local_ranks[SKV_MAX_LOCAL_PES]; /* global rank of each local PE */
-  uint64_t job_id;   /* random, equal on every PE: names node-wide objects */
-  int device;        /* CUDA device once chosen, else -1 */
-  void *cuda;        /* backend state of the CUDA layer (src/heap/heap_cuda.c) */
+  uint64_t job_id;                    /* random, equal on every PE: names node-wide objects */
+  int device;                         /* CUDA device once chosen, else -1 */
+  void *cuda;                         /* backend state of the CUDA layer (src/heap/heap_cuda.c) */
   /* this PE's store keys of collectives already done (skv__coll_forget_later), deleted once
    * the next collective check proves every PE has read them */
   char deferred[SKV_CTX_DEFERRED_KEYS][SKV_BOOT_MAX_KEY + 16]; /* as the keys built for them */

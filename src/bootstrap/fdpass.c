@@ -39,8 +39,9 @@
 #define FD_MAGIC   0x464b5653u /* "SVKF" */
 #define FD_VERSION 1u
 
-#define FD_PROBE_MS     50   /* while waiting on peers, ask the store this often for dead ranks */
-#define FD_GONE_WAIT_MS 1000 /* a peer that stopped listening: wait this long for the store to
+#define FD_PROBE_MS 50 /* while waiting on peers, ask the store this often for dead ranks */
+#define FD_GONE_WAIT_MS                                                                        \
+  1000                       /* a peer that stopped listening: wait this long for the store to \
                                 say it died (its store connection may close a moment later) */
 #define FD_CONN_WAIT_MS 2000 /* an accepted connection must deliver its header within this */
 
@@ -69,7 +70,8 @@ static int SKV_PRINTF(2, 3) fail_after_probe(int rc, const char *fmt, ...) {
  * barrier at once, see the counter, and fail with its code and message. */
 #define FD_FAILED (1ll << 40)
 
-static void fail_before_ready(skv_store_t *st, const char *tag, const char *ready_key, int rank, int rc) {
+static void fail_before_ready(skv_store_t *st, const char *tag, const char *ready_key, int rank,
+                              int rc) {
   char key[SKV_BOOT_MAX_KEY + 1];
   snprintf(key, sizeof key, "%s/failed/%d", tag, rank);
   skv__store_put_failure(st, key, rc);
@@ -77,7 +79,8 @@ static void fail_before_ready(skv_store_t *st, const char *tag, const char *read
 }
 
 /* The barrier's counter says a local PE failed before listening: its code and message. */
-static int peer_failed_before_ready(skv_store_t *st, const char *tag, const int *ranks, int nlocal) {
+static int peer_failed_before_ready(skv_store_t *st, const char *tag, const int *ranks,
+                                    int nlocal) {
   for (int i = 0; i < nlocal; i++) {
     char key[SKV_BOOT_MAX_KEY + 1];
     snprintf(key, sizeof key, "%s/failed/%d", tag, ranks[i]);
@@ -89,11 +92,12 @@ static int peer_failed_before_ready(skv_store_t *st, const char *tag, const int 
     memcpy(&r, v, SKV_MIN(n, sizeof r));
     free(v);
     return SKV_FAIL(r.rc < 0 ? r.rc : SKV_EINTERNAL, SKV_SUBSYS_BOOT,
-                    "fd exchange \"%s\": local PE %d (rank %d) failed before it listened: %s", tag, i,
-                    ranks[i], skv__step_msg(&r));
+                    "fd exchange \"%s\": local PE %d (rank %d) failed before it listened: %s", tag,
+                    i, ranks[i], skv__step_msg(&r));
   }
   return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BOOT,
-                  "fd exchange \"%s\": a local PE failed before it listened, without saying why", tag);
+                  "fd exchange \"%s\": a local PE failed before it listened, without saying why",
+                  tag);
 }
 
 static socklen_t sock_name(struct sockaddr_un *a, const uint8_t nonce[16], int index) {
@@ -244,8 +248,8 @@ static int peer_gone(skv_store_t *st, const char *probe_key, const char *tag, in
   for (;;) {
     int rc = skv__store_check_dead(st, probe_key);
     if (rc < 0) {
-      return fail_after_probe(rc, "fd exchange \"%s\": local PE %d (rank %d) stopped listening", tag,
-                              peer, peer_rank);
+      return fail_after_probe(rc, "fd exchange \"%s\": local PE %d (rank %d) stopped listening",
+                              tag, peer, peer_rank);
     }
     if (skv__now_ms() >= until) break;
     struct timespec ts = {0, 10000000L};
@@ -329,9 +333,9 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
     int gone = -1; /* a peer that no longer listens; the others still get this PE's fd */
     for (int k = 1; k < nlocal; k++) {
       int peer = (me + k) % nlocal; /* start at different peers to spread the load */
-      SKV_CHECK_GOTO(send_fd(st, ready_key, nonce, peer, ranks[peer], &h, my_fd, deadline,
-                             timeout_ms, tag),
-                     rc, fail);
+      SKV_CHECK_GOTO(
+          send_fd(st, ready_key, nonce, peer, ranks[peer], &h, my_fd, deadline, timeout_ms, tag),
+          rc, fail);
       if (rc == 1 && gone < 0) gone = peer;
     }
     if (gone >= 0) {
@@ -356,8 +360,8 @@ int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlo
           if (rc == SKV_ETIMEDOUT && skv__ms_left(deadline) > 0) {
             rc = skv__store_check_dead(st, ready_key);
             if (rc < 0) {
-              rc = fail_after_probe(rc, "fd exchange \"%s\": waiting for descriptors from rank(s)%s",
-                                    tag, missing);
+              rc = fail_after_probe(
+                  rc, "fd exchange \"%s\": waiting for descriptors from rank(s)%s", tag, missing);
               goto fail;
             }
             continue;

@@ -252,11 +252,12 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   }
 #endif
   int rc_env = rc;
-  rc = skv__coll_check(ctx, NULL,
-                       "skv_comm_create(backend=%s, channels=%u, max_bytes=%" PRIu64
-                       ", nccl=%d, oneshot_max=%" PRIu64 ", twoshot_max=%" PRIu64 "%s%s)",
-                       skv__backend_name(c->backend), c->channels, c->max_bytes, (int)want_nccl,
-                       c->oneshot_max, c->twoshot_max, rc_env < 0 ? ", failed here: " : "", env_err);
+  rc =
+      skv__coll_check(ctx, NULL,
+                      "skv_comm_create(backend=%s, channels=%u, max_bytes=%" PRIu64
+                      ", nccl=%d, oneshot_max=%" PRIu64 ", twoshot_max=%" PRIu64 "%s%s)",
+                      skv__backend_name(c->backend), c->channels, c->max_bytes, (int)want_nccl,
+                      c->oneshot_max, c->twoshot_max, rc_env < 0 ? ", failed here: " : "", env_err);
   if (rc_env < 0 || rc < 0) {
     free(c);
     return rc_env < 0 ? SKV_FAIL(rc_env, SKV_SUBSYS_COMM, "%s", env_err) : rc;

@@ -18,7 +18,8 @@ typedef struct field {
   skv_env_id_t env;
 } field_t;
 
-#define FIELD(n, t, lo, hi, env) {#n, offsetof(skv_config_t, n), t, lo, hi, env}
+#define FIELD(n, t, lo, hi, env) \
+  { #n, offsetof(skv_config_t, n), t, lo, hi, env }
 static const field_t fields[] = {
     FIELD(rank, F_I32, 0, 65535, SKV_ENV_RANK),
     FIELD(world_size, F_I32, 1, 65536, SKV_ENV_WORLD_SIZE),
@@ -51,20 +52,23 @@ static int check_header(const skv_config_t *cfg) {
   if (!cfg) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "config is NULL");
   if (cfg->size < offsetof(skv_config_t, version) + sizeof(uint32_t))
     return SKV_FAIL(SKV_EVERSION, SKV_SUBSYS_INIT,
-                    "config.size=%zu is too small: initialise the struct with SKV_CONFIG_INIT", cfg->size);
+                    "config.size=%zu is too small: initialise the struct with SKV_CONFIG_INIT",
+                    cfg->size);
   if (cfg->version == 0 || cfg->version > SKV_CONFIG_VERSION)
-    return SKV_FAIL(SKV_EVERSION, SKV_SUBSYS_INIT,
-                    "config.version=%u is not supported (this library knows 1..%d): initialise with "
-                    "SKV_CONFIG_INIT from a matching symkv.h",
-                    cfg->version, SKV_CONFIG_VERSION);
+    return SKV_FAIL(
+        SKV_EVERSION, SKV_SUBSYS_INIT,
+        "config.version=%u is not supported (this library knows 1..%d): initialise with "
+        "SKV_CONFIG_INIT from a matching symkv.h",
+        cfg->version, SKV_CONFIG_VERSION);
   if (cfg->size > sizeof(skv_config_t)) {
     const unsigned char *p = (const unsigned char *)cfg;
     for (size_t i = sizeof(skv_config_t); i < cfg->size; i++)
       if (p[i])
-        return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
-                        "config has unknown fields set (byte %zu of %zu; this library's struct ends at "
-                        "%zu): was it built against a newer symkv.h?",
-                        i, cfg->size, sizeof(skv_config_t));
+        return SKV_FAIL(
+            SKV_EINVAL, SKV_SUBSYS_INIT,
+            "config has unknown fields set (byte %zu of %zu; this library's struct ends at "
+            "%zu): was it built against a newer symkv.h?",
+            i, cfg->size, sizeof(skv_config_t));
   }
   return 0;
 }
@@ -77,18 +81,21 @@ int skv__parse_bootstrap(const char *addr, const char *what, char *host, size_t 
   if (*p == '[') {
     he = strchr(p, ']');
     if (!he || he[1] != ':')
-      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\": expected tcp://[IPV6]:PORT", what, addr);
+      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\": expected tcp://[IPV6]:PORT", what,
+                      addr);
     hs = p + 1;
     colon = he + 1;
   } else {
     colon = strrchr(p, ':');
     if (!colon)
-      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\": expected tcp://HOST:PORT", what, addr);
+      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\": expected tcp://HOST:PORT", what,
+                      addr);
     he = colon;
   }
   size_t hl = (size_t)(he - hs);
   if (hl == 0 || hl >= hcap)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\": host is empty or too long", what, addr);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\": host is empty or too long", what,
+                    addr);
   long long pv;
   if (!skv__parse_int(colon + 1, 1, 65535, false, &pv))
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\": port is not in 1..65535", what, addr);
@@ -101,7 +108,8 @@ int skv__parse_bootstrap(const char *addr, const char *what, char *host, size_t 
 static int check_token(const char *tok, const char *what) {
   size_t n = strlen(tok);
   if (n < 8 || n > 128)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s has %zu characters; it needs 8 to 128", what, n);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s has %zu characters; it needs 8 to 128", what,
+                    n);
   for (size_t i = 0; i < n; i++)
     if (!isgraph((unsigned char)tok[i]))
       return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
@@ -115,15 +123,17 @@ static int check_field(const field_t *f, const void *slot, const char *what) {
     int32_t v;
     memcpy(&v, slot, sizeof v);
     if (v != -1 && (v < f->lo || v > f->hi))
-      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=%d is out of range: use -1 (from the environment) or %lld..%lld",
-                      what, v, f->lo, f->hi);
+      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
+                      "%s=%d is out of range: use -1 (from the environment) or %lld..%lld", what, v,
+                      f->lo, f->hi);
     return 0;
   }
   case F_U32: {
     uint32_t v;
     memcpy(&v, slot, sizeof v);
     if (v < f->lo || v > f->hi)
-      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=%u is invalid: it must be %lld", what, v, f->lo);
+      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=%u is invalid: it must be %lld", what, v,
+                      f->lo);
     return 0;
   }
   default: {
@@ -138,7 +148,8 @@ static int check_field(const field_t *f, const void *slot, const char *what) {
     if (strcmp(f->name, "token") == 0) return check_token(s, what);
     size_t n = strlen(s);
     if ((long long)n < f->lo || (long long)n > f->hi)
-      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s has %zu characters; it needs %lld to %lld", what, n, f->lo, f->hi);
+      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s has %zu characters; it needs %lld to %lld",
+                      what, n, f->lo, f->hi);
     return 0;
   }
   }
@@ -156,11 +167,13 @@ int skv_config_validate(const skv_config_t *cfg) {
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "config.rank=%d is not below config.world_size=%d",
                     cfg->rank, cfg->world_size);
   if (cfg->local_rank >= 0 && cfg->local_size > 0 && cfg->local_rank >= cfg->local_size)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "config.local_rank=%d is not below config.local_size=%d",
-                    cfg->local_rank, cfg->local_size);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
+                    "config.local_rank=%d is not below config.local_size=%d", cfg->local_rank,
+                    cfg->local_size);
   if (cfg->local_size > 0 && cfg->world_size > 0 && cfg->local_size > cfg->world_size)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "config.local_size=%d exceeds config.world_size=%d",
-                    cfg->local_size, cfg->world_size);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
+                    "config.local_size=%d exceeds config.world_size=%d", cfg->local_size,
+                    cfg->world_size);
   return 0;
 }
 
@@ -173,11 +186,14 @@ int skv_config_set(skv_config_t *cfg, const char *name, const char *value) {
   if (!f) {
     char known[256] = "";
     for (size_t i = 0; i < SKV_ARRAY_LEN(fields); i++)
-      snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", i ? ", " : "", fields[i].name);
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "unknown config field \"%s\" (known: %s)", name, known);
+      snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", i ? ", " : "",
+               fields[i].name);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "unknown config field \"%s\" (known: %s)", name,
+                    known);
   }
   if (!present(cfg, f))
-    return SKV_FAIL(SKV_EVERSION, SKV_SUBSYS_INIT, "config field \"%s\" is beyond config.size=%zu", name, cfg->size);
+    return SKV_FAIL(SKV_EVERSION, SKV_SUBSYS_INIT, "config field \"%s\" is beyond config.size=%zu",
+                    name, cfg->size);
   char what[64];
   snprintf(what, sizeof what, "config.%s", f->name);
   void *slot = (char *)cfg + f->offset;
@@ -188,10 +204,12 @@ int skv_config_set(skv_config_t *cfg, const char *name, const char *value) {
   }
   long long v;
   if (!value || !skv__parse_int(value, INT32_MIN, UINT32_MAX, false, &v))
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\" is not an integer", what, value ? value : "(null)");
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=\"%s\" is not an integer", what,
+                    value ? value : "(null)");
   if (v < (f->type == F_I32 ? -1 : 0) || v > (f->type == F_I32 ? INT32_MAX : (long long)UINT32_MAX))
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "%s=%s is out of range: use -1 (from the environment) or %lld..%lld",
-                    what, value, f->lo, f->hi);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
+                    "%s=%s is out of range: use -1 (from the environment) or %lld..%lld", what,
+                    value, f->lo, f->hi);
   if (f->type == F_I32) {
     int32_t x = (int32_t)v;
     SKV_CHECK(check_field(f, &x, what));
@@ -236,35 +254,40 @@ int skv__config_resolve(const skv_config_t *cfg, skv_cfg_resolved_t *out) {
   SKV_CHECK(resolve_int(cfg, "world_size", -1, &out->world_size));
   if (out->world_size < 1)
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
-                    "world size unknown: set config.world_size or SKV_WORLD_SIZE (or start with symkv-run -n N)");
+                    "world size unknown: set config.world_size or SKV_WORLD_SIZE (or start with "
+                    "symkv-run -n N)");
   SKV_CHECK(resolve_int(cfg, "rank", -1, &out->rank));
   if (out->rank < 0)
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
                     "rank unknown: set config.rank or SKV_RANK (or start with symkv-run -n N)");
   if (out->rank >= out->world_size)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "rank %d is not below world size %d", out->rank, out->world_size);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "rank %d is not below world size %d", out->rank,
+                    out->world_size);
   /* -1 (neither config nor environment): skv_init takes the PEs it finds on this node. */
   SKV_CHECK(resolve_int(cfg, "local_size", -1, &out->local_size));
   SKV_CHECK(resolve_int(cfg, "local_rank", -1, &out->local_rank));
   int local_cap = out->local_size > 0 ? out->local_size : out->world_size;
   if (out->local_size > out->world_size || out->local_rank >= local_cap)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "local rank %d / local size %d do not fit world size %d",
-                    out->local_rank, out->local_size, out->world_size);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
+                    "local rank %d / local size %d do not fit world size %d", out->local_rank,
+                    out->local_size, out->world_size);
   SKV_CHECK(resolve_int(cfg, "timeout_ms", DEFAULT_TIMEOUT_MS, &out->timeout_ms));
   SKV_CHECK(resolve_int(cfg, "device", -1, &out->device));
 
   const char *boot = resolve_str(cfg, "bootstrap", SKV_ENV_BOOTSTRAP);
   if (!boot)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
-                    "bootstrap address unknown: set config.bootstrap or SKV_BOOTSTRAP=tcp://HOST:PORT "
-                    "(or start with symkv-run -n N)");
+    return SKV_FAIL(
+        SKV_EINVAL, SKV_SUBSYS_INIT,
+        "bootstrap address unknown: set config.bootstrap or SKV_BOOTSTRAP=tcp://HOST:PORT "
+        "(or start with symkv-run -n N)");
   SKV_CHECK(skv__parse_bootstrap(boot, cfg && cfg->bootstrap ? "config.bootstrap" : "SKV_BOOTSTRAP",
                                  out->host, sizeof out->host, &out->port));
   const char *tok = resolve_str(cfg, "token", SKV_ENV_TOKEN);
   if (!tok)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT,
-                    "bootstrap token unknown: set config.token or SKV_TOKEN to the same secret on every PE "
-                    "(symkv-run does this)");
+    return SKV_FAIL(
+        SKV_EINVAL, SKV_SUBSYS_INIT,
+        "bootstrap token unknown: set config.token or SKV_TOKEN to the same secret on every PE "
+        "(symkv-run does this)");
   SKV_CHECK(check_token(tok, cfg && cfg->token ? "config.token" : "SKV_TOKEN"));
   snprintf(out->token, sizeof out->token, "%s", tok);
   const char *bind = resolve_str(cfg, "bind_addr", SKV_ENV_BIND_ADDR);

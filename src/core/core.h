@@ -10,19 +10,19 @@
 #include <stdint.h>
 #include <time.h>
 
-#define SKV_UNUSED(x) ((void)(x))
-#define SKV_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
-#define SKV_MIN(a, b) ((a) < (b) ? (a) : (b))
-#define SKV_MAX(a, b) ((a) > (b) ? (a) : (b))
-#define SKV_ALIGN_UP(x, a) ((((x) + (a) - 1) / (a)) * (a))
+#define SKV_UNUSED(x)      ((void)(x))
+#define SKV_ARRAY_LEN(a)   (sizeof(a) / sizeof((a)[0]))
+#define SKV_MIN(a, b)      ((a) < (b) ? (a) : (b))
+#define SKV_MAX(a, b)      ((a) > (b) ? (a) : (b))
+#define SKV_ALIGN_UP(x, a) ((((x) + (a)-1) / (a)) * (a))
 
 #if defined(__GNUC__)
 #define SKV_PRINTF(f, a) __attribute__((format(printf, f, a)))
-#define SKV_LIKELY(x) __builtin_expect(!!(x), 1)
-#define SKV_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define SKV_LIKELY(x)    __builtin_expect(!!(x), 1)
+#define SKV_UNLIKELY(x)  __builtin_expect(!!(x), 0)
 #else
 #define SKV_PRINTF(f, a)
-#define SKV_LIKELY(x) (x)
+#define SKV_LIKELY(x)   (x)
 #define SKV_UNLIKELY(x) (x)
 #endif
 
@@ -51,50 +51,50 @@ void skv__error_trace(int err, const char *file, int line, const char *expr);
 #define SKV_FAIL(err, subsys, ...) skv__set_error((err), (subsys), __FILE__, __LINE__, __VA_ARGS__)
 
 /* Propagate a failing symkv call, leaving a breadcrumb. */
-#define SKV_CHECK(call)                                                                          \
-  do {                                                                                         \
-    int skv_r_ = (call);                                                                       \
-    if (SKV_UNLIKELY(skv_r_ < 0)) {                                                            \
-      skv__error_trace(skv_r_, __FILE__, __LINE__, #call);                                     \
-      return skv_r_;                                                                           \
-    }                                                                                          \
+#define SKV_CHECK(call)                                    \
+  do {                                                     \
+    int skv_r_ = (call);                                   \
+    if (SKV_UNLIKELY(skv_r_ < 0)) {                        \
+      skv__error_trace(skv_r_, __FILE__, __LINE__, #call); \
+      return skv_r_;                                       \
+    }                                                      \
   } while (0)
 
 /* Same, but store the code in `rc` and jump to `label` for single-exit cleanup. */
-#define SKV_CHECK_GOTO(call, rc, label)                                                          \
-  do {                                                                                         \
-    (rc) = (call);                                                                             \
-    if (SKV_UNLIKELY((rc) < 0)) {                                                              \
-      skv__error_trace((rc), __FILE__, __LINE__, #call);                                       \
-      goto label;                                                                              \
-    }                                                                                          \
+#define SKV_CHECK_GOTO(call, rc, label)                  \
+  do {                                                   \
+    (rc) = (call);                                       \
+    if (SKV_UNLIKELY((rc) < 0)) {                        \
+      skv__error_trace((rc), __FILE__, __LINE__, #call); \
+      goto label;                                        \
+    }                                                    \
   } while (0)
 
 /* Always-on argument check: fail with SKV_EINVAL naming the condition. */
-#define SKV_ARG_CHECK(cond, subsys, ...)                                                         \
-  do {                                                                                         \
-    if (SKV_UNLIKELY(!(cond))) return SKV_FAIL(SKV_EINVAL, (subsys), __VA_ARGS__);             \
+#define SKV_ARG_CHECK(cond, subsys, ...)                                           \
+  do {                                                                             \
+    if (SKV_UNLIKELY(!(cond))) return SKV_FAIL(SKV_EINVAL, (subsys), __VA_ARGS__); \
   } while (0)
 
 /* Debug invariants (SKV_DEBUG_LEVEL >= 1) and expensive walkers (>= 2), checked at run time so
  * that one build serves all tiers. A failed invariant aborts: memory may already be wrong. */
 extern int skv__debug_level;
 void skv__assert_fail(const char *expr, const char *file, int line);
-#define SKV_ASSERT(cond)                                                                         \
-  do {                                                                                         \
-    if (SKV_UNLIKELY(skv__debug_level >= 1) && !(cond)) skv__assert_fail(#cond, __FILE__, __LINE__); \
+#define SKV_ASSERT(cond)                                \
+  do {                                                  \
+    if (SKV_UNLIKELY(skv__debug_level >= 1) && !(cond)) \
+      skv__assert_fail(#cond, __FILE__, __LINE__);      \
   } while (0)
 
 /* ---- log.c -------------------------------------------------------------------------------- */
 
-extern int skv__log_level;         /* -1 until SKV_DEBUG was read */
-extern unsigned skv__log_subsys;   /* mask of enabled subsystems */
-extern int skv__log_rank;          /* -1 until skv_init knows it */
+extern int skv__log_level;       /* -1 until SKV_DEBUG was read */
+extern unsigned skv__log_subsys; /* mask of enabled subsystems */
+extern int skv__log_rank;        /* -1 until skv_init knows it */
 void skv__log_init(void);
 void skv__log(int level, unsigned subsys, const char *file, int line, const char *fmt, ...)
     SKV_PRINTF(5, 6);
-void skv__vlog(int level, unsigned subsys, const char *file, int line, const char *fmt,
-               va_list ap);
+void skv__vlog(int level, unsigned subsys, const char *file, int line, const char *fmt, va_list ap);
 
 static inline bool skv__log_on(int level, unsigned subsys) {
   if (SKV_UNLIKELY(skv__log_level < 0)) skv__log_init();
@@ -102,54 +102,56 @@ static inline bool skv__log_on(int level, unsigned subsys) {
 }
 
 /* The level check happens before any argument is evaluated or formatted. */
-#define SKV_LOG(level, subsys, ...)                                                              \
-  do {                                                                                         \
-    if (skv__log_on((level), (subsys)))                                                        \
-      skv__log((level), (subsys), __FILE__, __LINE__, __VA_ARGS__);                            \
+#define SKV_LOG(level, subsys, ...)                                 \
+  do {                                                              \
+    if (skv__log_on((level), (subsys)))                             \
+      skv__log((level), (subsys), __FILE__, __LINE__, __VA_ARGS__); \
   } while (0)
-#define SKV_WARN(subsys, ...) SKV_LOG(SKV_LOG_WARN, subsys, __VA_ARGS__)
-#define SKV_INFO(subsys, ...) SKV_LOG(SKV_LOG_INFO, subsys, __VA_ARGS__)
+#define SKV_WARN(subsys, ...)  SKV_LOG(SKV_LOG_WARN, subsys, __VA_ARGS__)
+#define SKV_INFO(subsys, ...)  SKV_LOG(SKV_LOG_INFO, subsys, __VA_ARGS__)
 #define SKV_TRACE(subsys, ...) SKV_LOG(SKV_LOG_TRACE, subsys, __VA_ARGS__)
 
 /* ---- env.c -------------------------------------------------------------------------------- */
 
 /* Every SKV_* environment variable symkv reads: name, meaning. Read once, on first use; the
  * ones that are set are logged (INIT, INFO) and unknown SKV_* names are warned about. */
-#define SKV_ENV_MAP(XX)                                                                          \
-  XX(DEBUG, "log level: NONE, WARN (default), INFO or TRACE")                                  \
+#define SKV_ENV_MAP(XX)                                                                         \
+  XX(DEBUG, "log level: NONE, WARN (default), INFO or TRACE")                                   \
   XX(DEBUG_SUBSYS, "comma list of INIT,BOOT,HEAP,POOL,INDEX,KV,COMM,BENCH or ALL; ^X excludes") \
-  XX(DEBUG_FILE, "write log lines to this file instead of stderr (%h host, %p pid)")          \
-  XX(DEBUG_LEVEL, "0: argument checks only, 1: + invariants, 2: + expensive walkers")         \
+  XX(DEBUG_FILE, "write log lines to this file instead of stderr (%h host, %p pid)")            \
+  XX(DEBUG_LEVEL, "0: argument checks only, 1: + invariants, 2: + expensive walkers")           \
   XX(RANK, "this PE's rank in [0, SKV_WORLD_SIZE)")                                             \
   XX(WORLD_SIZE, "number of PEs")                                                               \
   XX(LOCAL_RANK, "rank among the PEs of this node")                                             \
   XX(LOCAL_SIZE, "number of PEs on this node")                                                  \
   XX(BOOTSTRAP, "tcp://HOST:PORT of rank 0's bootstrap store")                                  \
-  XX(TOKEN, "shared secret every PE presents to the store (set by symkv-run)")                 \
-  XX(BIND_ADDR, "address rank 0's store listens on (default: the host of SKV_BOOTSTRAP)")      \
-  XX(TIMEOUT_MS, "bound on every wait, in milliseconds (default 60000)")                       \
-  XX(DEVICE, "CUDA device of this PE (default: local rank modulo the device count)")          \
-  XX(HEAP_BACKEND, "default heap backend for tools: host, cuda or cuda_host")                 \
-  XX(NCCL_ALLREDUCE, "0 disables the NCCL all-reduce fallback")                               \
-  XX(ALLREDUCE_ONESHOT_MAX, "all-reduce AUTO: largest one-shot message in bytes (e.g. 256K)") \
-  XX(ALLREDUCE_TWOSHOT_MAX, "all-reduce AUTO: largest two-shot message in bytes (e.g. 4M)")   \
-  XX(COMM_PDL, "0 launches the comm kernels without programmatic dependent launch")          \
-  XX(FETCH_KERNEL, "KV fetch: bulk (TMA, default), vec (16-byte loads) or ce (copy engines)") \
-  XX(FETCH_UNROLL, "KV copy kernels: 16-byte loads in flight per thread, 4 or 8 (default 4)") \
+  XX(TOKEN, "shared secret every PE presents to the store (set by symkv-run)")                  \
+  XX(BIND_ADDR, "address rank 0's store listens on (default: the host of SKV_BOOTSTRAP)")       \
+  XX(TIMEOUT_MS, "bound on every wait, in milliseconds (default 60000)")                        \
+  XX(DEVICE, "CUDA device of this PE (default: local rank modulo the device count)")            \
+  XX(HEAP_BACKEND, "default heap backend for tools: host, cuda or cuda_host")                   \
+  XX(NCCL_ALLREDUCE, "0 disables the NCCL all-reduce fallback")                                 \
+  XX(ALLREDUCE_ONESHOT_MAX, "all-reduce AUTO: largest one-shot message in bytes (e.g. 256K)")   \
+  XX(ALLREDUCE_TWOSHOT_MAX, "all-reduce AUTO: largest two-shot message in bytes (e.g. 4M)")     \
+  XX(COMM_PDL, "0 launches the comm kernels without programmatic dependent launch")             \
+  XX(FETCH_KERNEL, "KV fetch: bulk (TMA, default), vec (16-byte loads) or ce (copy engines)")   \
+  XX(FETCH_UNROLL, "KV copy kernels: 16-byte loads in flight per thread, 4 or 8 (default 4)")   \
   XX(FETCH_CTAS, "KV copy kernels: CTAs per multiprocessor, 1..32 (default 4, occupancy caps)") \
-  XX(FETCH_THREADS, "KV copy kernels: threads per CTA, 128, 256 or 512 (default 256)")         \
-  XX(RUN_PID, "set by symkv-run: the launcher's pid")                                          \
-  XX(RUN, "path of symkv-run for the Python tests")                                           \
-  XX(TEST_BIN_DIR, "tests: the build folder (symkv-run, symkv-bench), set by ctest")           \
-  XX(LIBRARY, "path of libsymkv.so for the Python bindings")                                   \
+  XX(FETCH_THREADS, "KV copy kernels: threads per CTA, 128, 256 or 512 (default 256)")          \
+  XX(RUN_PID, "set by symkv-run: the launcher's pid")                                           \
+  XX(RUN, "path of symkv-run for the Python tests")                                             \
+  XX(TEST_BIN_DIR, "tests: the build folder (symkv-run, symkv-bench), set by ctest")            \
+  XX(LIBRARY, "path of libsymkv.so for the Python bindings")                                    \
   XX(HASH_SECRET, "deployment secret mixed into every key (when the caller passes none)")
 
+/* clang-format off */
 typedef enum skv_env_id {
 #define SKV__ENV_ENUM(name, doc) SKV_ENV_##name,
   SKV_ENV_MAP(SKV__ENV_ENUM)
 #undef SKV__ENV_ENUM
   SKV_ENV_COUNT
 } skv_env_id_t;
+/* clang-format on */
 
 /* Value of SKV_<name> as read at first use, or NULL when unset or empty. */
 const char *skv__env(skv_env_id_t id);
@@ -181,7 +183,9 @@ int skv__parse_bootstrap(const char *addr, const char *what, char *host, size_t 
 
 /* Monotonic clock in nanoseconds / milliseconds. */
 uint64_t skv__now_ns(void);
-static inline uint64_t skv__now_ms(void) { return skv__now_ns() / 1000000u; }
+static inline uint64_t skv__now_ms(void) {
+  return skv__now_ns() / 1000000u;
+}
 /* The time skv__now_ns() reads as `ns`, as a timespec of CLOCK_MONOTONIC: a deadline for
  * pthread_cond_timedwait on condition variables set to that clock. */
 static inline struct timespec skv__ts_at(uint64_t ns) {

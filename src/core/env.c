@@ -73,7 +73,8 @@ void skv__env_report(void) {
     for (int i = 0; i < SKV_ENV_COUNT && !known; i++)
       known = strlen(env_names[i]) == len && strncmp(env_names[i], *e, len) == 0;
     if (!known)
-      SKV_WARN(SKV_SUBSYS_INIT, "unknown environment variable %.*s ignored (misspelt? see docs/reference.md)",
+      SKV_WARN(SKV_SUBSYS_INIT,
+               "unknown environment variable %.*s ignored (misspelt? see docs/reference.md)",
                (int)len, *e);
   }
 }

@@ -15,8 +15,8 @@ const char *skv_strerror(int err) {
   switch (err) {
   case SKV_OK:
     return "success";
-#define SKV__ERR_MSG(name, value, msg)                                                            \
-  case SKV_##name:                                                                             \
+#define SKV__ERR_MSG(name, value, msg) \
+  case SKV_##name:                     \
     return msg;
     SKV_ERRNO_MAP(SKV__ERR_MSG)
 #undef SKV__ERR_MSG
@@ -35,8 +35,8 @@ const char *skv_err_name(int err) {
   switch (err) {
   case SKV_OK:
     return "SKV_OK";
-#define SKV__ERR_NAME(name, value, msg)                                                           \
-  case SKV_##name:                                                                             \
+#define SKV__ERR_NAME(name, value, msg) \
+  case SKV_##name:                      \
     return "SKV_" #name;
     SKV_ERRNO_MAP(SKV__ERR_NAME)
 #undef SKV__ERR_NAME
@@ -51,9 +51,13 @@ const char *skv_err_name(int err) {
   return errno_buf;
 }
 
-const char *skv_last_error(void) { return last_error; }
+const char *skv_last_error(void) {
+  return last_error;
+}
 
-void skv_clear_error(void) { last_error[0] = '\0'; }
+void skv_clear_error(void) {
+  last_error[0] = '\0';
+}
 
 void skv__error_restore(const char *saved) {
   if (saved != last_error) snprintf(last_error, sizeof last_error, "%s", saved);

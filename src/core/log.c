@@ -32,7 +32,7 @@ static int parse_level(const char *s) {
 }
 
 static const char *subsys_name(unsigned subsys) {
-#define SKV__SUBSYS_NAME(name, bit)                                                               \
+#define SKV__SUBSYS_NAME(name, bit) \
   if (subsys == (bit)) return #name;
   SKV_SUBSYS_MAP(SKV__SUBSYS_NAME)
 #undef SKV__SUBSYS_NAME
@@ -49,8 +49,7 @@ static unsigned parse_subsys(const char *s) {
     if (neg) tok++;
     unsigned bit = 0;
     if (strcasecmp(tok, "ALL") == 0) bit = SKV_SUBSYS_ALL;
-#define SKV__SUBSYS_PARSE(name, b)                                                                \
-  else if (strcasecmp(tok, #name) == 0) bit = (b);
+#define SKV__SUBSYS_PARSE(name, b) else if (strcasecmp(tok, #name) == 0) bit = (b);
     SKV_SUBSYS_MAP(SKV__SUBSYS_PARSE)
 #undef SKV__SUBSYS_PARSE
     else {
@@ -78,7 +77,8 @@ static void log_init_once(void) {
     int l = parse_level(lv);
     if (l < 0) {
       char line[256];
-      snprintf(line, sizeof line, "symkv: SKV_DEBUG=%s is not NONE, WARN, INFO or TRACE; using WARN\n", lv);
+      snprintf(line, sizeof line,
+               "symkv: SKV_DEBUG=%s is not NONE, WARN, INFO or TRACE; using WARN\n", lv);
       (void)!write(2, line, strlen(line));
     } else {
       level = l;
@@ -110,7 +110,9 @@ static void log_init_once(void) {
   __atomic_store_n(&skv__log_level, level, __ATOMIC_RELEASE);
 }
 
-void skv__log_init(void) { pthread_once(&log_once, log_init_once); }
+void skv__log_init(void) {
+  pthread_once(&log_once, log_init_once);
+}
 
 void skv__vlog(int level, unsigned subsys, const char *file, int line, const char *fmt,
                va_list ap) {
@@ -160,7 +162,8 @@ int skv_log_set_sink(skv_log_cb cb, void *arg) {
 
 int skv_log_set_level(int level, unsigned int subsys_mask) {
   if (level < SKV_LOG_NONE || level > SKV_LOG_TRACE)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "log level %d is not SKV_LOG_NONE..SKV_LOG_TRACE", level);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "log level %d is not SKV_LOG_NONE..SKV_LOG_TRACE",
+                    level);
   skv__log_init();
   skv__log_subsys = subsys_mask ? subsys_mask : SKV_SUBSYS_ALL;
   __atomic_store_n(&skv__log_level, level, __ATOMIC_RELEASE);

@@ -29,11 +29,24 @@ bool skv__parse_int(const char *s, long long lo, long long hi, bool allow_suffix
   if (allow_suffix && *end) {
     int shift = 0;
     switch (*end) {
-    case 'k': case 'K': shift = 10; break;
-    case 'm': case 'M': shift = 20; break;
-    case 'g': case 'G': shift = 30; break;
-    case 't': case 'T': shift = 40; break;
-    default: return false;
+    case 'k':
+    case 'K':
+      shift = 10;
+      break;
+    case 'm':
+    case 'M':
+      shift = 20;
+      break;
+    case 'g':
+    case 'G':
+      shift = 30;
+      break;
+    case 't':
+    case 'T':
+      shift = 40;
+      break;
+    default:
+      return false;
     }
     end++;
     if (*end == 'i') end++;

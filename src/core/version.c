@@ -3,23 +3,25 @@
 
 #include <stdio.h>
 
-unsigned int skv_version(void) { return SKV_VERSION_HEX; }
+unsigned int skv_version(void) {
+  return SKV_VERSION_HEX;
+}
 
 #define SKV__STR2(x) #x
-#define SKV__STR(x) SKV__STR2(x)
+#define SKV__STR(x)  SKV__STR2(x)
 
 const char *skv_version_string(void) {
-  static const char *s = SKV__STR(SKV_VERSION_MAJOR) "." SKV__STR(SKV_VERSION_MINOR) "." SKV__STR(
-      SKV_VERSION_PATCH)
+  static const char *s =
+      SKV__STR(SKV_VERSION_MAJOR) "." SKV__STR(SKV_VERSION_MINOR) "." SKV__STR(SKV_VERSION_PATCH)
 #ifdef SKV_WITH_CUDA
-      " (cuda " SKV__STR(SKV_CUDA_VERSION_MAJOR) "." SKV__STR(SKV_CUDA_VERSION_MINOR)
+          " (cuda " SKV__STR(SKV_CUDA_VERSION_MAJOR) "." SKV__STR(SKV_CUDA_VERSION_MINOR)
 #ifdef SKV_WITH_NCCL
-      ", nccl)"
+              ", nccl)"
 #else
-      ")"
+              ")"
 #endif
 #else
-      " (host only)"
+          " (host only)"
 #endif
       ;
   return s;

@@ -24,14 +24,14 @@ static void resolve(void) {
     return;
   }
   enum cudaDriverEntryPointQueryResult q;
-#define SKV_CU_FN(name, ret, args)                                                               \
-  if (cudaGetDriverEntryPointByVersion(#name, (void **)&skv__cu.name, 12000, cudaEnableDefault, &q) != \
-          cudaSuccess ||                                                                       \
-      q != cudaDriverEntryPointSuccess || !skv__cu.name) {                                     \
-    (void)cudaGetLastError();                                                                  \
-    snprintf(cu_msg, sizeof cu_msg, "the CUDA driver has no %s (driver too old?)", #name);    \
-    cu_status = SKV_ENOTSUP;                                                                   \
-    return;                                                                                    \
+#define SKV_CU_FN(name, ret, args)                                                              \
+  if (cudaGetDriverEntryPointByVersion(#name, (void **)&skv__cu.name, 12000, cudaEnableDefault, \
+                                       &q) != cudaSuccess ||                                    \
+      q != cudaDriverEntryPointSuccess || !skv__cu.name) {                                      \
+    (void)cudaGetLastError();                                                                   \
+    snprintf(cu_msg, sizeof cu_msg, "the CUDA driver has no %s (driver too old?)", #name);      \
+    cu_status = SKV_ENOTSUP;                                                                    \
+    return;                                                                                     \
   }
 #include "cuda/driver_fns.h"
 #undef SKV_CU_FN
@@ -58,8 +58,10 @@ int skv__cuda_use(skv_ctx_t *ctx) {
     SKV_CUDA_CHECK(cudaGetDeviceCount(&ndev), SKV_SUBSYS_HEAP);
     int dev = ctx->cfg.device >= 0 ? ctx->cfg.device : ctx->local_index % ndev;
     if (dev >= ndev)
-      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_HEAP, "device %d (config.device or SKV_DEVICE) does not exist: this "
-                      "node has %d GPU(s)", dev, ndev);
+      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_HEAP,
+                      "device %d (config.device or SKV_DEVICE) does not exist: this "
+                      "node has %d GPU(s)",
+                      dev, ndev);
     SKV_CUDA_CHECK(cudaSetDevice(dev), SKV_SUBSYS_HEAP);
     SKV_CUDA_CHECK(cudaFree(NULL), SKV_SUBSYS_HEAP); /* create the primary context now */
     ctx->device = dev;

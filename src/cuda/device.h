@@ -26,34 +26,34 @@ int skv__cuda_driver(void);
 int skv__cuda_use(skv_ctx_t *ctx);
 
 /* Runtime call: on failure clear the sticky error, log, and return SKV_ECUDA naming the call. */
-#define SKV_CUDA_CHECK(call, subsys)                                                             \
-  do {                                                                                         \
-    cudaError_t skv_e_ = (call);                                                               \
-    if (SKV_UNLIKELY(skv_e_ != cudaSuccess)) {                                                 \
-      (void)cudaGetLastError();                                                                \
-      return SKV_FAIL(SKV_ECUDA, (subsys), "%s failed: %s (%s)", #call,                        \
-                      cudaGetErrorString(skv_e_), cudaGetErrorName(skv_e_));                   \
-    }                                                                                          \
+#define SKV_CUDA_CHECK(call, subsys)                                         \
+  do {                                                                       \
+    cudaError_t skv_e_ = (call);                                             \
+    if (SKV_UNLIKELY(skv_e_ != cudaSuccess)) {                               \
+      (void)cudaGetLastError();                                              \
+      return SKV_FAIL(SKV_ECUDA, (subsys), "%s failed: %s (%s)", #call,      \
+                      cudaGetErrorString(skv_e_), cudaGetErrorName(skv_e_)); \
+    }                                                                        \
   } while (0)
-#define SKV_CUDA_CHECK_GOTO(call, subsys, rc, label)                                             \
-  do {                                                                                         \
-    cudaError_t skv_e_ = (call);                                                               \
-    if (SKV_UNLIKELY(skv_e_ != cudaSuccess)) {                                                 \
-      (void)cudaGetLastError();                                                                \
-      (rc) = SKV_FAIL(SKV_ECUDA, (subsys), "%s failed: %s (%s)", #call,                        \
-                      cudaGetErrorString(skv_e_), cudaGetErrorName(skv_e_));                   \
-      goto label;                                                                              \
-    }                                                                                          \
+#define SKV_CUDA_CHECK_GOTO(call, subsys, rc, label)                         \
+  do {                                                                       \
+    cudaError_t skv_e_ = (call);                                             \
+    if (SKV_UNLIKELY(skv_e_ != cudaSuccess)) {                               \
+      (void)cudaGetLastError();                                              \
+      (rc) = SKV_FAIL(SKV_ECUDA, (subsys), "%s failed: %s (%s)", #call,      \
+                      cudaGetErrorString(skv_e_), cudaGetErrorName(skv_e_)); \
+      goto label;                                                            \
+    }                                                                        \
   } while (0)
 /* Driver call (through skv__cu). */
 int skv__cu_fail(CUresult r, unsigned subsys, const char *call, const char *file, int line);
-#define SKV_CU_CHECK_GOTO(call, subsys, rc, label)                                               \
-  do {                                                                                         \
-    CUresult skv_r_ = (call);                                                                  \
-    if (SKV_UNLIKELY(skv_r_ != CUDA_SUCCESS)) {                                                \
-      (rc) = skv__cu_fail(skv_r_, (subsys), #call, __FILE__, __LINE__);                        \
-      goto label;                                                                              \
-    }                                                                                          \
+#define SKV_CU_CHECK_GOTO(call, subsys, rc, label)                      \
+  do {                                                                  \
+    CUresult skv_r_ = (call);                                           \
+    if (SKV_UNLIKELY(skv_r_ != CUDA_SUCCESS)) {                         \
+      (rc) = skv__cu_fail(skv_r_, (subsys), #call, __FILE__, __LINE__); \
+      goto label;                                                       \
+    }                                                                   \
   } while (0)
 
 /* Is `stream` being captured into a CUDA graph? */

@@ -8,16 +8,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define DEFAULT_SIGNAL_BYTES (64u << 10)
+#define DEFAULT_SIGNAL_BYTES       (64u << 10)
 #define DEFAULT_CUDA_SCRATCH_BYTES (8u << 20)
-#define MAX_HEAP_BYTES (1ull << 40) /* 1 TiB per PE */
+#define MAX_HEAP_BYTES             (1ull << 40) /* 1 TiB per PE */
 
 const char *skv__backend_name(int backend) {
   switch (backend) {
-  case SKV_BACKEND_HOST: return "host";
-  case SKV_BACKEND_CUDA: return "cuda";
-  case SKV_BACKEND_CUDA_HOST: return "cuda_host";
-  default: return "unknown";
+  case SKV_BACKEND_HOST:
+    return "host";
+  case SKV_BACKEND_CUDA:
+    return "cuda";
+  case SKV_BACKEND_CUDA_HOST:
+    return "cuda_host";
+  default:
+    return "unknown";
   }
 }
 
@@ -36,19 +40,25 @@ static void heap_forget_keys(const skv_heap_t *heap, const char *const *steps, i
   for (int i = 0; i < n; i++) {
     snprintf(step, sizeof step, "%s/%s", heap->name, steps[i]);
     skv__store_allgather_key(heap->ctx->store, step, key, sizeof key);
-    if (later) skv__coll_forget_later(heap->ctx, key);
-    else (void)skv__store_del(heap->ctx->store, key);
+    if (later)
+      skv__coll_forget_later(heap->ctx, key);
+    else
+      (void)skv__store_del(heap->ctx->store, key);
   }
 }
 
 static const skv_heap_backend_t *backend_of(int backend) {
   switch (backend) {
-  case SKV_BACKEND_HOST: return &skv__heap_host;
+  case SKV_BACKEND_HOST:
+    return &skv__heap_host;
 #ifdef SKV_WITH_CUDA
-  case SKV_BACKEND_CUDA: return &skv__heap_cuda;
-  case SKV_BACKEND_CUDA_HOST: return &skv__heap_cuda_host;
+  case SKV_BACKEND_CUDA:
+    return &skv__heap_cuda;
+  case SKV_BACKEND_CUDA_HOST:
+    return &skv__heap_cuda_host;
 #endif
-  default: return NULL;
+  default:
+    return NULL;
   }
 }
 
@@ -60,25 +70,31 @@ int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, int backend, skv_heap_t
 }
 
 int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t **out) {
-  SKV_ARG_CHECK(ctx && opts && out, SKV_SUBSYS_HEAP, "skv_heap_create: ctx, opts and heap must be non-NULL");
+  SKV_ARG_CHECK(ctx && opts && out, SKV_SUBSYS_HEAP,
+                "skv_heap_create: ctx, opts and heap must be non-NULL");
   *out = NULL;
-  SKV_ARG_CHECK(opts->size >= sizeof(skv_heap_opts_t) && opts->version >= 1 &&
-                    opts->version <= SKV_HEAP_OPTS_VERSION,
-                SKV_SUBSYS_HEAP, "skv_heap_create: opts.size=%zu / opts.version=%u: initialise with SKV_HEAP_OPTS_INIT",
-                opts->size, opts->version);
+  SKV_ARG_CHECK(
+      opts->size >= sizeof(skv_heap_opts_t) && opts->version >= 1 &&
+          opts->version <= SKV_HEAP_OPTS_VERSION,
+      SKV_SUBSYS_HEAP,
+      "skv_heap_create: opts.size=%zu / opts.version=%u: initialise with SKV_HEAP_OPTS_INIT",
+      opts->size, opts->version);
   const skv_heap_backend_t *be = backend_of(opts->backend);
   if (!be) {
     if (opts->backend == SKV_BACKEND_CUDA || opts->backend == SKV_BACKEND_CUDA_HOST)
-      return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_HEAP,
-                      "skv_heap_create: backend %s needs a build with CUDA (configure with -DSKV_CUDA=ON)",
-                      skv__backend_name(opts->backend));
+      return SKV_FAIL(
+          SKV_ENOTSUP, SKV_SUBSYS_HEAP,
+          "skv_heap_create: backend %s needs a build with CUDA (configure with -DSKV_CUDA=ON)",
+          skv__backend_name(opts->backend));
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_HEAP,
-                    "skv_heap_create: backend %d is not SKV_BACKEND_HOST, _CUDA or _CUDA_HOST", opts->backend);
+                    "skv_heap_create: backend %d is not SKV_BACKEND_HOST, _CUDA or _CUDA_HOST",
+                    opts->backend);
   }
   SKV_ARG_CHECK(opts->data_bytes > 0 && opts->data_bytes <= MAX_HEAP_BYTES, SKV_SUBSYS_HEAP,
                 "skv_heap_create: data_bytes=%" PRIu64 " is not in 1..%" PRIu64, opts->data_bytes,
                 (uint64_t)MAX_HEAP_BYTES);
-  SKV_ARG_CHECK(opts->signal_bytes <= (64ull << 20) && opts->scratch_bytes <= (4ull << 30), SKV_SUBSYS_HEAP,
+  SKV_ARG_CHECK(opts->signal_bytes <= (64ull << 20) && opts->scratch_bytes <= (4ull << 30),
+                SKV_SUBSYS_HEAP,
                 "skv_heap_create: signal_bytes=%" PRIu64 " (max 64 MiB) or scratch_bytes=%" PRIu64
                 " (max 4 GiB) too large",
                 opts->signal_bytes, opts->scratch_bytes);
@@ -93,7 +109,8 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
   in->my_pe = ctx->local_index;
   in->device = -1;
   in->signal_offset = 0;
-  in->signal_bytes = SKV_ALIGN_UP(opts->signal_bytes ? opts->signal_bytes : DEFAULT_SIGNAL_BYTES, 256);
+  in->signal_bytes =
+      SKV_ALIGN_UP(opts->signal_bytes ? opts->signal_bytes : DEFAULT_SIGNAL_BYTES, 256);
   in->scratch_offset = in->signal_offset + in->signal_bytes;
   uint64_t scratch = opts->scratch_bytes;
   if (!scratch && opts->backend == SKV_BACKEND_CUDA) scratch = DEFAULT_CUDA_SCRATCH_BYTES;
@@ -101,8 +118,8 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
   in->data_offset = SKV_ALIGN_UP(in->scratch_offset + in->scratch_bytes, 4096);
   in->data_bytes = opts->data_bytes;
   int rc = skv__coll_check(ctx, &h->seq,
-                           "skv_heap_create(backend=%s, data_bytes=%" PRIu64 ", signal_bytes=%" PRIu64
-                           ", scratch_bytes=%" PRIu64 ")",
+                           "skv_heap_create(backend=%s, data_bytes=%" PRIu64
+                           ", signal_bytes=%" PRIu64 ", scratch_bytes=%" PRIu64 ")",
                            be->name, in->data_bytes, in->signal_bytes, in->scratch_bytes);
   if (rc < 0) {
     free(h);
@@ -132,7 +149,9 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
   /* Every PE has contributed to "made", so has read our keys of the steps before it. */
   heap_forget_keys(h, steps, 2, false);
   char b1[32], b2[32];
-  SKV_INFO(SKV_SUBSYS_HEAP, "heap %s: backend %s, %d PEs, segment %s (data %s at +%" PRIu64 "), base %p stride %" PRIu64,
+  SKV_INFO(SKV_SUBSYS_HEAP,
+           "heap %s: backend %s, %d PEs, segment %s (data %s at +%" PRIu64
+           "), base %p stride %" PRIu64,
            h->name, be->name, in->npes, skv__fmt_bytes(in->segment_bytes, b1, sizeof b1),
            skv__fmt_bytes(in->data_bytes, b2, sizeof b2), in->data_offset, in->base, in->stride);
   *out = h;
@@ -145,12 +164,14 @@ void *skv_heap_ptr(const skv_heap_t *heap, int pe, uint64_t offset) {
     return NULL;
   }
   if (pe < 0 || pe >= heap->info.npes) {
-    SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_HEAP, "skv_heap_ptr: PE %d is not in 0..%d", pe, heap->info.npes - 1);
+    SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_HEAP, "skv_heap_ptr: PE %d is not in 0..%d", pe,
+             heap->info.npes - 1);
     return NULL;
   }
   if (offset >= heap->info.segment_bytes) {
-    SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_HEAP, "skv_heap_ptr: offset %" PRIu64 " is beyond the %" PRIu64 "-byte segment",
-             offset, heap->info.segment_bytes);
+    SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_HEAP,
+             "skv_heap_ptr: offset %" PRIu64 " is beyond the %" PRIu64 "-byte segment", offset,
+             heap->info.segment_bytes);
     return NULL;
   }
   return skv__heap_addr(heap, pe, offset);
@@ -168,9 +189,11 @@ int skv_heap_destroy(skv_heap_t *heap) {
    * a kernel; bounded by the timeout, and the memory is released even when it fails. */
   int rc = skv__coll_check(heap->ctx, NULL, "skv_heap_destroy(%s)", heap->name);
   static const char *const made[] = {"made"};
-  if (rc == 0) heap_forget_keys(heap, made, 1, false); /* every PE has read them: it passed the check */
+  if (rc == 0)
+    heap_forget_keys(heap, made, 1, false); /* every PE has read them: it passed the check */
   int rc2 = heap->be->destroy(heap);
-  SKV_INFO(SKV_SUBSYS_HEAP, "heap %s destroyed%s", heap->name, rc ? " (peers did not all arrive)" : "");
+  SKV_INFO(SKV_SUBSYS_HEAP, "heap %s destroyed%s", heap->name,
+           rc ? " (peers did not all arrive)" : "");
   free(heap);
   return rc ? rc : rc2;
 }

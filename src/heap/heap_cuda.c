@@ -18,7 +18,7 @@ typedef struct cuda_impl {
   size_t reserved;
   size_t seg;
   CUmemGenericAllocationHandle *handles; /* [npes], 0 when not held */
-  uint8_t *mapped;                        /* [npes]: segment mapped at base + pe * seg */
+  uint8_t *mapped;                       /* [npes]: segment mapped at base + pe * seg */
 } cuda_impl_t;
 
 static CUmemAllocationProp alloc_prop(int dev) {
@@ -36,7 +36,8 @@ static uint64_t cuda_granularity(skv_heap_t *heap) {
   if (skv__cuda_use(heap->ctx) != 0) return 2ull << 20;
   CUmemAllocationProp prop = alloc_prop(heap->ctx->device);
   size_t g = 0;
-  if (skv__cu.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) != CUDA_SUCCESS ||
+  if (skv__cu.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) !=
+          CUDA_SUCCESS ||
       g == 0)
     g = 2ull << 20;
   return g;
@@ -86,7 +87,8 @@ typedef struct dev_rec {
 static int gather_devices(skv_heap_t *heap, int dev, dev_rec_t *devs) {
   skv_ctx_t *ctx = heap->ctx;
   dev_rec_t mine = {0, {0, 0, 0}};
-  if (dev >= 0 && cudaDeviceGetAttribute(&mine.pci[0], cudaDevAttrPciDomainId, dev) == cudaSuccess &&
+  if (dev >= 0 &&
+      cudaDeviceGetAttribute(&mine.pci[0], cudaDevAttrPciDomainId, dev) == cudaSuccess &&
       cudaDeviceGetAttribute(&mine.pci[1], cudaDevAttrPciBusId, dev) == cudaSuccess &&
       cudaDeviceGetAttribute(&mine.pci[2], cudaDevAttrPciDeviceId, dev) == cudaSuccess)
     mine.ok = 1;
@@ -113,8 +115,8 @@ static int check_peer_access(skv_heap_t *heap, const dev_rec_t *devs) {
     if (i == mine || !devs[i].ok || memcmp(devs[i].pci, devs[mine].pci, sizeof devs[i].pci) == 0)
       continue;
     char bus[32];
-    snprintf(bus, sizeof bus, "%04x:%02x:%02x.0", (unsigned)devs[i].pci[0], (unsigned)devs[i].pci[1],
-             (unsigned)devs[i].pci[2]);
+    snprintf(bus, sizeof bus, "%04x:%02x:%02x.0", (unsigned)devs[i].pci[0],
+             (unsigned)devs[i].pci[1], (unsigned)devs[i].pci[2]);
     int peer = -1, can = 0;
     if (cudaDeviceGetByPCIBusId(&peer, bus) != cudaSuccess) {
       (void)cudaGetLastError();
@@ -122,10 +124,11 @@ static int check_peer_access(skv_heap_t *heap, const dev_rec_t *devs) {
     }
     SKV_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, me, peer), SKV_SUBSYS_HEAP);
     if (!can)
-      return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_HEAP,
-                      "GPU %d cannot access GPU %d (%s, PE %d) as a peer: the cuda backend needs NVLink "
-                      "or PCIe peer access between all local GPUs; use SKV_BACKEND_CUDA_HOST instead",
-                      me, peer, bus, i);
+      return SKV_FAIL(
+          SKV_ENOTSUP, SKV_SUBSYS_HEAP,
+          "GPU %d cannot access GPU %d (%s, PE %d) as a peer: the cuda backend needs NVLink "
+          "or PCIe peer access between all local GPUs; use SKV_BACKEND_CUDA_HOST instead",
+          me, peer, bus, i);
   }
   return 0;
 }
@@ -134,24 +137,29 @@ static int check_peer_access(skv_heap_t *heap, const dev_rec_t *devs) {
 static int prepare_segment(skv_heap_t *heap, cuda_impl_t *im, int *my_fd) {
   int me = heap->info.my_pe, dev = heap->ctx->device, rc = 0;
   int handle_ok = 0;
-  skv__cu.cuDeviceGetAttribute(&handle_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
+  skv__cu.cuDeviceGetAttribute(
+      &handle_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
   if (!handle_ok)
-    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_HEAP,
-                    "GPU %d cannot export memory as POSIX file descriptors (needed to share it between "
-                    "processes); use SKV_BACKEND_CUDA_HOST", dev);
+    return SKV_FAIL(
+        SKV_ENOTSUP, SKV_SUBSYS_HEAP,
+        "GPU %d cannot export memory as POSIX file descriptors (needed to share it between "
+        "processes); use SKV_BACKEND_CUDA_HOST",
+        dev);
   CUmemAllocationProp prop = alloc_prop(dev);
   size_t seg = heap->info.segment_bytes;
   SKV_CU_CHECK_GOTO(skv__cu.cuMemCreate(&im->handles[me], seg, &prop, 0), SKV_SUBSYS_HEAP, rc, out);
   im->seg = seg;
   im->reserved = seg * (size_t)heap->info.npes;
-  SKV_CU_CHECK_GOTO(skv__cu.cuMemAddressReserve(&im->base, im->reserved, 0, 0, 0), SKV_SUBSYS_HEAP, rc, out);
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemAddressReserve(&im->base, im->reserved, 0, 0, 0), SKV_SUBSYS_HEAP,
+                    rc, out);
   /* Fresh segments read as zero, like the host backend's. Zero ours before handing it out: a
    * peer may write into it as soon as its create returns, which can be before ours does. */
   SKV_CHECK_GOTO(map_segment(im, me, dev), rc, out);
-  SKV_CUDA_CHECK_GOTO(cudaMemset((void *)(im->base + (CUdeviceptr)me * seg), 0, seg), SKV_SUBSYS_HEAP, rc, out);
+  SKV_CUDA_CHECK_GOTO(cudaMemset((void *)(im->base + (CUdeviceptr)me * seg), 0, seg),
+                      SKV_SUBSYS_HEAP, rc, out);
   SKV_CUDA_CHECK_GOTO(cudaDeviceSynchronize(), SKV_SUBSYS_HEAP, rc, out);
-  SKV_CU_CHECK_GOTO(skv__cu.cuMemExportToShareableHandle(my_fd, im->handles[me],
-                                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+  SKV_CU_CHECK_GOTO(skv__cu.cuMemExportToShareableHandle(
+                        my_fd, im->handles[me], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
                     SKV_SUBSYS_HEAP, rc, out);
 out:
   return rc;
@@ -180,13 +188,15 @@ static int cuda_create(skv_heap_t *heap) {
   for (int i = 0; fds && i < n; i++) fds[i] = -1;
   /* No PE goes into the exchange unless every PE has its segment ready to hand out. */
   SKV_CHECK_GOTO(skv__heap_agree(heap, "prep", rc), rc, fail);
-  SKV_CHECK_GOTO(skv__fd_exchange(ctx->store, heap->name, ctx->local_ranks, n, me, my_fd, fds, ctx->cfg.timeout_ms),
+  SKV_CHECK_GOTO(skv__fd_exchange(ctx->store, heap->name, ctx->local_ranks, n, me, my_fd, fds,
+                                  ctx->cfg.timeout_ms),
                  rc, fail);
   for (int i = 0; i < n; i++) {
     if (i == me) continue;
-    SKV_CU_CHECK_GOTO(skv__cu.cuMemImportFromShareableHandle(&im->handles[i], (void *)(uintptr_t)fds[i],
-                                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                      SKV_SUBSYS_HEAP, rc, fail);
+    SKV_CU_CHECK_GOTO(
+        skv__cu.cuMemImportFromShareableHandle(&im->handles[i], (void *)(uintptr_t)fds[i],
+                                               CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+        SKV_SUBSYS_HEAP, rc, fail);
     SKV_CHECK_GOTO(map_segment(im, i, dev), rc, fail);
   }
   heap->info.base = (void *)im->base;
@@ -208,7 +218,8 @@ static int cuda_destroy(skv_heap_t *heap) {
   int rc = 0;
   if (skv__cuda_use(heap->ctx) == 0 && cudaDeviceSynchronize() != cudaSuccess) {
     (void)cudaGetLastError();
-    rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_HEAP, "a kernel using the heap failed before it was destroyed");
+    rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_HEAP,
+                  "a kernel using the heap failed before it was destroyed");
   }
   cuda_release(im, heap->info.npes);
   heap->impl = NULL;
@@ -231,7 +242,8 @@ static int cuda_host_create(skv_heap_t *heap) {
   heap->info.device = rc == 0 ? heap->ctx->device : -1;
   SKV_CHECK(skv__heap_host_create(heap, rc));
   size_t total = (size_t)heap->info.stride * (size_t)heap->info.npes;
-  cudaError_t e = cudaHostRegister(heap->info.base, total, cudaHostRegisterPortable | cudaHostRegisterMapped);
+  cudaError_t e =
+      cudaHostRegister(heap->info.base, total, cudaHostRegisterPortable | cudaHostRegisterMapped);
   void *dptr = NULL;
   const bool registered = e == cudaSuccess;
   if (e == cudaSuccess) e = cudaHostGetDevicePointer(&dptr, heap->info.base, 0);
@@ -240,11 +252,14 @@ static int cuda_host_create(skv_heap_t *heap) {
     if (registered) cudaHostUnregister(heap->info.base);
     skv__heap_host.destroy(heap);
     if (e != cudaSuccess)
-      return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_HEAP, "registering the host heap with GPU %d failed: %s",
-                      heap->ctx->device, cudaGetErrorString(e));
-    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_HEAP,
-                    "GPU %d maps registered host memory at another address; the cuda_host backend needs "
-                    "the same addresses on host and device", heap->ctx->device);
+      return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_HEAP,
+                      "registering the host heap with GPU %d failed: %s", heap->ctx->device,
+                      cudaGetErrorString(e));
+    return SKV_FAIL(
+        SKV_ENOTSUP, SKV_SUBSYS_HEAP,
+        "GPU %d maps registered host memory at another address; the cuda_host backend needs "
+        "the same addresses on host and device",
+        heap->ctx->device);
   }
   return 0;
 }
@@ -252,7 +267,8 @@ static int cuda_host_create(skv_heap_t *heap) {
 static int cuda_host_destroy(skv_heap_t *heap) {
   int rc = 0;
   if (heap->impl && skv__cuda_use(heap->ctx) == 0) {
-    if (cudaDeviceSynchronize() != cudaSuccess || cudaHostUnregister(heap->info.base) != cudaSuccess) {
+    if (cudaDeviceSynchronize() != cudaSuccess ||
+        cudaHostUnregister(heap->info.base) != cudaSuccess) {
       (void)cudaGetLastError();
       rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_HEAP, "unregistering the host heap failed");
     }
@@ -261,7 +277,9 @@ static int cuda_host_destroy(skv_heap_t *heap) {
   return rc ? rc : r2;
 }
 
-static uint64_t cuda_host_granularity(skv_heap_t *heap) { return skv__heap_host.granularity(heap); }
+static uint64_t cuda_host_granularity(skv_heap_t *heap) {
+  return skv__heap_host.granularity(heap);
+}
 
 const skv_heap_backend_t skv__heap_cuda_host = {
     .name = "cuda_host",

@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 typedef struct host_impl {
-  void *reserved;       /* the whole range: npes * stride bytes */
+  void *reserved; /* the whole range: npes * stride bytes */
   size_t reserved_bytes;
 } host_impl_t;
 
@@ -30,8 +30,8 @@ static int make_segment(skv_heap_t *heap, int *fd_out) {
   snprintf(name, sizeof name, "symkv-heap-%d", heap->ctx->cfg.rank);
   int fd = memfd_create(name, MFD_CLOEXEC);
   if (fd < 0)
-    return SKV_FAIL(-errno, SKV_SUBSYS_HEAP, "memfd_create failed: %s (too many open files? ulimit -n)",
-                    strerror(errno));
+    return SKV_FAIL(-errno, SKV_SUBSYS_HEAP,
+                    "memfd_create failed: %s (too many open files? ulimit -n)", strerror(errno));
   if (ftruncate(fd, (off_t)heap->info.segment_bytes) != 0) {
     int e = errno;
     close(fd);
@@ -56,11 +56,13 @@ int skv__heap_host_map(skv_heap_t *heap, const int *fds, void **base_out, size_t
   }
   for (int pe = 0; pe < in->npes; pe++) {
     void *want = (char *)base + (size_t)pe * in->stride;
-    void *p = mmap(want, in->segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fds[pe], 0);
+    void *p =
+        mmap(want, in->segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fds[pe], 0);
     if (p == MAP_FAILED) {
       int e = errno;
       munmap(base, total);
-      return SKV_FAIL(-e, SKV_SUBSYS_HEAP, "mapping PE %d's heap segment failed: %s", pe, strerror(e));
+      return SKV_FAIL(-e, SKV_SUBSYS_HEAP, "mapping PE %d's heap segment failed: %s", pe,
+                      strerror(e));
     }
   }
   *base_out = base;
@@ -78,8 +80,8 @@ int skv__heap_host_create(skv_heap_t *heap, int rc) {
   if (rc == 0) rc = make_segment(heap, &my_fd);
   for (int i = 0; fds && i < n; i++) fds[i] = -1;
   SKV_CHECK_GOTO(skv__heap_agree(heap, "prep", rc), rc, out);
-  SKV_CHECK_GOTO(skv__fd_exchange(ctx->store, heap->name, ctx->local_ranks, n, ctx->local_index, my_fd, fds,
-                                  ctx->cfg.timeout_ms),
+  SKV_CHECK_GOTO(skv__fd_exchange(ctx->store, heap->name, ctx->local_ranks, n, ctx->local_index,
+                                  my_fd, fds, ctx->cfg.timeout_ms),
                  rc, out);
   SKV_CHECK_GOTO(skv__heap_host_map(heap, fds, &impl->reserved, &impl->reserved_bytes), rc, out);
   heap->info.base = impl->reserved;
@@ -95,7 +97,9 @@ out:
   return rc;
 }
 
-static int host_create(skv_heap_t *heap) { return skv__heap_host_create(heap, 0); }
+static int host_create(skv_heap_t *heap) {
+  return skv__heap_host_create(heap, 0);
+}
 
 static int host_destroy(skv_heap_t *heap) {
   host_impl_t *impl = heap->impl;

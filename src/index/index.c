@@ -6,7 +6,7 @@
 #include <string.h>
 
 #define EMPTY_HI 0u
-#define TOMB_LO 1u
+#define TOMB_LO  1u
 
 static inline unsigned __int128 k128(skv_key_t k) {
   return ((unsigned __int128)k.hi << 64) | k.lo;
@@ -18,9 +18,15 @@ static inline bool cas_key(skv_index_slot_t *s, unsigned __int128 old, unsigned 
   return __sync_bool_compare_and_swap(&s->key.w, old, new_);
 }
 
-static inline uint64_t ld_acq(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-static inline uint64_t ld_rlx(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-static inline void st_rel(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+static inline uint64_t ld_acq(const uint64_t *p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+static inline uint64_t ld_rlx(const uint64_t *p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+static inline void st_rel(uint64_t *p, uint64_t v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
 
 uint64_t skv__index_shard_bytes(uint64_t slots_per_shard) {
   return sizeof(skv_index_shard_hdr_t) + slots_per_shard * sizeof(skv_index_slot_t);
@@ -81,8 +87,8 @@ int skv__index_lookup(const skv_index_t *ix, skv_key_t key, uint64_t *val) {
   return SKV_ENOTFOUND;
 }
 
-void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size_t n, uint64_t *vals,
-                              size_t *nhit) {
+void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size_t n,
+                              uint64_t *vals, size_t *nhit) {
   enum { AHEAD = 4 };
   uint64_t mask = ix->slots_per_shard - 1;
   for (size_t j = 0; j < n && j < AHEAD; j++)
@@ -108,7 +114,8 @@ static inline bool same_key(const skv_index_slot_t *s, skv_key_t key) {
  * and claimed again, or published). The CAS makes the caller the slot's only writer until the
  * key is a tombstone: nobody claims a slot whose key is set, and ERASING is final. */
 static bool release_slot(skv_index_slot_t *s, unsigned __int128 k, uint64_t pending) {
-  if (!__atomic_compare_exchange_n(&s->val, &pending, SKV_VAL_ERASING, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+  if (!__atomic_compare_exchange_n(&s->val, &pending, SKV_VAL_ERASING, false, __ATOMIC_SEQ_CST,
+                                   __ATOMIC_RELAXED))
     return false;
   __atomic_store_n(&s->ticket, 0, __ATOMIC_SEQ_CST);
   cas_key(s, k, K_TOMB);
@@ -153,14 +160,16 @@ static int copy_wins(skv_index_t *ix, skv_index_slot_t *s, skv_key_t key, uint64
     uint64_t now = skv__now_ms();
     if (!start) start = now;
     if (now - start >= COPY_TICKET_WAIT_MS) {
-      SKV_LOG(SKV_LOG_INFO, SKV_SUBSYS_INDEX,
-              "index insert: PE %d's copy of key %016llx%016llx has no ticket after %d ms (stopped?); "
-              "not caching ours",
-              owner, (unsigned long long)key.hi, (unsigned long long)key.lo, COPY_TICKET_WAIT_MS);
+      SKV_LOG(
+          SKV_LOG_INFO, SKV_SUBSYS_INDEX,
+          "index insert: PE %d's copy of key %016llx%016llx has no ticket after %d ms (stopped?); "
+          "not caching ours",
+          owner, (unsigned long long)key.hi, (unsigned long long)key.lo, COPY_TICKET_WAIT_MS);
       return 1;
     }
     if (now >= next_alive_check) {
-      if (next_alive_check && ix->alive && !ix->alive(ix->alive_arg, owner) && release_slot(s, k128(key), v))
+      if (next_alive_check && ix->alive && !ix->alive(ix->alive_arg, owner) &&
+          release_slot(s, k128(key), v))
         return 0;
       next_alive_check = now + 10;
     }
@@ -206,14 +215,17 @@ int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
     }
     if (kind == SLOT_KEY || kind == SLOT_CLAIMING) continue;
     unsigned __int128 old = kind == SLOT_TOMB ? K_TOMB : K_EMPTY;
-    if (cas_key(s, old, kw)) mine = s;
-    else i--; /* the slot changed: look at it again */
+    if (cas_key(s, old, kw))
+      mine = s;
+    else
+      i--; /* the slot changed: look at it again */
   }
   if (!mine) return SKV_ENOSPC;
   /* 2. PENDING with our PE, then a ticket. Nobody else writes the slot now: its val is 0 or
    * ERASING, which no CAS of another PE expects. */
   static uint64_t claims; /* numbers this process's claims */
-  uint64_t pending = skv__val_pending((uint32_t)my_pe, __atomic_add_fetch(&claims, 1, __ATOMIC_RELAXED));
+  uint64_t pending =
+      skv__val_pending((uint32_t)my_pe, __atomic_add_fetch(&claims, 1, __ATOMIC_RELAXED));
   __atomic_store_n(&mine->val, pending, __ATOMIC_SEQ_CST);
   uint64_t t = __atomic_add_fetch(&ix->hdr[0]->ticket, 1, __ATOMIC_SEQ_CST);
   __atomic_store_n(&mine->ticket, t, __ATOMIC_SEQ_CST);
@@ -224,7 +236,8 @@ int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
   }
   /* 4. publish, unless another inserter judged us dead and cleared our claim meanwhile (then
    * it caches the key, and we lose like any other copy). */
-  if (!__atomic_compare_exchange_n(&mine->val, &pending, val, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+  if (!__atomic_compare_exchange_n(&mine->val, &pending, val, false, __ATOMIC_SEQ_CST,
+                                   __ATOMIC_RELAXED))
     return SKV_EEXIST;
   __atomic_add_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
   return 0;
@@ -271,20 +284,22 @@ int64_t skv__index_check(const skv_index_t *ix) {
       count++;
       skv_key_t k = {hi, lo};
       if (shard_of(ix, k) != sh)
-        return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX, "index: key in shard %d belongs to shard %d", sh,
-                        shard_of(ix, k));
+        return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX,
+                        "index: key in shard %d belongs to shard %d", sh, shard_of(ix, k));
       uint64_t home = lo & mask, dist = (i - home) & mask;
       if (dist >= SKV_INDEX_WINDOW)
-        return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX, "index: slot %llu is %llu slots from its home",
-                        (unsigned long long)i, (unsigned long long)dist);
+        return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX,
+                        "index: slot %llu is %llu slots from its home", (unsigned long long)i,
+                        (unsigned long long)dist);
       for (unsigned j = 0; j < SKV_INDEX_WINDOW; j++) {
         skv_index_slot_t *o = &ix->slots[sh][(home + j) & mask];
         if (o == s) continue;
         uint64_t ov = ld_acq(&o->val), ohi, olo;
         read_key(o, &ohi, &olo);
         if (ohi == hi && olo == lo && (ov & SKV_VAL_VALID))
-          return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX, "index: key %016llx%016llx is VALID twice",
-                          (unsigned long long)hi, (unsigned long long)lo);
+          return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX,
+                          "index: key %016llx%016llx is VALID twice", (unsigned long long)hi,
+                          (unsigned long long)lo);
       }
     }
   }

@@ -18,8 +18,8 @@
  *
  * Insert (only by the PE that owns the page):
  *   1. claim the first EMPTY or TOMB slot of the window by CAS of the key (ENOSPC if none);
- *   2. write val = PENDING(pe, claim number) (never 0: see skv__val_pending), take a ticket from the
- *      node-wide counter, store it;
+ *   2. write val = PENDING(pe, claim number) (never 0: see skv__val_pending), take a ticket from
+ * the node-wide counter, store it;
  *   3. rescan the window up to the first EMPTY slot for other slots holding the same key. A
  *      copy that is VALID, or PENDING with a smaller ticket and a live owner, wins over us: we
  *      clear our slot and report EEXIST (the caller frees its page). A copy that is ERASING,
@@ -86,25 +86,26 @@ typedef bool (*skv_index_alive_fn)(void *arg, int pe);
 
 typedef struct skv_index {
   int nshards;
-  uint64_t slots_per_shard;           /* power of two, >= SKV_INDEX_WINDOW */
-  skv_index_shard_hdr_t **hdr;        /* [nshards] */
-  skv_index_slot_t **slots;           /* [nshards] */
+  uint64_t slots_per_shard;    /* power of two, >= SKV_INDEX_WINDOW */
+  skv_index_shard_hdr_t **hdr; /* [nshards] */
+  skv_index_slot_t **slots;    /* [nshards] */
   skv_index_alive_fn alive;
   void *alive_arg;
 } skv_index_t;
 
 /* Packed value of a VALID entry. */
-#define SKV_VAL_VALID (1ull << 63)
-#define SKV_VAL_ERASING (1ull << 62)
-#define SKV_VAL_PE_SHIFT 56
-#define SKV_VAL_PE_MASK 0x3full
-#define SKV_VAL_PAGE_SHIFT 32
-#define SKV_VAL_PAGE_MASK 0xffffffull
-#define SKV_INDEX_MAX_PES 64
+#define SKV_VAL_VALID       (1ull << 63)
+#define SKV_VAL_ERASING     (1ull << 62)
+#define SKV_VAL_PE_SHIFT    56
+#define SKV_VAL_PE_MASK     0x3full
+#define SKV_VAL_PAGE_SHIFT  32
+#define SKV_VAL_PAGE_MASK   0xffffffull
+#define SKV_INDEX_MAX_PES   64
 #define SKV_INDEX_MAX_PAGES (1u << 24)
 
 static inline uint64_t skv__val_pack(uint32_t pe, uint32_t page, uint32_t gen) {
-  return SKV_VAL_VALID | ((uint64_t)pe << SKV_VAL_PE_SHIFT) | ((uint64_t)page << SKV_VAL_PAGE_SHIFT) | gen;
+  return SKV_VAL_VALID | ((uint64_t)pe << SKV_VAL_PE_SHIFT) |
+         ((uint64_t)page << SKV_VAL_PAGE_SHIFT) | gen;
 }
 /* The val of a claim being inserted: its owner's PE, a number of the claim (`claim`, unique in
  * the owner process, so that a release decided on one claim never matches a later claim of the
@@ -118,9 +119,15 @@ static inline uint64_t skv__val_pending(uint32_t pe, uint64_t claim) {
 static inline bool skv__val_is_pending(uint64_t v) {
   return !(v & (SKV_VAL_VALID | SKV_VAL_ERASING)) && (v & SKV_VAL_PENDING_MARK);
 }
-static inline uint32_t skv__val_pe(uint64_t v) { return (uint32_t)((v >> SKV_VAL_PE_SHIFT) & SKV_VAL_PE_MASK); }
-static inline uint32_t skv__val_page(uint64_t v) { return (uint32_t)((v >> SKV_VAL_PAGE_SHIFT) & SKV_VAL_PAGE_MASK); }
-static inline uint32_t skv__val_gen(uint64_t v) { return (uint32_t)v; }
+static inline uint32_t skv__val_pe(uint64_t v) {
+  return (uint32_t)((v >> SKV_VAL_PE_SHIFT) & SKV_VAL_PE_MASK);
+}
+static inline uint32_t skv__val_page(uint64_t v) {
+  return (uint32_t)((v >> SKV_VAL_PAGE_SHIFT) & SKV_VAL_PAGE_MASK);
+}
+static inline uint32_t skv__val_gen(uint64_t v) {
+  return (uint32_t)v;
+}
 
 /* Bytes of one shard (header + slots) for `slots_per_shard` slots. */
 uint64_t skv__index_shard_bytes(uint64_t slots_per_shard);
@@ -131,8 +138,8 @@ void skv__index_bind(skv_index_t *ix, int nshards, uint64_t slots_per_shard, voi
 /* 0 and *val on a hit, SKV_ENOTFOUND on a miss. */
 int skv__index_lookup(const skv_index_t *ix, skv_key_t key, uint64_t *val);
 /* Batched prefix lookup: vals[0..*nhit) of the leading keys found (prefetches ahead). */
-void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size_t n, uint64_t *vals,
-                              size_t *nhit);
+void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size_t n,
+                              uint64_t *vals, size_t *nhit);
 /* Insert key -> val (VALID value of the caller's page). 0: inserted; SKV_EEXIST: the key is
  * present or another PE won the race (the caller frees its page); SKV_ENOSPC: window full. */
 int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe);

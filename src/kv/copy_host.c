@@ -26,8 +26,10 @@ static void copy_stream(char *restrict d, const char *restrict s, size_t n) {
     const bool long_run = n >= 2048; /* prefetch the source ahead, as glibc's large memcpy does */
     for (; n >= 64; n -= 64, d += 64, s += 64) {
       if (long_run) __builtin_prefetch(s + 1024); /* past the run too: a page is contiguous */
-      __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
-      __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+      __m128i a = _mm_loadu_si128((const __m128i *)s),
+              b = _mm_loadu_si128((const __m128i *)(s + 16));
+      __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)),
+              e = _mm_loadu_si128((const __m128i *)(s + 48));
       _mm_stream_si128((__m128i *)d, a);
       _mm_stream_si128((__m128i *)(d + 16), b);
       _mm_stream_si128((__m128i *)(d + 32), c);
@@ -72,7 +74,8 @@ static SKV_ALWAYS_INLINE void copy_rows(char *restrict d, int64_t dstep, const c
   if (stream && bytes >= 256) {
     for (uint64_t i = 0; i < n; i++, d += dstep, s += sstep) {
       if (i + 1 < n) /* the next row's source, which no hardware prefetcher predicts */
-        for (size_t o = 0; o < bytes && o < 2048; o += 64) __builtin_prefetch(s + sstep + (int64_t)o);
+        for (size_t o = 0; o < bytes && o < 2048; o += 64)
+          __builtin_prefetch(s + sstep + (int64_t)o);
       copy_stream(d, s, bytes);
     }
     return;
@@ -152,8 +155,8 @@ static SKV_ALWAYS_INLINE void copy_page(const skv_layout_t *lay, char *page,
   }
 }
 
-void skv__copy_page_to_blocks(const skv_layout_t *lay, const void *page,
-                              const uint64_t *block_ids, bool stream) {
+void skv__copy_page_to_blocks(const skv_layout_t *lay, const void *page, const uint64_t *block_ids,
+                              bool stream) {
   if (stream)
     copy_page(lay, (char *)page, block_ids, true, true);
   else

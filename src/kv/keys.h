@@ -6,9 +6,9 @@
 #include "kv/geometry.h"
 
 struct skv_namespace {
-  skv_key_t id;          /* 128-bit namespace id (secret, model, geometry, salt) */
-  uint64_t seed;         /* XXH3 seed derived from id */
-  skv_geometry_t geom;   /* the geometry the namespace was made for */
+  skv_key_t id;        /* 128-bit namespace id (secret, model, geometry, salt) */
+  uint64_t seed;       /* XXH3 seed derived from id */
+  skv_geometry_t geom; /* the geometry the namespace was made for */
   uint64_t page_bytes;
 };
 

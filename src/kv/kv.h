@@ -27,7 +27,8 @@ struct skv_kv {
 
 /* Address of a page (host-visible for host heaps, device address for cuda heaps). */
 static inline void *skv__kv_page(const skv_kv_t *kv, uint32_t pe, uint32_t page) {
-  return skv__heap_addr(kv->data, (int)pe, kv->data->info.data_offset + (uint64_t)page * kv->page_stride);
+  return skv__heap_addr(kv->data, (int)pe,
+                        kv->data->info.data_offset + (uint64_t)page * kv->page_stride);
 }
 
 /* Evict callback for the pool: erase the page's index entry. */

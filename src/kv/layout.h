@@ -9,16 +9,16 @@
 
 struct skv_layout {
   skv_geometry_t geom;
-  int preset;            /* SKV_LAYOUT_* */
+  int preset; /* SKV_LAYOUT_* */
   uint32_t block_tokens;
   uint32_t blocks_per_page; /* page_tokens / block_tokens */
   uint64_t num_blocks;
   int64_t stride_block, stride_token, stride_head; /* elements */
-  int device;            /* -1 host, else CUDA device */
+  int device;                                      /* -1 host, else CUDA device */
   uint32_t num_layers;
-  uint32_t kvn;          /* 2 or 1 (MLA) */
-  char **base;           /* [num_layers * kvn]: base of layer l, k (0) / v (1) at [l*kvn + kv] */
-  void *dev_base;        /* device copy of `base` for the kernels (CUDA layouts), else NULL */
+  uint32_t kvn;   /* 2 or 1 (MLA) */
+  char **base;    /* [num_layers * kvn]: base of layer l, k (0) / v (1) at [l*kvn + kv] */
+  void *dev_base; /* device copy of `base` for the kernels (CUDA layouts), else NULL */
   /* Contiguity the copy exploits: bytes of the longest run that is contiguous both in the
    * page and in a block (head_dim elements at least; a whole block's [token][head][dim] when
    * the engine stores NHD densely). */

@@ -12,9 +12,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define PE_MAGIC 0x766b6d7973ull /* "symkv" */
+#define PE_MAGIC         0x766b6d7973ull /* "symkv" */
 #define ALIVE_RECHECK_MS 20
-#define PIN_EVICTING_WAIT_MS 20 /* a pin meeting EVICTING waits at most this for the evictor's verdict */
+#define PIN_EVICTING_WAIT_MS \
+  20 /* a pin meeting EVICTING waits at most this for the evictor's verdict */
 
 uint64_t skv__pool_meta_bytes(uint64_t pages) {
   return sizeof(skv_pe_hdr_t) + pages * sizeof(skv_page_meta_t);
@@ -70,7 +71,8 @@ int skv__pool_init(skv_pool_t *p, int npes, int me, uint64_t pages, void *const 
   p->pins = calloc((size_t)npes * pages, sizeof *p->pins); /* untouched pages cost nothing */
   p->dead = calloc((size_t)npes, sizeof *p->dead);
   p->alive_checked_ms = calloc((size_t)npes, sizeof *p->alive_checked_ms);
-  if (!p->hdr || !p->meta || !p->free_stack || !p->lru || !p->pins || !p->dead || !p->alive_checked_ms) {
+  if (!p->hdr || !p->meta || !p->free_stack || !p->lru || !p->pins || !p->dead ||
+      !p->alive_checked_ms) {
     skv__pool_fini(p);
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_POOL, "page pool: out of memory for %llu pages",
                     (unsigned long long)pages);
@@ -124,7 +126,8 @@ bool skv__pool_alive(skv_pool_t *p, int pe) {
   if (pid <= 0) return false; /* left (finalised) */
   if (__atomic_load_n(&p->dead[pe], __ATOMIC_RELAXED) == pid) return false;
   uint64_t now = skv__now_ms();
-  if (now - __atomic_load_n(&p->alive_checked_ms[pe], __ATOMIC_RELAXED) < ALIVE_RECHECK_MS) return true;
+  if (now - __atomic_load_n(&p->alive_checked_ms[pe], __ATOMIC_RELAXED) < ALIVE_RECHECK_MS)
+    return true;
   /* Another PID namespace (or one we cannot tell): its pid means nothing here. */
   uint64_t ns = __atomic_load_n(&h->pidns, __ATOMIC_RELAXED);
   if (!ns || ns != p->my_pidns) return true;
@@ -134,13 +137,16 @@ bool skv__pool_alive(skv_pool_t *p, int pe) {
     alive = false;
   } else {
     int r = proc_start_time(pid, &st);
-    if (r == PROC_GONE || (r == PROC_ALIVE && h->start_time && st != h->start_time)) alive = false;
-    else if (r == PROC_UNKNOWN) return true; /* no evidence either way: ask again next time */
+    if (r == PROC_GONE || (r == PROC_ALIVE && h->start_time && st != h->start_time))
+      alive = false;
+    else if (r == PROC_UNKNOWN)
+      return true; /* no evidence either way: ask again next time */
   }
   if (!alive) {
     __atomic_store_n(&p->dead[pe], pid, __ATOMIC_RELAXED);
-    SKV_WARN(SKV_SUBSYS_POOL, "PE %d (pid %lld) has died: its pins are released, its pages stay readable",
-             pe, (long long)pid);
+    SKV_WARN(SKV_SUBSYS_POOL,
+             "PE %d (pid %lld) has died: its pins are released, its pages stay readable", pe,
+             (long long)pid);
   } else {
     __atomic_store_n(&p->alive_checked_ms[pe], now, __ATOMIC_RELAXED);
   }
@@ -157,8 +163,10 @@ int skv__pool_pin(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
   uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
   if (*c > 0) {
     /* Our pin keeps the page from changing: its current generation is the pinned one. */
-    if (skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_ACQUIRE)) != gen) rc = SKV_ESTALE;
-    else (*c)++;
+    if (skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_ACQUIRE)) != gen)
+      rc = SKV_ESTALE;
+    else
+      (*c)++;
   } else {
     __atomic_fetch_or(&m->pinmask, bit, __ATOMIC_SEQ_CST);
     uint64_t st = __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
@@ -196,8 +204,10 @@ int skv__pool_unpin(skv_pool_t *p, uint32_t pe, uint32_t page) {
   uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
   if (*c == 0) {
     pthread_mutex_unlock(&p->pin_mu);
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_POOL,
-                    "unpin of page %u of PE %u, which this PE does not hold pinned (unbalanced unpin?)", page, pe);
+    return SKV_FAIL(
+        SKV_EINVAL, SKV_SUBSYS_POOL,
+        "unpin of page %u of PE %u, which this PE does not hold pinned (unbalanced unpin?)", page,
+        pe);
   }
   if (--*c == 0) {
     __atomic_fetch_and(&p->meta[pe][page].pinmask, ~(1ull << p->me), __ATOMIC_RELEASE);
@@ -242,7 +252,8 @@ static skv_lru_ent_t lru_pop(skv_pool_t *p) {
 }
 
 /* Try to evict one READY page (generation gen). Returns true when it became FREE. */
-static bool try_evict(skv_pool_t *p, uint32_t page, uint32_t gen, skv_pool_evict_cb evict, void *arg) {
+static bool try_evict(skv_pool_t *p, uint32_t page, uint32_t gen, skv_pool_evict_cb evict,
+                      void *arg) {
   skv_page_meta_t *m = &p->meta[p->me][page];
   uint64_t ready = skv__st_make(gen, SKV_PAGE_READY);
   uint64_t expect = ready;
@@ -311,16 +322,17 @@ static bool evict_lru(skv_pool_t *p, skv_pool_evict_cb evict, void *arg) {
   return done;
 }
 
-int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t *page, uint32_t *gen,
-                    uint64_t *nevicted) {
+int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t *page,
+                    uint32_t *gen, uint64_t *nevicted) {
   pthread_mutex_lock(&p->mu);
   if (p->nfree == 0 && evict_lru(p, evict, arg)) (*nevicted)++;
   if (p->nfree == 0) {
     pthread_mutex_unlock(&p->mu);
-    return SKV_FAIL(SKV_ENOSPC, SKV_SUBSYS_POOL,
-                    "no free page on PE %d: all %llu pages are pinned or being written; unpin pages "
-                    "(skv_unpin / SKV_FETCH_UNPIN) or create the cache with more pages_per_pe",
-                    p->me, (unsigned long long)p->pages);
+    return SKV_FAIL(
+        SKV_ENOSPC, SKV_SUBSYS_POOL,
+        "no free page on PE %d: all %llu pages are pinned or being written; unpin pages "
+        "(skv_unpin / SKV_FETCH_UNPIN) or create the cache with more pages_per_pe",
+        p->me, (unsigned long long)p->pages);
   }
   uint32_t pg = p->free_stack[--p->nfree];
   skv_page_meta_t *m = &p->meta[p->me][pg];

@@ -66,9 +66,15 @@ typedef struct skv_pe_hdr {
   uint64_t pad[3];
 } skv_pe_hdr_t;
 
-static inline uint32_t skv__st_state(uint64_t st) { return (uint32_t)st & 0xff; }
-static inline uint32_t skv__st_gen(uint64_t st) { return (uint32_t)(st >> 32); }
-static inline uint64_t skv__st_make(uint32_t gen, uint32_t state) { return ((uint64_t)gen << 32) | state; }
+static inline uint32_t skv__st_state(uint64_t st) {
+  return (uint32_t)st & 0xff;
+}
+static inline uint32_t skv__st_gen(uint64_t st) {
+  return (uint32_t)(st >> 32);
+}
+static inline uint64_t skv__st_make(uint32_t gen, uint32_t state) {
+  return ((uint64_t)gen << 32) | state;
+}
 
 typedef struct skv_lru_ent {
   uint64_t stamp;
@@ -78,8 +84,8 @@ typedef struct skv_lru_ent {
 
 typedef struct skv_pool {
   int npes, me;
-  uint64_t pages; /* per PE */
-  skv_pe_hdr_t **hdr;    /* [npes] */
+  uint64_t pages;         /* per PE */
+  skv_pe_hdr_t **hdr;     /* [npes] */
   skv_page_meta_t **meta; /* [npes] */
   /* owner-private, under mu */
   pthread_mutex_t mu;
@@ -89,7 +95,7 @@ typedef struct skv_pool {
   uint64_t nlru;
   /* this PE's pins, under pin_mu */
   pthread_mutex_t pin_mu;
-  uint32_t *pins; /* [npes * pages] */
+  uint32_t *pins;        /* [npes * pages] */
   uint64_t pinned_pages; /* pages (any PE) this PE pins */
   /* liveness cache */
   int64_t *dead; /* [npes]: pid found dead, or 0 */
@@ -113,9 +119,10 @@ int skv__pool_unpin(skv_pool_t *p, uint32_t pe, uint32_t page);
 
 /* Owner: take a page (evicting the LRU unpinned page if none is free; `evict` erases its index
  * entry) into WRITING state. SKV_ENOSPC when every page is pinned or being written. */
-typedef void (*skv_pool_evict_cb)(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, uint64_t key_lo);
-int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t *page, uint32_t *gen,
-                    uint64_t *nevicted);
+typedef void (*skv_pool_evict_cb)(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi,
+                                  uint64_t key_lo);
+int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t *page,
+                    uint32_t *gen, uint64_t *nevicted);
 /* Owner: WRITING -> READY with its key, so that pins can succeed once the key is indexed. */
 void skv__pool_ready(skv_pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo);
 /* Owner: the page's key is in the index: make it an eviction candidate (LRU). */
