@@ -347,11 +347,11 @@ static int time_op(fb_t *f, int method, const batch_t *bt, int reps, double *sec
 
 /* time_op with kernel variant `v`; the variant `def` is restored afterwards, whatever happened,
  * and the cache synchronised. */
-static int time_variant(fb_t *f, const skv_kv_variant_t *v, const skv_kv_variant_t *def, int method,
-                        const batch_t *bt, int reps, double *sec) {
-  int rc = skv__kv_cuda_variant_set(v);
+static int time_variant(fb_t *f, const skv__kv_variant_t *v, const skv__kv_variant_t *def,
+                        int method, const batch_t *bt, int reps, double *sec) {
+  int rc = skv__kv_variant_set(v);
   if (rc == 0) rc = time_op(f, method, bt, reps, sec);
-  int r2 = skv__kv_cuda_variant_set(def);
+  int r2 = skv__kv_variant_set(def);
   if (rc == 0) rc = r2;
   if (rc == 0) rc = skv_kv_sync(f->kv);
   return rc;
@@ -433,7 +433,7 @@ typedef struct cell {
 #define BULK SKV_KV_KERNEL_BULK
 #define CE   SKV_KV_KERNEL_CE
 /* Kernel variants compared on a few cases; the first is the baseline of the others. */
-static const skv_kv_variant_t variants_list[] = {
+static const skv__kv_variant_t variants_list[] = {
     {BULK, 4, 1, 128, SKV_KV_ARGS_AUTO, 0},  {VEC, 4, 4, 256, SKV_KV_ARGS_AUTO, 0},
     {CE, 4, 4, 256, SKV_KV_ARGS_AUTO, 0},    {VEC, 8, 4, 256, SKV_KV_ARGS_AUTO, 0},
     {VEC, 4, 4, 256, SKV_KV_ARGS_AUTO, 1},   {VEC, 4, 4, 256, SKV_KV_ARGS_MAPPED, 0},
@@ -512,8 +512,8 @@ int bench_fetch(bench_t *b) {
             "symkv-bench fetch: PE %d is on this PE's GPU (%s): the peer rows read this GPU's own "
             "memory, not NVLink; run with one GPU per PE\n",
             f.peer, bus);
-  skv_kv_variant_t def_var;
-  skv__kv_cuda_variant_get(&def_var);
+  skv__kv_variant_t def_var;
+  skv__kv_variant_get(&def_var);
 
   cell_t cells[16 * 16];
   int ncells = 0;
@@ -587,7 +587,7 @@ int bench_fetch(bench_t *b) {
     }
     /* Local batches of >= 64 MiB read their arguments from a device copy (the default): the
      * same fetch with them read over PCIe (mapped), for comparison. */
-    skv_kv_variant_t mapped = def_var;
+    skv__kv_variant_t mapped = def_var;
     mapped.args = SKV_KV_ARGS_MAPPED;
     for (int i = first_cell; i < ncells && rc == 0 && f.rank == 0; i++) {
       cell_t *c = &cells[i];
@@ -627,7 +627,7 @@ int bench_fetch(bench_t *b) {
     bench_config_str(b, "device", prop.name);
     bench_config_int(b, "sms", prop.multiProcessorCount);
     bench_config_int(b, "peer_on_same_gpu", same_gpu);
-    bench_config_str(b, "variant", skv__kv_cuda_variant_name(NULL, vb, sizeof vb));
+    bench_config_str(b, "variant", skv__kv_variant_name(NULL, vb, sizeof vb));
     bench_config_str(b, "layout",
                      preset == SKV_LAYOUT_VLLM_FLASH_HND   ? "vllm_flash_hnd"
                      : preset == SKV_LAYOUT_FLASHINFER_NHD ? "flashinfer_nhd"
@@ -720,13 +720,13 @@ int bench_fetch(bench_t *b) {
                 (64.0 * 1024 * 1024) / e2e_big_ce_local / 1e9);
     char base[64], vn[48];
     snprintf(base, sizeof base, "variant %s",
-             skv__kv_cuda_variant_name(&variants_list[0], vn, sizeof vn));
+             skv__kv_variant_name(&variants_list[0], vn, sizeof vn));
     for (int k = 0; k < NCASES && nvar > 0; k++) {
       if (var_t[k][0] <= 0) continue;
       double bytes = (double)var_cases[k][0] * (double)var_cases[k][1];
       size_name(var_cases[k][0], sz, sizeof sz);
       for (int v = 0; v < nvar; v++) {
-        skv__kv_cuda_variant_name(&variants_list[v], vn, sizeof vn);
+        skv__kv_variant_name(&variants_list[v], vn, sizeof vn);
         snprintf(name, sizeof name, "variant/%s/%s/x%llu", vn, sz,
                  (unsigned long long)var_cases[k][1]);
         bench_row(b, name, bytes / var_t[k][v] / 1e9, "GB/s", "higher", base,

@@ -226,13 +226,13 @@ typedef struct rt_param {
  * engines for dense runs (vec otherwise). */
 static int set_variant(int which) {
   if (which == 0) return 0;
-  skv_kv_variant_t v = {SKV_KV_KERNEL_VEC, 4, 4, 256, SKV_KV_ARGS_AUTO, 0};
+  skv__kv_variant_t v = {SKV_KV_KERNEL_VEC, 4, 4, 256, SKV_KV_ARGS_AUTO, 0};
   if (which == 6) v.kernel = SKV_KV_KERNEL_CE;
   if (which == 1 || which == 4) v.kernel = SKV_KV_KERNEL_BULK, v.ctas_per_sm = 1;
   if (which == 2) v.args = SKV_KV_ARGS_MAPPED;
   if (which == 3 || which == 4) v.args = SKV_KV_ARGS_DEVICE;
   if (which == 3) v.unroll = 8, v.l2_256 = 1;
-  return skv__kv_cuda_variant_set(&v);
+  return skv__kv_variant_set(&v);
 }
 
 static int pe_round_trip(int rank, int npes, void *arg) {
@@ -884,7 +884,7 @@ static int pe_device_checks(int rank, int npes, void *arg) {
   o.pages_per_pe = 4;
   skv_kv_t *kv;
   PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "kv");
-  uint32_t *ew = skv__kv_cuda_err_word(kv);
+  uint32_t *ew = skv__kvc_err_word(kv->cuda);
   PE_CHECK(ew != NULL, "error word");
   ew[1] = 3, ew[2] = 1, ew[3] = 99, ew[0] = SKV_KV_DEVERR_PAGE; /* as a kernel would */
   int rc = skv_kv_sync(kv);

@@ -40,6 +40,19 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   __atomic_add_fetch(&kv->evicted, 1, __ATOMIC_RELAXED);
 }
 
+#ifdef SKV_WITH_CUDA
+static int batch_done(void *arg, const skv__kv_batch_t *b);
+
+/* The CUDA copy backend, for pages in GPU memory or host memory GPUs read (cuda_host). */
+static int backend_init(skv_kv_t *kv) {
+  if (kv->data->info.backend == SKV_BACKEND_HOST) return 0; /* no GPU involved, none touched */
+  skv__kvc_params_t p = {
+      kv->ctx,    kv->data, &kv->geom, kv->page_bytes, kv->page_stride, (uint32_t)kv->pool.pages,
+      batch_done, kv};
+  return skv__kvc_create(&p, &kv->cuda);
+}
+#endif
+
 /* The name of create's last agreement (an allgather): one per cache, after its data heap. */
 static void kv_ready_step(const skv_kv_t *kv, char *buf, size_t cap) {
   snprintf(buf, cap, "%s/kv-ready", kv->data->name);
@@ -115,7 +128,7 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
     skv__index_bind(&kv->index, npes, sps, shard_seg, kv_alive, kv);
   }
 #ifdef SKV_WITH_CUDA
-  if (rc == 0) rc = skv__kv_cuda_init(kv);
+  if (rc == 0) rc = backend_init(kv);
 #endif
   /* Every PE's records are initialised before anyone looks at a peer's; and a PE that failed
    * here (out of memory) fails every PE at once, naming it, so that all tear down together. */
@@ -150,7 +163,7 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
   return 0;
 fail:
 #ifdef SKV_WITH_CUDA
-  skv__kv_cuda_fini(kv);
+  skv__kvc_destroy(kv->cuda);
 #endif
   if (kv->pool.hdr) skv__pool_fini(&kv->pool);
   if (kv->meta) skv_heap_destroy(kv->meta);
@@ -163,8 +176,8 @@ int skv_kv_destroy(skv_kv_t *kv) {
   if (!kv) return 0;
   int rc = 0;
 #ifdef SKV_WITH_CUDA
-  rc = skv__kv_cuda_sync(kv);
-  skv__kv_cuda_fini(kv);
+  rc = skv__kvc_sync(kv->cuda);
+  skv__kvc_destroy(kv->cuda);
 #endif
   skv__pool_fini(&kv->pool);
   int r1 = skv_heap_destroy(kv->meta);
@@ -232,7 +245,7 @@ static int check_keys(const skv_key_t *keys, size_t n, const char *fn) {
   return 0;
 }
 
-int skv__kv_check_refs(const skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const char *fn) {
+static int check_refs(const skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const char *fn) {
   if (n && !refs) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, "%s: refs is NULL with n=%zu", fn, n);
   for (size_t i = 0; i < n; i++) {
     if (refs[i].pe >= (uint32_t)kv->pool.npes)
@@ -289,7 +302,7 @@ int skv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, s
 
 int skv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
   KV_CHECK_NULL(kv, "skv_unpin");
-  SKV_CHECK(skv__kv_check_refs(kv, refs, n, "skv_unpin"));
+  SKV_CHECK(check_refs(kv, refs, n, "skv_unpin"));
   int rc = 0;
   for (size_t i = 0; i < n; i++) {
     int r = skv__pool_unpin(&kv->pool, refs[i].pe, refs[i].page);
@@ -297,6 +310,45 @@ int skv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
   }
   return rc;
 }
+
+/* ---- the data path: one protocol, three ways to copy -------------------------------------- */
+
+/* How it works
+ * ------------
+ * Fetch. Every reference is pinned first (its generation checked), all or none: a stale one
+ * fails with SKV_ESTALE before any byte is written. The pages are then copied, and the pins are
+ * released once the copy is complete (with the caller's, for SKV_FETCH_UNPIN).
+ * Publish. Batch by batch: a page is allocated for each key not cached yet (WRITING: no one can
+ * pin or evict it; the least recently used unpinned page is evicted when none is free; the first
+ * failure stops the allocation and what was allocated is still published), the blocks are
+ * copied in, and once the copy is complete each page becomes READY and its key is inserted
+ * (publish_finish): the page joins the LRU when inserted, and is freed when another PE inserted
+ * the key first (deduplicated) or no index slot near its home was free.
+ * The copy is one of three, by where the pages and the engine's blocks are:
+ *  - host: memcpy between host blocks and host pages (host or cuda_host backend), one page per
+ *    batch, synchronous;
+ *  - staged: host blocks and GPU pages, through a host buffer (skv__kvc_read_pages and
+ *    _write_pages), one buffer per batch, synchronous;
+ *  - device: GPU blocks, stream-ordered copies of the CUDA backend (skv__kvc_copy), one batch;
+ *    the backend calls batch_done once a launch completed, which takes the steps the
+ *    synchronous copies take at once. Only the leading pages the backend accepted are its to
+ *    complete; a failure leaves the others to this file, which undoes them.
+ * Graph capture. While the caller's stream is being captured, a fetch takes no pins (a graph
+ * may be replayed at any time, much later): every reference must already be pinned by this PE
+ * (checked here), and stays so while the graph is replayed. Publish is refused: a replay would
+ * write into pages that may have been evicted and reused since.
+ *
+ * What can go wrong
+ * -----------------
+ * - A reference goes stale between lookup and fetch: SKV_ESTALE, nothing copied.
+ * - A copy fails half way (CUDA error, timeout waiting for a slot): the pins of what was not
+ *   queued are released (the caller's too once part of the batch was queued, since then the
+ *   completion releases them for the queued part), the pages not queued are freed. */
+
+enum { PATH_HOST, PATH_STAGED, PATH_DEVICE };
+
+/* A fetch's batch reads (pe, page) straight from the caller's references, 4 words apart. */
+_Static_assert(sizeof(skv_page_ref_t) == 4 * sizeof(uint32_t), "a reference is 4 words");
 
 static int check_layout(const skv_kv_t *kv, const skv_layout_t *lay, const uint64_t *block_ids,
                         size_t n, const char *fn) {
@@ -307,110 +359,302 @@ static int check_layout(const skv_kv_t *kv, const skv_layout_t *lay, const uint6
   return skv__check_block_ids(lay, block_ids, n, fn);
 }
 
-static bool needs_cuda(const skv_kv_t *kv, const skv_layout_t *lay) {
-  return lay->device >= 0 || kv->data->info.backend == SKV_BACKEND_CUDA;
-}
-
-static int no_cuda_path(const skv_kv_t *kv, const skv_layout_t *lay, const char *fn) {
-  if (kv->data->info.backend == SKV_BACKEND_HOST)
+/* How pages of this cache and blocks of `lay` are copied. */
+static int choose_path(const skv_kv_t *kv, const skv_layout_t *lay, int *path, const char *fn) {
+  const int be = kv->data->info.backend;
+  if (lay->device < 0 && be != SKV_BACKEND_CUDA) {
+    *path = PATH_HOST;
+    return 0;
+  }
+  if (be == SKV_BACKEND_HOST)
     return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
                     "%s: a GPU layout cannot use pages of the host backend; create the cache with "
                     "SKV_BACKEND_CUDA_HOST to keep pages in host memory that GPUs can read",
                     fn);
+#ifdef SKV_WITH_CUDA
+  *path = lay->device < 0 ? PATH_STAGED : PATH_DEVICE;
+  return 0;
+#else
   return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV, "%s: GPU pages or layouts need a build with CUDA",
                   fn);
+#endif
+}
+
+/* Page i of a batch. */
+static inline uint32_t b_pe(const skv__kv_batch_t *b, size_t i) {
+  return b->pe[i * b->pe_step];
+}
+static inline uint32_t b_page(const skv__kv_batch_t *b, size_t i) {
+  return b->page[i * b->page_step];
+}
+
+/* Pin every page of the batch, or none: SKV_ESTALE naming the first stale reference. */
+static int pin_all(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t *refs,
+                   const char *fn) {
+  for (size_t i = 0; i < b->n; i++) {
+    if (skv__pool_pin(&kv->pool, b_pe(b, i), b_page(b, i), refs[i].gen) == 0) continue;
+    for (size_t j = 0; j < i; j++) (void)skv__pool_unpin(&kv->pool, b_pe(b, j), b_page(b, j));
+    __atomic_add_fetch(&kv->stale, 1, __ATOMIC_RELAXED);
+    return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
+                    "%s: reference %zu (PE %u, page %u, generation %u) is stale: the page was "
+                    "evicted or reused; nothing was copied. Look the keys up again (pin them to "
+                    "keep them)",
+                    fn, i, refs[i].pe, refs[i].page, refs[i].gen);
+  }
+  return 0;
+}
+
+/* Release the fetch's pins of pages [from, to) of the batch, and the caller's with `caller`. */
+static int release(skv_kv_t *kv, const skv__kv_batch_t *b, size_t from, size_t to, bool caller) {
+  int rc = 0;
+  for (size_t i = from; i < to; i++) {
+    int r = skv__pool_unpin(&kv->pool, b_pe(b, i), b_page(b, i));
+    if (r == 0 && caller) r = skv__pool_unpin(&kv->pool, b_pe(b, i), b_page(b, i));
+    if (r && !rc) rc = r;
+  }
+  return rc;
+}
+
+/* The last steps for one of this PE's pages just written with `key`'s data: READY, index
+ * insert, then LRU (inserted) or free (deduplicated, or no index slot). 1 when inserted. */
+static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
+  const int me = kv->pool.me;
+  skv__pool_ready(&kv->pool, page, key.hi, key.lo);
+  uint32_t gen = skv__pool_gen(&kv->pool, (uint32_t)me, page);
+  int r = skv__index_insert(&kv->index, key, skv__val_pack((uint32_t)me, page, gen), me);
+  if (r == 0) {
+    skv__pool_commit(&kv->pool, page);
+    __atomic_add_fetch(&kv->published, 1, __ATOMIC_RELAXED);
+    return 1;
+  }
+  skv__pool_release(&kv->pool, page);
+  if (r == SKV_EEXIST) {
+    __atomic_add_fetch(&kv->deduplicated, 1, __ATOMIC_RELAXED);
+  } else if (__atomic_fetch_add(&kv->index_full, 1, __ATOMIC_RELAXED) == 0) {
+    /* A cache may drop entries: counted, and explained once. */
+    SKV_WARN(SKV_SUBSYS_KV,
+             "skv_publish: a key found no free index slot near its home and was not cached; "
+             "if this happens often, create the cache with more index_slots");
+  }
+  return 0;
+}
+
+#ifdef SKV_WITH_CUDA
+/* A stream-ordered copy completed: the steps the synchronous copies take at once. */
+static int batch_done(void *arg, const skv__kv_batch_t *b) {
+  skv_kv_t *kv = arg;
+  if (b->dir == SKV__KV_FETCH) return release(kv, b, 0, b->n, b->unpin_caller);
+  for (size_t i = 0; i < b->n; i++) publish_finish(kv, b_page(b, i), b->keys[i]);
+  return 0;
+}
+
+/* A captured fetch: every page must be pinned by this PE already, at the reference's
+ * generation; the copy is recorded into the graph and nothing completes. */
+static int capture_fetch(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t *refs,
+                         int path, uint32_t flags, const skv_layout_t *dst,
+                         const uint64_t *block_ids, void *stream, const char *fn) {
+  if (path == PATH_STAGED)
+    return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
+                    "%s: a layout in host memory is copied synchronously, which a CUDA graph "
+                    "cannot capture; fetch into a GPU layout",
+                    fn);
+  if (flags & SKV_FETCH_UNPIN)
+    return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
+                    "%s: SKV_FETCH_UNPIN cannot be captured in a CUDA graph (every replay would "
+                    "release the pins again): keep the pins while the graph is replayed and "
+                    "release them with skv_unpin after",
+                    fn);
+  for (size_t i = 0; i < b->n; i++) {
+    int r = skv__pool_held(&kv->pool, refs[i].pe, refs[i].page, refs[i].gen);
+    if (r)
+      return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
+                      "%s: reference %zu (PE %u, page %u, generation %u) is %s this PE while the "
+                      "stream is being captured: a captured fetch takes no pins (the graph may "
+                      "be replayed at any time), so look the pages up with SKV_LOOKUP_PIN before "
+                      "capturing and keep them pinned while the graph is replayed",
+                      fn, i, refs[i].pe, refs[i].page, refs[i].gen,
+                      r == SKV_ENOTFOUND ? "not pinned by" : "stale for");
+  }
+  return skv__kvc_capture_fetch(kv->cuda, b, dst, block_ids, stream, fn);
+}
+#endif
+
+/* The pinned pages of `b` into the blocks: host and staged copies (synchronous). */
+static int copy_sync_fetch(skv_kv_t *kv, const skv__kv_batch_t *b, int path,
+                           const skv_layout_t *dst, const uint64_t *block_ids, void *stream,
+                           const char *fn) {
+  const uint32_t m = dst->blocks_per_page;
+  if (path == PATH_HOST) {
+    const bool nt = (uint64_t)b->n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
+    for (size_t i = 0; i < b->n; i++)
+      skv__copy_page_to_blocks(dst, skv__kv_page(kv, b_pe(b, i), b_page(b, i)), block_ids + i * m,
+                               nt);
+    if (nt) skv__copy_stream_fence();
+    return 0;
+  }
+#ifdef SKV_WITH_CUDA
+  const uint64_t pb = kv->page_bytes;
+  const size_t per = skv__kvc_stage_pages(kv->cuda);
+  char *buf = malloc(SKV_MIN(b->n, per) * pb);
+  if (!buf)
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for a staging buffer", fn);
+  int rc = 0;
+  for (size_t off = 0; rc == 0 && off < b->n; off += per) {
+    skv__kv_batch_t part = *b;
+    part.n = SKV_MIN(per, b->n - off);
+    part.pe = b->pe + off * b->pe_step;
+    part.page = b->page + off * b->page_step;
+    rc = skv__kvc_read_pages(kv->cuda, &part, buf, stream, fn);
+    for (size_t q = 0; rc == 0 && q < part.n; q++)
+      skv__copy_page_to_blocks(dst, buf + q * pb, block_ids + (off + q) * m, false);
+  }
+  free(buf);
+  return rc;
+#else
+  SKV_UNUSED(stream);
+  return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_KV, "%s: staged copy without CUDA", fn);
+#endif
 }
 
 int skv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_layout_t *dst,
               const uint64_t *block_ids, uint32_t flags, void *stream) {
+  const char *fn = "skv_fetch";
   KV_CHECK_NULL(kv, "skv_fetch");
-  SKV_CHECK(skv__kv_check_refs(kv, refs, n, "skv_fetch"));
-  SKV_CHECK(check_layout(kv, dst, block_ids, n, "skv_fetch"));
+  SKV_CHECK(check_refs(kv, refs, n, fn));
+  SKV_CHECK(check_layout(kv, dst, block_ids, n, fn));
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_FETCH_UNPIN) == 0, SKV_SUBSYS_KV,
                 "skv_fetch: unknown flags 0x%x", flags);
   if (n == 0) return 0;
-  if (needs_cuda(kv, dst) &&
-      !(dst->device < 0 && kv->data->info.backend == SKV_BACKEND_CUDA_HOST)) {
+  int path;
+  SKV_CHECK(choose_path(kv, dst, &path, fn));
+  const bool unpin = (flags & SKV_FETCH_UNPIN) != 0;
+  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &refs[0].pe, 4, &refs[0].page, 4, NULL, unpin};
 #ifdef SKV_WITH_CUDA
-    if (kv->data->info.backend != SKV_BACKEND_HOST)
-      return skv__kv_cuda_fetch(kv, refs, n, dst, block_ids, flags, stream);
+  if (path != PATH_HOST) {
+    bool capturing;
+    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing));
+    if (capturing) return capture_fetch(kv, &b, refs, path, flags, dst, block_ids, stream, fn);
+    if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, dst, SKV__KV_FETCH, fn));
+  }
 #endif
-    return no_cuda_path(kv, dst, "skv_fetch");
+  SKV_CHECK(pin_all(kv, &b, refs, fn));
+#ifdef SKV_WITH_CUDA
+  if (path == PATH_DEVICE) {
+    size_t queued = 0;
+    int rc = skv__kvc_copy(kv->cuda, &b, dst, block_ids, NULL, stream, &queued, fn);
+    if (rc) (void)release(kv, &b, queued, n, unpin && queued > 0);
+    return rc;
   }
-  /* Host path: pin everything first so that a stale reference fails before any write. */
-  for (size_t i = 0; i < n; i++) {
-    if (skv__pool_pin(&kv->pool, refs[i].pe, refs[i].page, refs[i].gen) != 0) {
-      for (size_t j = 0; j < i; j++) skv__pool_unpin(&kv->pool, refs[j].pe, refs[j].page);
-      __atomic_add_fetch(&kv->stale, 1, __ATOMIC_RELAXED);
-      return SKV_FAIL(
-          SKV_ESTALE, SKV_SUBSYS_KV,
-          "skv_fetch: reference %zu (PE %u, page %u, generation %u) is stale: the page was evicted "
-          "or reused; nothing was copied. Look the keys up again (pin them to keep them)",
-          i, refs[i].pe, refs[i].page, refs[i].gen);
-    }
+#endif
+  int rc = copy_sync_fetch(kv, &b, path, dst, block_ids, stream, fn);
+  int r2 = release(kv, &b, 0, n, unpin && rc == 0);
+  return rc ? rc : r2;
+}
+
+/* Copy the blocks of keys idx[0..k) into this PE's pages[0..k) and finish them (host and staged
+ * copies); *inserted counts the keys inserted. */
+static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t *pages,
+                             const size_t *idx, size_t k, int path, bool nt, char *buf,
+                             const skv_layout_t *src, const uint64_t *block_ids, void *stream,
+                             size_t *inserted, const char *fn) {
+  const uint32_t me = (uint32_t)kv->pool.me, m = src->blocks_per_page;
+  const uint64_t pb = kv->page_bytes;
+  int rc = 0;
+  for (size_t q = 0; q < k; q++) {
+    void *to = path == PATH_HOST ? skv__kv_page(kv, me, pages[q]) : buf + q * pb;
+    skv__copy_blocks_to_page(src, to, block_ids + idx[q] * m, nt);
+    if (nt) skv__copy_stream_fence(); /* the page must be complete before it is indexed */
   }
-  uint32_t m = dst->blocks_per_page;
-  bool nt = (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
-  for (size_t i = 0; i < n; i++)
-    skv__copy_page_to_blocks(dst, skv__kv_page(kv, refs[i].pe, refs[i].page), block_ids + i * m,
-                             nt);
-  if (nt) skv__copy_stream_fence();
-  for (size_t i = 0; i < n; i++) skv__pool_unpin(&kv->pool, refs[i].pe, refs[i].page);
-  if (flags & SKV_FETCH_UNPIN) SKV_CHECK(skv_unpin(kv, refs, n));
-  return 0;
+#ifdef SKV_WITH_CUDA
+  if (path == PATH_STAGED) {
+    const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &me, 0, pages, 1, NULL, false};
+    rc = skv__kvc_write_pages(kv->cuda, &b, buf, stream, fn);
+  }
+#else
+  SKV_UNUSED(stream), SKV_UNUSED(fn);
+#endif
+  for (size_t q = 0; q < k; q++) {
+    if (rc)
+      skv__pool_release(&kv->pool, pages[q]);
+    else
+      *inserted += (size_t)publish_finish(kv, pages[q], keys[idx[q]]);
+  }
+  return rc;
 }
 
 int skv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
                 const skv_layout_t *src, const uint64_t *block_ids, void *stream,
                 size_t *ninserted) {
+  const char *fn = "skv_publish";
   KV_CHECK_NULL(kv, "skv_publish");
   if (ninserted) *ninserted = 0;
-  SKV_CHECK(check_ns(kv, ns, "skv_publish"));
-  SKV_CHECK(check_keys(keys, n, "skv_publish"));
-  SKV_CHECK(check_layout(kv, src, block_ids, n, "skv_publish"));
+  SKV_CHECK(check_ns(kv, ns, fn));
+  SKV_CHECK(check_keys(keys, n, fn));
+  SKV_CHECK(check_layout(kv, src, block_ids, n, fn));
   if (n == 0) return 0;
-  if (needs_cuda(kv, src) &&
-      !(src->device < 0 && kv->data->info.backend == SKV_BACKEND_CUDA_HOST)) {
+  int path;
+  SKV_CHECK(choose_path(kv, src, &path, fn));
+  size_t chunk = 1; /* pages allocated, copied and finished together */
 #ifdef SKV_WITH_CUDA
-    if (kv->data->info.backend != SKV_BACKEND_HOST)
-      return skv__kv_cuda_publish(kv, keys, n, src, block_ids, stream, ninserted);
+  if (path != PATH_HOST) {
+    bool capturing;
+    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing));
+    if (capturing)
+      return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
+                      "%s cannot be captured in a CUDA graph: a replay would write into pages "
+                      "that may have been evicted and reused since; publish outside the capture "
+                      "(it is stream-ordered)",
+                      fn);
+    if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, src, SKV__KV_PUBLISH, fn));
+    chunk = path == PATH_DEVICE ? n : SKV_MIN(n, skv__kvc_stage_pages(kv->cuda));
+  }
 #endif
-    return no_cuda_path(kv, src, "skv_publish");
-  }
-  uint32_t m = src->blocks_per_page;
-  bool nt = (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
-  int me = kv->pool.me;
-  size_t inserted = 0;
+  uint32_t page1;
+  size_t idx1;
+  uint32_t *pages = chunk == 1 ? &page1 : malloc(chunk * sizeof *pages);
+  size_t *idx = chunk == 1 ? &idx1 : malloc(chunk * sizeof *idx);
+  skv_key_t *pkeys = path == PATH_DEVICE ? malloc(chunk * sizeof *pkeys) : NULL;
+  char *buf = path == PATH_STAGED ? malloc(chunk * kv->page_bytes) : NULL;
   int rc = 0;
-  for (size_t i = 0; i < n && rc == 0; i++) {
-    uint64_t val;
-    if (skv__index_lookup(&kv->index, keys[i], &val) == 0) continue; /* cached already */
-    uint32_t page, gen;
-    uint64_t ev = 0;
-    rc = skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &page, &gen, &ev);
-    if (rc) break;
-    skv__copy_blocks_to_page(src, skv__kv_page(kv, (uint32_t)me, page), block_ids + i * m, nt);
-    if (nt) skv__copy_stream_fence(); /* the page must be complete before it is indexed */
-    skv__pool_ready(&kv->pool, page, keys[i].hi, keys[i].lo);
-    int r = skv__index_insert(&kv->index, keys[i], skv__val_pack((uint32_t)me, page, gen), me);
-    if (r == 0) {
-      skv__pool_commit(&kv->pool, page);
-      inserted++;
-    } else {
-      skv__pool_release(&kv->pool, page);
-      if (r == SKV_EEXIST) {
-        __atomic_add_fetch(&kv->deduplicated, 1, __ATOMIC_RELAXED);
-      } else {
-        /* No free slot in the key's window: the page is simply not cached (a cache may drop
-         * entries); counted, and explained once. */
-        if (__atomic_fetch_add(&kv->index_full, 1, __ATOMIC_RELAXED) == 0)
-          SKV_WARN(SKV_SUBSYS_KV,
-                   "skv_publish: a key found no free index slot near its home and was not cached; "
-                   "if this happens often, create the cache with more index_slots");
-      }
+  if (!pages || !idx || (path == PATH_DEVICE && !pkeys) || (path == PATH_STAGED && !buf))
+    rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for %zu pages", fn, chunk);
+  const bool nt = path == PATH_HOST && (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
+  size_t inserted = 0;
+  for (size_t i = 0; i < n && rc == 0;) {
+    size_t k = 0;
+    for (; i < n && k < chunk; i++) {
+      uint64_t val;
+      if (skv__index_lookup(&kv->index, keys[i], &val) == 0) continue; /* cached already */
+      uint32_t gen;
+      uint64_t ev = 0;
+      rc = skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &pages[k], &gen, &ev);
+      if (rc) break; /* what was allocated is still published */
+      idx[k++] = i;
     }
+    if (k == 0) break;
+    int r = 0;
+    if (path != PATH_DEVICE) {
+      r = copy_sync_publish(kv, keys, pages, idx, k, path, nt, buf, src, block_ids, stream,
+                            &inserted, fn);
+    } else {
+#ifdef SKV_WITH_CUDA
+      const uint32_t me = (uint32_t)kv->pool.me;
+      for (size_t q = 0; q < k; q++) pkeys[q] = keys[idx[q]];
+      const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &me, 0, pages, 1, pkeys, false};
+      size_t queued = 0;
+      r = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
+      for (size_t q = queued; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
+      inserted += queued; /* queued: the completion inserts them (skv_kv_sync waits for it) */
+#endif
+    }
+    if (r) rc = r;
   }
-  __atomic_add_fetch(&kv->published, inserted, __ATOMIC_RELAXED);
+  if (chunk != 1) {
+    free(pages);
+    free(idx);
+  }
+  free(pkeys);
+  free(buf);
   if (ninserted) *ninserted = inserted;
   return rc;
 }
@@ -425,7 +669,7 @@ int skv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted) {
 int skv_kv_sync(skv_kv_t *kv) {
   KV_CHECK_NULL(kv, "skv_kv_sync");
 #ifdef SKV_WITH_CUDA
-  return skv__kv_cuda_sync(kv);
+  return skv__kvc_sync(kv->cuda);
 #else
   return 0;
 #endif

@@ -1,10 +1,11 @@
 /* Internal view of the node-wide KV cache: the data heap holding pages, the metadata heap
- * holding the pool records and the index shards, and the hooks of the CUDA data path. */
+ * holding the pool records and the index shards, and the CUDA copy backend it drives. */
 #ifndef SKV_KV_H
 #define SKV_KV_H
 
 #include "heap/heap.h"
 #include "kv/keys.h"
+#include "kv/kv_cuda.h"
 #include "index/index.h"
 #include "kv/layout.h"
 #include "pool/pool.h"
@@ -20,7 +21,7 @@ struct skv_kv {
   skv_index_t index;
   skv_index_shard_hdr_t *shard_hdr[SKV_MAX_LOCAL_PES];
   skv_index_slot_t *shard_slots[SKV_MAX_LOCAL_PES];
-  void *cuda; /* CUDA data path state (kv_cuda.c), NULL without it */
+  skv__kvc_t *cuda; /* the CUDA copy backend (kv_cuda.c), NULL for host pages */
   /* this PE's counters */
   uint64_t lookups, lookup_hits, published, deduplicated, evicted, stale, index_full;
 };
@@ -33,19 +34,5 @@ static inline void *skv__kv_page(const skv_kv_t *kv, uint32_t pe, uint32_t page)
 
 /* Evict callback for the pool: erase the page's index entry. */
 void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, uint64_t key_lo);
-/* Check refs against the cache (pe, page in range). */
-int skv__kv_check_refs(const skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const char *fn);
-
-#ifdef SKV_WITH_CUDA
-/* CUDA data path (kv_cuda.c): set up / tear down; fetch and publish for device layouts or
- * device-memory pages, stream-ordered. */
-int skv__kv_cuda_init(skv_kv_t *kv);
-void skv__kv_cuda_fini(skv_kv_t *kv);
-int skv__kv_cuda_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_layout_t *dst,
-                       const uint64_t *block_ids, uint32_t flags, void *stream);
-int skv__kv_cuda_publish(skv_kv_t *kv, const skv_key_t *keys, size_t n, const skv_layout_t *src,
-                         const uint64_t *block_ids, void *stream, size_t *ninserted);
-int skv__kv_cuda_sync(skv_kv_t *kv);
-#endif
 
 #endif

@@ -1,29 +1,84 @@
-/* Internal view of the CUDA data path of the KV cache (kv_cuda.c) beyond the hooks in kv.h:
- * the kernel variant in use, and the device-side error word (for tests and benchmarks). */
+/* The CUDA copy backend of the KV cache (kv_cuda*.c): moves pages between the cache's heap and
+ * engine blocks, synchronously (staged through host memory) or stream-ordered with a completion.
+ * It knows nothing of pins, keys or the index: kv.c owns that protocol and drives this. */
 #ifndef SKV_KV_CUDA_H
 #define SKV_KV_CUDA_H
 
-#include "kv/kv.h"
+#include "bootstrap/ctx.h"
+#include "heap/heap.h"
+#include "kv/layout.h"
 
-#ifdef SKV_WITH_CUDA
+/* A batch of pages: page i is (pe[i * pe_step], page[i * page_step]) (a step of 0 repeats one
+ * value: publish passes its own PE so). What a stream-ordered copy hands back to the protocol
+ * once it completed is such a batch too. */
+typedef struct skv__kv_batch {
+  int dir; /* SKV__KV_FETCH (pages -> blocks) or SKV__KV_PUBLISH (blocks -> pages) */
+  size_t n;
+  const uint32_t *pe;
+  size_t pe_step;
+  const uint32_t *page;
+  size_t page_step;
+  const skv_key_t *keys; /* publish: keys[i] is page i's key */
+  bool unpin_caller;     /* fetch: the completion also releases the caller's pins */
+} skv__kv_batch_t;
 
-/* The process-wide kernel variant (kernels/kv_copy.h): kernel SKV_KV_KERNEL_VEC, _BULK or _CE,
- * 16-byte loads in flight per thread (VEC: 4 or 8), CTAs per multiprocessor (1..32, fewer when
- * the kernel's occupancy allows fewer), threads per CTA (VEC: 128, 256 or 512) and where the
- * arguments travel (SKV_KV_ARGS_*). Read once from SKV_FETCH_KERNEL, _UNROLL, _CTAS and
- * _THREADS; set here to compare variants in one run. */
-typedef struct skv_kv_variant {
-  int kernel, unroll, ctas_per_sm, threads, args, l2_256;
-} skv_kv_variant_t;
-int skv__kv_cuda_variant_set(const skv_kv_variant_t *v);
-void skv__kv_cuda_variant_get(skv_kv_variant_t *v);
-/* "vec_u8_c4_t256_auto", "bulk_c1_auto": `v`, or the variant in use when NULL. */
-const char *skv__kv_cuda_variant_name(const skv_kv_variant_t *v, char *buf, size_t cap);
+enum { SKV__KV_FETCH = 0, SKV__KV_PUBLISH = 1 }; /* = SKV_KV_COPY_FETCH, _PUBLISH */
 
-/* The cache's device-side error word (4 words of pinned host memory, mapped at the same address
- * for the device): kernels set it on a reference or block id they refuse; skv_kv_sync reports
- * and clears it. NULL for a cache without the CUDA data path. */
-uint32_t *skv__kv_cuda_err_word(skv_kv_t *kv);
+/* The protocol's step after a stream-ordered copy completed (release the fetch's pins, or make
+ * the published pages READY and index them). Called once per copy, with the backend's lock held,
+ * from the completion thread or a caller's thread; returns 0 or the first failure (kept for
+ * skv__kvc_sync). Never called after skv__kvc_destroy began. */
+typedef int (*skv__kv_done_cb)(void *arg, const skv__kv_batch_t *done);
 
-#endif
+typedef struct skv__kvc skv__kvc_t;
+
+typedef struct skv__kvc_params {
+  skv_ctx_t *ctx;         /* the PE's device and timeout */
+  const skv_heap_t *heap; /* the pages' heap (cuda or cuda_host backend) */
+  const skv_geometry_t *geom;
+  uint64_t page_bytes;  /* bytes of page data */
+  uint64_t page_stride; /* distance between pages in the heap's data area */
+  uint32_t pages_per_pe;
+  skv__kv_done_cb done;
+  void *done_arg;
+} skv__kvc_params_t;
+
+/* Argument slots, the completion thread, the kernels loaded. */
+int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out);
+/* Stops the completion thread; slots of copies still pending on a stuck stream are leaked. */
+void skv__kvc_destroy(skv__kvc_t *kc);
+/* Every call's first step: the PE's device current on this thread, whether `stream` is being
+ * captured into a CUDA graph, and (when not) the completion of what has completed. */
+int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing);
+/* Can `lay` be copied to (dir SKV__KV_PUBLISH) or from with the kernels? Checked before any pin
+ * is taken or page allocated (a layout on another GPU, too many blocks per page...). */
+int skv__kvc_check(skv__kvc_t *kc, const skv_layout_t *lay, int dir, const char *fn);
+
+/* Stream-ordered: the copy of `b` on `stream` (a device layout on the PE's GPU; page i's blocks
+ * are block_ids[idx[i] * m ...], idx NULL meaning i), and `done` once it completed. *queued
+ * counts the leading pages whose completion now belongs to the backend (all on success); on a
+ * failure the others are the caller's to undo. */
+int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
+                  const uint64_t *block_ids, const size_t *idx, void *stream, size_t *queued,
+                  const char *fn);
+/* A fetch while `stream` is captured: no completion (a graph may be replayed at any time); its
+ * arguments take graph slots for the cache's lifetime. */
+int skv__kvc_capture_fetch(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
+                           const uint64_t *block_ids, void *stream, const char *fn);
+
+/* Synchronous staging for host layouts over GPU pages: pages of `b` into / from a host buffer of
+ * b->n * page_bytes (DMA on `stream`, then a wait for it). */
+int skv__kvc_read_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, void *buf, void *stream,
+                        const char *fn);
+int skv__kvc_write_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, const void *buf, void *stream,
+                         const char *fn);
+/* Pages one staging round moves (a bounded host buffer). */
+size_t skv__kvc_stage_pages(const skv__kvc_t *kc);
+
+/* Wait until every stream-ordered copy completed and its `done` ran (bounded by the timeout);
+ * returns the first failure since the last sync, or a reference a kernel refused. */
+int skv__kvc_sync(skv__kvc_t *kc);
+/* The device-side error word (tests): 4 words of pinned host memory, mapped for the device. */
+uint32_t *skv__kvc_err_word(skv__kvc_t *kc);
+
 #endif

@@ -217,6 +217,14 @@ int skv__pool_unpin(skv_pool_t *p, uint32_t pe, uint32_t page) {
   return 0;
 }
 
+int skv__pool_held(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
+  pthread_mutex_lock(&p->pin_mu);
+  uint32_t c = p->pins[(uint64_t)pe * p->pages + page];
+  int rc = c == 0 ? SKV_ENOTFOUND : skv__pool_gen(p, pe, page) != gen ? SKV_ESTALE : 0;
+  pthread_mutex_unlock(&p->pin_mu);
+  return rc;
+}
+
 /* ---- LRU heap (owner, under mu) ------------------------------------------------------ */
 
 static void lru_push(skv_pool_t *p, uint64_t stamp, uint32_t page, uint32_t gen) {

@@ -117,6 +117,14 @@ bool skv__pool_alive(skv_pool_t *p, int pe);
 int skv__pool_pin(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
 int skv__pool_unpin(skv_pool_t *p, uint32_t pe, uint32_t page);
 
+/* Does this PE hold a pin on page `page` of PE `pe` at generation `gen`? 0 when it does,
+ * SKV_ENOTFOUND when it holds none there, SKV_ESTALE when its pin is on another generation. */
+int skv__pool_held(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
+/* The page's current generation. */
+static inline uint32_t skv__pool_gen(const skv_pool_t *p, uint32_t pe, uint32_t page) {
+  return skv__st_gen(__atomic_load_n(&p->meta[pe][page].state, __ATOMIC_ACQUIRE));
+}
+
 /* Owner: take a page (evicting the LRU unpinned page if none is free; `evict` erases its index
  * entry) into WRITING state. SKV_ENOSPC when every page is pinned or being written. */
 typedef void (*skv_pool_evict_cb)(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi,

@@ -1,0 +1,213 @@
+/* The CUDA copy backend's argument slots and their completion: a ring of slots handed out to
+ * launches, and the completion thread that hands each back once its event completed. */
+#define _GNU_SOURCE
+#include "kv/kv_cuda_int.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+/* How it works
+ * ------------
+ * SKV__KVC_RING_SLOTS slots serve ordinary calls; a slot is handed back once the launch that
+ * used it completed, and a call that finds none free waits for one, bounded by the context's
+ * timeout. After a launch and the event recorded behind it are enqueued, the slot goes on the
+ * pending list. The completion thread watches the events of the pending launches
+ * (cudaEventQuery, sleeping 2 us doubling to 100 us while any is pending, on a condition
+ * variable while none is) and, once a launch's event has completed, runs the protocol's `done`
+ * on the slot's batch (kv.c releases its pins or indexes its pages) and hands the slot back.
+ * Callers do the same for what has completed: each copy first, a call waiting for a slot, and
+ * skv__kvc_sync; each use of a slot has a sequence number, so one completion never counts
+ * twice. The caller's stream carries nothing but the copy and an event (a host callback on the
+ * stream cost it microseconds per launch: docs/gpu.md).
+ *
+ * What can go wrong
+ * -----------------
+ * - A stream that never completes (blocked on an event, a hung kernel): calls that need a slot
+ *   and skv__kvc_sync time out with SKV_ETIMEDOUT; at destroy the completion thread is stopped
+ *   and the slots of launches still pending are leaked (a kernel may still read them).
+ * - The completion thread queries events without the lock and completes launches with it; no
+ *   thread holds the lock across a CUDA call. A query failing with an error other than "not
+ *   ready" (a broken context) completes the launch anyway and records the error for
+ *   skv__kvc_sync: the pins go, since no copy will ever run again. */
+
+static void note_err_locked(skv__kvc_t *kc, int err) {
+  if (kc->cb_err) return;
+  kc->cb_err = err;
+  snprintf(kc->cb_msg, sizeof kc->cb_msg, "%s", skv_last_error());
+}
+
+int skv__kvc_slot_get(skv__kvc_t *kc, skv__kvc_slot_t **out, const char *fn) {
+  int ms = kc->p.ctx->cfg.timeout_ms;
+  const struct timespec dl = skv__ts_at(skv__now_ns() + (uint64_t)ms * 1000000u);
+  pthread_mutex_lock(&kc->mu);
+  if (!kc->free_ring) (void)skv__kvc_reap_locked(kc);
+  while (!kc->free_ring) {
+    if (pthread_cond_timedwait(&kc->cv, &kc->mu, &dl) == ETIMEDOUT && !kc->free_ring) {
+      pthread_mutex_unlock(&kc->mu);
+      return SKV_FAIL(
+          SKV_ETIMEDOUT, SKV_SUBSYS_KV,
+          "%s: all %d argument slots of this cache stayed in use for %d ms: earlier fetches or "
+          "publishes have not completed on their streams (is a stream blocked, or waiting for "
+          "something this thread would do next?)",
+          fn, SKV__KVC_RING_SLOTS, ms);
+    }
+  }
+  skv__kvc_slot_t *s = kc->free_ring;
+  kc->free_ring = s->next;
+  kc->inflight++;
+  pthread_mutex_unlock(&kc->mu);
+  *out = s;
+  return 0;
+}
+
+/* Hand a ring slot back (kc->mu held). */
+static void slot_put_locked(skv__kvc_t *kc, skv__kvc_slot_t *s) {
+  s->next = kc->free_ring;
+  kc->free_ring = s;
+  kc->inflight--;
+  pthread_cond_broadcast(&kc->cv);
+}
+
+void skv__kvc_slot_put(skv__kvc_t *kc, skv__kvc_slot_t *s) {
+  pthread_mutex_lock(&kc->mu);
+  slot_put_locked(kc, s);
+  pthread_mutex_unlock(&kc->mu);
+}
+
+/* A launch completed, with kc->mu held: the protocol's step on its batch. */
+static void slot_complete_locked(skv__kvc_t *kc, skv__kvc_slot_t *s) {
+  if (kc->closed) return; /* the cache is gone: nothing left to update */
+  const uint32_t *pp = (const uint32_t *)(s->args + s->refs_off);
+  skv__kv_batch_t b = {s->dir, s->n, pp, 2, pp + 1, 2, s->keys, s->unpin_caller};
+  int r = kc->p.done(kc->p.done_arg, &b);
+  if (r) note_err_locked(kc, r);
+}
+
+void skv__kvc_slot_done(skv__kvc_slot_t *s) {
+  skv__kvc_t *kc = s->kc;
+  pthread_mutex_lock(&kc->mu);
+  slot_complete_locked(kc, s);
+  slot_put_locked(kc, s);
+  pthread_mutex_unlock(&kc->mu);
+}
+
+void skv__kvc_slot_pending(skv__kvc_t *kc, skv__kvc_slot_t *s) {
+  pthread_mutex_lock(&kc->mu);
+  s->seq++;
+  s->next = kc->pending;
+  kc->pending = s;
+  pthread_cond_signal(&kc->work);
+  pthread_mutex_unlock(&kc->mu);
+}
+
+/* Complete the pending launches whose events have completed (in any order: they may be on
+ * different streams). A launch whose slot left the list or was used again meanwhile (another
+ * thread completed it) is left alone: each use of a slot has its own sequence number. */
+int skv__kvc_reap_locked(skv__kvc_t *kc) {
+  skv__kvc_slot_t *snap[SKV__KVC_RING_SLOTS];
+  uint64_t seq[SKV__KVC_RING_SLOTS];
+  int n = 0;
+  for (skv__kvc_slot_t *s = kc->pending; s && n < SKV__KVC_RING_SLOTS; s = s->next)
+    snap[n] = s, seq[n++] = s->seq;
+  if (n == 0) return 0;
+  pthread_mutex_unlock(&kc->mu);
+  cudaError_t st[SKV__KVC_RING_SLOTS];
+  bool any = false;
+  for (int i = 0; i < n; i++) {
+    st[i] = cudaEventQuery(snap[i]->done);
+    if (st[i] != cudaErrorNotReady) any = true;
+  }
+  if (any) (void)cudaGetLastError();
+  pthread_mutex_lock(&kc->mu);
+  int done = 0;
+  for (int i = 0; i < n && any; i++) {
+    if (st[i] == cudaErrorNotReady) continue;
+    skv__kvc_slot_t **pp = &kc->pending;
+    while (*pp && *pp != snap[i]) pp = &(*pp)->next;
+    if (!*pp || snap[i]->seq != seq[i]) continue; /* completed by another thread */
+    *pp = snap[i]->next;
+    if (st[i] != cudaSuccess && !kc->cb_err) {
+      kc->cb_err = SKV_ECUDA;
+      snprintf(kc->cb_msg, sizeof kc->cb_msg,
+               "a fetch or publish could not be confirmed complete: %s (%s); its pins were "
+               "released",
+               cudaGetErrorString(st[i]), cudaGetErrorName(st[i]));
+    }
+    slot_complete_locked(kc, snap[i]);
+    slot_put_locked(kc, snap[i]);
+    done++;
+  }
+  return done;
+}
+
+void skv__kvc_reap(skv__kvc_t *kc) {
+  pthread_mutex_lock(&kc->mu);
+  if (kc->pending) (void)skv__kvc_reap_locked(kc);
+  pthread_mutex_unlock(&kc->mu);
+}
+
+/* The completion thread: sleeps 2 us doubling to 100 us while launches are pending and none
+ * completed; waits for work when none is pending. */
+static void *reaper_main(void *arg) {
+  skv__kvc_t *kc = arg;
+  (void)cudaSetDevice(kc->device);
+  long nap_ns = 2000;
+  pthread_mutex_lock(&kc->mu);
+  while (!kc->stop) {
+    if (!kc->pending) {
+      pthread_cond_wait(&kc->work, &kc->mu);
+      nap_ns = 2000;
+      continue;
+    }
+    if (skv__kvc_reap_locked(kc) > 0) {
+      nap_ns = 2000;
+      continue;
+    }
+    pthread_mutex_unlock(&kc->mu);
+    struct timespec ts = {0, nap_ns};
+    nanosleep(&ts, NULL);
+    nap_ns = nap_ns * 2 > 100000 ? 100000 : nap_ns * 2;
+    pthread_mutex_lock(&kc->mu);
+  }
+  pthread_mutex_unlock(&kc->mu);
+  return NULL;
+}
+
+int skv__kvc_ring_init(skv__kvc_t *kc) {
+  for (int i = 0; i < SKV__KVC_RING_SLOTS; i++) {
+    kc->slots[i].next = kc->free_ring;
+    kc->free_ring = &kc->slots[i];
+  }
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_mutex_init(&kc->mu, NULL);
+  pthread_cond_init(&kc->cv, &ca);
+  pthread_cond_init(&kc->work, &ca);
+  pthread_condattr_destroy(&ca);
+  kc->sync_init = true;
+  /* the completion thread takes no signals: they stay the engine's threads' */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int te = pthread_create(&kc->reaper, NULL, reaper_main, kc);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (te)
+    return SKV_FAIL(-te, SKV_SUBSYS_KV, "skv_kv_create: starting the completion thread failed: %s",
+                    strerror(te));
+  kc->reaper_on = true;
+  return 0;
+}
+
+void skv__kvc_ring_stop(skv__kvc_t *kc) {
+  if (!kc->reaper_on) return;
+  pthread_mutex_lock(&kc->mu);
+  kc->stop = true;
+  pthread_cond_broadcast(&kc->work);
+  pthread_mutex_unlock(&kc->mu);
+  pthread_join(kc->reaper, NULL);
+  kc->reaper_on = false;
+}
