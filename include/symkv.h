@@ -3,6 +3,7 @@
 #ifndef SYMKV_H
 #define SYMKV_H
 
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -33,31 +34,37 @@ SKV_EXTERN const char *skv_version_string(void);
 /* ------------------------------------------------------------------------------------------ */
 /* Errors                                                                                     */
 /*                                                                                            */
-/* Every call returns 0 or a negative code. Codes from system calls are -errno (e.g. -ENOENT);  */
-/* symkv's own codes below start at -1000 so that they never collide with errno values.       */
+/* Every call returns 0 or a negative code. As in libuv, a code named after an errno value IS */
+/* that value negated (SKV_EINVAL == -EINVAL, Linux numbering), so a system call's -ENOMEM    */
+/* and symkv's SKV_ENOMEM are one code; any other -errno a system call fails with comes back  */
+/* as it is (-ENOENT, -EACCES). symkv's own codes, which no errno names, are -1000 and below. */
 /* ------------------------------------------------------------------------------------------ */
 
+/* clang-format off */
 #define SKV_ERRNO_MAP(XX)                                                                        \
-  XX(EINVAL, -1001, "invalid argument")                                                          \
-  XX(ENOMEM, -1002, "out of memory")                                                             \
-  XX(ETIMEDOUT, -1003, "timed out waiting for a peer (raise SKV_TIMEOUT_MS or check the peers)") \
+  /* errno equivalents */                                                                        \
+  XX(EINVAL, -EINVAL, "invalid argument")                                                        \
+  XX(ENOMEM, -ENOMEM, "out of memory")                                                           \
+  XX(ETIMEDOUT, -ETIMEDOUT, "timed out waiting for a peer (raise SKV_TIMEOUT_MS or check the peers)") \
+  XX(EPROTO, -EPROTO, "malformed or oversized bootstrap message")                                \
+  XX(ENOTSUP, -ENOTSUP, "not supported by this build, backend or device")                        \
+  XX(ESTALE, -ESTALE, "stale page reference (the page was evicted or reused)")                   \
+  XX(ENOSPC, -ENOSPC, "no free page or index slot (every page is pinned or the index is full)")  \
+  XX(EEXIST, -EEXIST, "already exists")                                                          \
+  XX(ERANGE, -ERANGE, "value out of range")                                                      \
+  /* symkv's own */                                                                              \
   XX(EAUTH, -1004, "bootstrap token rejected (every PE must use the same SKV_TOKEN)")            \
-  XX(EPROTO, -1005, "malformed or oversized bootstrap message")                                  \
   XX(ECONN, -1006, "bootstrap connection failed or lost (is rank 0 running?)")                   \
   XX(EPEERDEAD, -1007, "a peer process exited")                                                  \
   XX(EMISMATCH, -1008, "PEs called collectives that do not match")                               \
-  XX(ENOTSUP, -1009, "not supported by this build, backend or device")                           \
   XX(ECUDA, -1010, "CUDA call failed")                                                           \
   XX(ENCCL, -1011, "NCCL call failed")                                                           \
   XX(ENOTFOUND, -1012, "not found")                                                              \
-  XX(ESTALE, -1013, "stale page reference (the page was evicted or reused)")                     \
-  XX(ENOSPC, -1014, "no free page or index slot (every page is pinned or the index is full)")    \
-  XX(EEXIST, -1015, "already exists")                                                            \
-  XX(ERANGE, -1016, "value out of range")                                                        \
   XX(ESTATE, -1017, "call not valid in the current state")                                       \
   XX(ECAPTURE, -1018, "not allowed while a CUDA graph is being captured")                        \
   XX(EVERSION, -1019, "version mismatch between caller and library")                             \
   XX(EINTERNAL, -1020, "internal error (please report it with the SKV_DEBUG=INFO log)")
+/* clang-format on */
 
 typedef enum skv_err {
   SKV_OK = 0,

@@ -4,7 +4,7 @@ engine blocks, and saving given blocks. docs/connector.md has a worked example."
 
 import numpy as np
 
-from . import _lib
+from . import _lib, errors
 from .kv import Geometry, KVCache, Layout, Namespace, as_keys
 
 __all__ = ["KVConnector"]
@@ -115,7 +115,8 @@ class KVConnector:
 
     def _m(self):
         if self.layout is None:
-            _lib.raise_error(-1017, "KVConnector: no engine KV cache registered: pass a layout "
+            _lib.raise_error(errors.InvalidState.code,
+                             "KVConnector: no engine KV cache registered: pass a layout "
                              "or call register_kv_caches first (SKV_ESTATE, python)")
         return self.layout.blocks_per_page
 
@@ -130,7 +131,8 @@ class KVConnector:
             return self.namespace.hash_tokens(tokens)
         m = self.page_tokens // self.block_size if self.layout is not None else None
         if m is None:
-            _lib.raise_error(-1017, "KVConnector: block hashes need the engine's block size: "
+            _lib.raise_error(errors.InvalidState.code,
+                             "KVConnector: block hashes need the engine's block size: "
                              "register the KV caches (or pass a layout) first "
                              "(SKV_ESTATE, python)")
         n = len(block_hashes) // m

@@ -1,5 +1,6 @@
 """symkv's exceptions: one class per return code, generated from a table that mirrors
-SKV_ERRNO_MAP in include/symkv.h, and -errno codes mapped onto OSError subclasses."""
+SKV_ERRNO_MAP in include/symkv.h (codes named after an errno value are that value negated),
+and the other -errno codes mapped onto OSError subclasses."""
 
 import errno as _errno
 import os as _os
@@ -8,28 +9,31 @@ import os as _os
 # Keep in the order of SKV_ERRNO_MAP; tests/test_errors.py checks this table against the
 # header and against the loaded library's skv_err_name() / skv_strerror().
 ERRNO_MAP = (
-    ("EINVAL", -1001, "invalid argument", "InvalidArgument", ValueError),
-    ("ENOMEM", -1002, "out of memory", "OutOfMemory", MemoryError),
-    ("ETIMEDOUT", -1003, "timed out waiting for a peer (raise SKV_TIMEOUT_MS or check the peers)",
-     "Timeout", TimeoutError),
+    # errno equivalents: the code is -errno (Linux numbering), as in libuv
+    ("EINVAL", -_errno.EINVAL, "invalid argument", "InvalidArgument", ValueError),
+    ("ENOMEM", -_errno.ENOMEM, "out of memory", "OutOfMemory", MemoryError),
+    ("ETIMEDOUT", -_errno.ETIMEDOUT,
+     "timed out waiting for a peer (raise SKV_TIMEOUT_MS or check the peers)", "Timeout",
+     TimeoutError),
+    ("EPROTO", -_errno.EPROTO, "malformed or oversized bootstrap message", "ProtocolError", None),
+    ("ENOTSUP", -_errno.ENOTSUP, "not supported by this build, backend or device", "NotSupported",
+     NotImplementedError),
+    ("ESTALE", -_errno.ESTALE, "stale page reference (the page was evicted or reused)",
+     "StaleReference", None),
+    ("ENOSPC", -_errno.ENOSPC,
+     "no free page or index slot (every page is pinned or the index is full)", "NoSpace", None),
+    ("EEXIST", -_errno.EEXIST, "already exists", "AlreadyExists", None),
+    ("ERANGE", -_errno.ERANGE, "value out of range", "OutOfRange", IndexError),
+    # symkv's own: -1000 and below
     ("EAUTH", -1004, "bootstrap token rejected (every PE must use the same SKV_TOKEN)",
      "AuthenticationError", PermissionError),
-    ("EPROTO", -1005, "malformed or oversized bootstrap message", "ProtocolError", None),
     ("ECONN", -1006, "bootstrap connection failed or lost (is rank 0 running?)",
      "ConnectionFailed", ConnectionError),
     ("EPEERDEAD", -1007, "a peer process exited", "PeerDead", None),
     ("EMISMATCH", -1008, "PEs called collectives that do not match", "CollectiveMismatch", None),
-    ("ENOTSUP", -1009, "not supported by this build, backend or device", "NotSupported",
-     NotImplementedError),
     ("ECUDA", -1010, "CUDA call failed", "CudaError", None),
     ("ENCCL", -1011, "NCCL call failed", "NcclError", None),
     ("ENOTFOUND", -1012, "not found", "NotFound", LookupError),
-    ("ESTALE", -1013, "stale page reference (the page was evicted or reused)", "StaleReference",
-     None),
-    ("ENOSPC", -1014, "no free page or index slot (every page is pinned or the index is full)",
-     "NoSpace", None),
-    ("EEXIST", -1015, "already exists", "AlreadyExists", None),
-    ("ERANGE", -1016, "value out of range", "OutOfRange", IndexError),
     ("ESTATE", -1017, "call not valid in the current state", "InvalidState", None),
     ("ECAPTURE", -1018, "not allowed while a CUDA graph is being captured", "CaptureError", None),
     ("EVERSION", -1019, "version mismatch between caller and library", "VersionMismatch", None),

@@ -6,7 +6,7 @@ from ctypes import byref, c_void_p
 
 import numpy as np
 
-from . import _arrays, _lib
+from . import _arrays, _lib, errors
 from ._lib import lib
 from ._resource import (BACKEND_NAMES, CollectiveResource, backend_id, check_int, check_uint)
 
@@ -94,7 +94,8 @@ class Heap(CollectiveResource):
         if nbytes is None:
             nbytes = size - offset if offset <= size else 0
         if offset + nbytes > size or nbytes <= 0:
-            _lib.raise_error(-1016, "heap %s area: bytes %d..%d are outside its %d bytes "
+            _lib.raise_error(errors.OutOfRange.code,
+                             "heap %s area: bytes %d..%d are outside its %d bytes "
                              "(SKV_ERANGE, python)" % (area, offset, offset + nbytes, size))
         return start + offset, nbytes
 
@@ -104,8 +105,9 @@ class Heap(CollectiveResource):
         heaps only (host, cuda_host). The view keeps this object alive but not the memory:
         do not use it after close()."""
         if self._info.backend == _lib.BACKEND_CUDA:
-            _lib.raise_error(-1009, "heap.array: a cuda heap is device memory; use "
-                             "heap.tensor() (SKV_ENOTSUP, python)")
+            _lib.raise_error(errors.NotSupported.code,
+                             "heap.array: a cuda heap is device memory; use heap.tensor() "
+                             "(SKV_ENOTSUP, python)")
         dt = np.dtype(dtype)
         nbytes = None if shape is None else int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         start, nbytes = self._area(area, offset, nbytes)

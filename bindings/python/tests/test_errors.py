@@ -19,8 +19,11 @@ def test_table_mirrors_SKV_ERRNO_MAP_of_the_header():
         pytest.skip("no include/symkv.h")
     text = open(path).read()
     block = text[text.index("#define SKV_ERRNO_MAP"):text.index("typedef enum skv_err")]
-    rows = re.findall(r'XX\((\w+),\s*(-\d+),\s*"((?:[^"\\]|\\.)*)"\)', block)
-    assert [(n, int(v), m) for n, v, m in rows] == [r[:3] for r in errors.ERRNO_MAP]
+    rows = re.findall(r'XX\((\w+),\s*(-\w+),\s*"((?:[^"\\]|\\.)*)"\)', block)
+
+    def value(v):  # -1004, or -EINVAL: the errno value negated
+        return int(v) if v[1:].isdigit() else -getattr(errno, v[1:])
+    assert [(n, value(v), m) for n, v, m in rows] == [r[:3] for r in errors.ERRNO_MAP]
 
 
 @pytest.mark.parametrize("row", errors.ERRNO_MAP, ids=[r[0] for r in errors.ERRNO_MAP])
@@ -45,9 +48,11 @@ def test_each_code_has_its_class(row):
 
 
 def test_named_classes():
-    assert symkv.InvalidArgument.code == -1001 and issubclass(symkv.InvalidArgument, ValueError)
-    assert symkv.Timeout.code == -1003 and issubclass(symkv.Timeout, TimeoutError)
-    assert symkv.StaleReference.code == -1013
+    assert symkv.InvalidArgument.code == -errno.EINVAL
+    assert issubclass(symkv.InvalidArgument, ValueError)
+    assert symkv.Timeout.code == -errno.ETIMEDOUT and issubclass(symkv.Timeout, TimeoutError)
+    assert symkv.StaleReference.code == -errno.ESTALE
+    assert symkv.AuthenticationError.code == -1004  # symkv's own: -1000 and below
     assert issubclass(symkv.NotSupported, NotImplementedError)
     assert issubclass(symkv.ConnectionFailed, ConnectionError)
     assert issubclass(symkv.OutOfRange, IndexError)
@@ -77,7 +82,7 @@ def test_failing_call_carries_code_name_and_last_error():
     with pytest.raises(symkv.InvalidArgument) as ei:
         symkv.Geometry(num_layers=2, num_kv_heads=8, head_dim=128, page_tokens=16, elem_bytes=3)
     e = ei.value
-    assert e.code == -1001 and e.name == "SKV_EINVAL"
+    assert e.code == -errno.EINVAL and e.name == "SKV_EINVAL"
     assert "elem_bytes=3 is not 1 (fp8), 2 (bf16/fp16) or 4 (fp32)" in str(e)
     assert re.search(r"\(SKV_EINVAL, geometry\.c:\d+\)$", str(e))
     assert str(e) == symkv.last_error()
@@ -102,5 +107,5 @@ def test_python_side_checks_raise_symkv_classes():
         symkv.Namespace("m", g).hash_tokens([1, 2, -1, 3])
     with pytest.raises(symkv.InvalidArgument) as ei:
         symkv.Layout.from_tensors(g, [np.zeros((2, 4, 4, 1, 8), np.float16)])
-    assert ei.value.code == -1001 and "elem_bytes=4" in str(ei.value)
+    assert ei.value.code == -errno.EINVAL and "elem_bytes=4" in str(ei.value)
     assert "(SKV_EINVAL, python)" in str(ei.value)
