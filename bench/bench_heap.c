@@ -29,7 +29,7 @@ int bench_heap(bench_t *b) {
   int reps = (int)bench_opt_int(b, "--reps", 5);
   if (reps < 1 || reps > 64) reps = 5;
   const char *bk = bench_opt(b, "--backend");
-  if (!bk) bk = skv__env(SKV_ENV_HEAP_BACKEND);
+  if (!bk) bk = getenv("SKV_HEAP_BACKEND");
   if (bk && strcmp(bk, "host") != 0)
     return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH,
                     "symkv-bench heap measures the host backend (got --backend %s); "

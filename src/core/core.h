@@ -113,40 +113,49 @@ static inline bool skv__log_on(int level, unsigned subsys) {
 
 /* ---- env.c -------------------------------------------------------------------------------- */
 
-/* Every SKV_* environment variable symkv reads: name, meaning. Read once, on first use; the
- * ones that are set are logged (INIT, INFO) and unknown SKV_* names are warned about. */
-#define SKV_ENV_MAP(XX)                                                                         \
-  XX(DEBUG, "log level: NONE, WARN (default), INFO or TRACE")                                   \
-  XX(DEBUG_SUBSYS, "comma list of INIT,BOOT,HEAP,POOL,INDEX,KV,COMM,BENCH or ALL; ^X excludes") \
-  XX(DEBUG_FILE, "write log lines to this file instead of stderr (%h host, %p pid)")            \
-  XX(DEBUG_LEVEL, "0: argument checks only, 1: + invariants, 2: + expensive walkers")           \
-  XX(RANK, "this PE's rank in [0, SKV_WORLD_SIZE)")                                             \
-  XX(WORLD_SIZE, "number of PEs")                                                               \
-  XX(LOCAL_RANK, "rank among the PEs of this node")                                             \
-  XX(LOCAL_SIZE, "number of PEs on this node")                                                  \
-  XX(BOOTSTRAP, "tcp://HOST:PORT of rank 0's bootstrap store")                                  \
-  XX(TOKEN, "shared secret every PE presents to the store (set by symkv-run)")                  \
-  XX(BIND_ADDR, "address rank 0's store listens on (default: the host of SKV_BOOTSTRAP)")       \
-  XX(TIMEOUT_MS, "bound on every wait, in milliseconds (default 60000)")                        \
-  XX(DEVICE, "CUDA device of this PE (default: local rank modulo the device count)")            \
-  XX(HEAP_BACKEND, "default heap backend for tools: host, cuda or cuda_host")                   \
-  XX(NCCL_ALLREDUCE, "0 disables the NCCL all-reduce fallback")                                 \
-  XX(ALLREDUCE_ONESHOT_MAX, "all-reduce AUTO: largest one-shot message in bytes (e.g. 256K)")   \
-  XX(ALLREDUCE_TWOSHOT_MAX, "all-reduce AUTO: largest two-shot message in bytes (e.g. 4M)")     \
-  XX(COMM_PDL, "0 launches the comm kernels without programmatic dependent launch")             \
-  XX(FETCH_KERNEL, "KV fetch: bulk (TMA, default), vec (16-byte loads) or ce (copy engines)")   \
-  XX(FETCH_UNROLL, "KV copy kernels: 16-byte loads in flight per thread, 4 or 8 (default 4)")   \
-  XX(FETCH_CTAS, "KV copy kernels: CTAs per multiprocessor, 1..32 (default 4, occupancy caps)") \
-  XX(FETCH_THREADS, "KV copy kernels: threads per CTA, 128, 256 or 512 (default 256)")          \
-  XX(RUN_PID, "set by symkv-run: the launcher's pid")                                           \
-  XX(RUN, "path of symkv-run for the Python tests")                                             \
-  XX(TEST_BIN_DIR, "tests: the build folder (symkv-run, symkv-bench), set by ctest")            \
-  XX(LIBRARY, "path of libsymkv.so for the Python bindings")                                    \
-  XX(HASH_SECRET, "deployment secret mixed into every key (when the caller passes none)")
+/* Every SKV_* environment variable the library reads: name, default, allowed values, meaning
+ * (docs/reference.md has one row per entry, in this order; a test compares them). Read once, on
+ * first use; the ones that are set are logged (INIT, INFO) and unknown SKV_* names are warned
+ * about, except the ones symkv's tools, bindings and tests read (SKV_ENV_TOOL_NAMES). */
+/* clang-format off */
+#define SKV_ENV_MAP(XX)                                                                          \
+  XX(DEBUG, "WARN", "NONE, WARN, INFO or TRACE", "log level")                                    \
+  XX(DEBUG_SUBSYS, "ALL", "comma list of INIT,BOOT,HEAP,POOL,INDEX,KV,COMM,BENCH or ALL; ^X excludes X", \
+     "subsystems that log")                                                                      \
+  XX(DEBUG_FILE, "stderr", "a path (%h host, %p pid)", "write log lines to this file")           \
+  XX(DEBUG_LEVEL, "0", "0..2", "0: argument checks only, 1: + invariants, 2: + expensive walkers") \
+  XX(RANK, "required", "0..65535, below SKV_WORLD_SIZE", "this PE's rank")                       \
+  XX(WORLD_SIZE, "required", "1..65536", "number of PEs")                                         \
+  XX(LOCAL_RANK, "position among the node's PEs", "0..1023", "rank among the PEs of this node")   \
+  XX(LOCAL_SIZE, "PEs found on this node", "1..1024, must match", "number of PEs on this node")   \
+  XX(BOOTSTRAP, "required", "tcp://HOST:PORT or tcp://[IPv6]:PORT", "rank 0's bootstrap store")  \
+  XX(TOKEN, "required", "8..128 printable characters", "secret every PE presents to the store")  \
+  XX(BIND_ADDR, "the host of SKV_BOOTSTRAP", "a host name or address", "where rank 0's store listens") \
+  XX(TIMEOUT_MS, "60000", "1..86400000", "bound on every wait, in milliseconds")                  \
+  XX(DEVICE, "local rank modulo the GPUs", "0..1023", "CUDA device of this PE")                   \
+  XX(NCCL_ALLREDUCE, "1", "0 or 1", "0 disables the NCCL all-reduce fallback")                    \
+  XX(ALLREDUCE_ONESHOT_MAX, "by PE count", "0..1T bytes (K/M/G/T suffixes)",                      \
+     "all-reduce AUTO: largest one-shot message")                                                \
+  XX(ALLREDUCE_TWOSHOT_MAX, "by PE count", "0..1T bytes (K/M/G/T suffixes)",                      \
+     "all-reduce AUTO: largest two-shot message")                                                \
+  XX(COMM_PDL, "1", "0 or 1", "0 launches the comm kernels without programmatic dependent launch") \
+  XX(FETCH_KERNEL, "bulk", "bulk, vec or ce", "KV copy: TMA bulk copies, 16-byte loads or copy engines") \
+  XX(FETCH_UNROLL, "4", "4 or 8", "KV copy kernels: 16-byte loads in flight per thread")          \
+  XX(FETCH_CTAS, "4", "1..32 (occupancy caps it)", "KV copy kernels: CTAs per multiprocessor")    \
+  XX(FETCH_THREADS, "256", "128, 256 or 512", "KV copy kernels: threads per CTA")                 \
+  XX(HASH_SECRET, "none", "any bytes", "deployment secret mixed into every key (when the caller passes none)")
+/* clang-format on */
+
+/* SKV_* variables that symkv's launcher, tools, bindings and tests read (not the library): the
+ * library does not warn about them. */
+#define SKV_ENV_TOOL_NAMES                                                                \
+  "SKV_RUN_PID", "SKV_RUN", "SKV_LIBRARY", "SKV_TEST_BIN_DIR", "SKV_TEST_STRESS_SECONDS", \
+      "SKV_HEAP_BACKEND", "SKV_BENCH_PES", "SKV_TRACE", "SKV_TRACE_PES", "SKV_HOST_KIND", \
+      "SKV_WITH_TORCH", "SKV_WITH_PYTHON_DEPS"
 
 /* clang-format off */
 typedef enum skv_env_id {
-#define SKV__ENV_ENUM(name, doc) SKV_ENV_##name,
+#define SKV__ENV_ENUM(name, def, range, doc) SKV_ENV_##name,
   SKV_ENV_MAP(SKV__ENV_ENUM)
 #undef SKV__ENV_ENUM
   SKV_ENV_COUNT

@@ -11,7 +11,7 @@
 extern char **environ;
 
 static const char *env_names[SKV_ENV_COUNT] = {
-#define SKV__ENV_NAME(name, doc) "SKV_" #name,
+#define SKV__ENV_NAME(name, def, range, doc) "SKV_" #name,
     SKV_ENV_MAP(SKV__ENV_NAME)
 #undef SKV__ENV_NAME
 };
@@ -69,9 +69,12 @@ void skv__env_report(void) {
     if (strncmp(*e, "SKV_", 4) != 0) continue;
     const char *eq = strchr(*e, '=');
     size_t len = eq ? (size_t)(eq - *e) : strlen(*e);
+    static const char *const tools[] = {SKV_ENV_TOOL_NAMES};
     int known = 0;
     for (int i = 0; i < SKV_ENV_COUNT && !known; i++)
       known = strlen(env_names[i]) == len && strncmp(env_names[i], *e, len) == 0;
+    for (size_t i = 0; i < SKV_ARRAY_LEN(tools) && !known; i++)
+      known = strlen(tools[i]) == len && strncmp(tools[i], *e, len) == 0;
     if (!known)
       SKV_WARN(SKV_SUBSYS_INIT,
                "unknown environment variable %.*s ignored (misspelt? see docs/reference.md)",
