@@ -16,10 +16,29 @@
  *          but whose val is not VALID is being inserted (PENDING, owner pe in val) or erased.
  *   ticket 64 bits: a node-wide insertion order number (0: not taken yet).
  *
+ * The life of a slot, (key, val): every arrow is one CAS, or one store to a slot that only its
+ * claimer writes.
+ *
+ *   EMPTY (0, 0) or TOMB (0, 1)
+ *     |  claim: CAS key -> the key (inserter)
+ *     v
+ *   CLAIMED (key, 0 or ERASING)
+ *     |  store PENDING(pe, claim), then the ticket (the claimer)
+ *     v
+ *   PENDING (key, PENDING) --- lost, or its owner dead: CAS val -> ERASING ---+
+ *     |  publish: CAS val PENDING -> VALID (the claimer)                      |
+ *     v                                                                       v
+ *   VALID (key, pe|page|gen) --- evict (the owner): CAS val -> ERASING ---> ERASING
+ *                                                                             |
+ *   TOMB (0, 1) <--- clear the ticket, CAS key -> TOMB (who set ERASING) -----+
+ *
+ * EMPTY never comes back once claimed; a lookup hits VALID only; CLAIMED, PENDING and ERASING
+ * are misses to readers, and tickets decide between inserters of one key (below).
+ *
  * Insert (only by the PE that owns the page):
  *   1. claim the first EMPTY or TOMB slot of the window by CAS of the key (ENOSPC if none);
- *   2. write val = PENDING(pe, claim number) (never 0: see skv__val_pending), take a ticket from
- * the node-wide counter, store it;
+ *   2. write val = PENDING(pe, claim number) (never 0: see skv__val_pending), take a ticket
+ *      from the node-wide counter, store it;
  *   3. rescan the window up to the first EMPTY slot for other slots holding the same key. A
  *      copy that is VALID, or PENDING with a smaller ticket and a live owner, wins over us: we
  *      clear our slot and report EEXIST (the caller frees its page). A copy that is ERASING,
