@@ -230,8 +230,8 @@ int skv__kvc_enqueue(skv__kvc_t *kc, skv__kvc_slot_t *s, skv__kvc_plan_t *pl, vo
   *consumed = false;
   int rc = 0;
   bool started = false;
-  /* Copies cost the host about half a microsecond each in cudaMemcpyBatchAsync, and beyond ~8k
-   * copies (1 GiB of random pages) the copy engines were measured slower than the kernels. */
+  /* Beyond CE_MAX_COPIES copies the kernels do it all: the copy engines cost the host time per
+   * copy and lose to the kernels on large random batches (docs/gpu.md). */
   const uint64_t slab = (uint64_t)pl->d.page_tokens * pl->d.heads * pl->d.row_bytes;
   if (pl->ce && (uint64_t)pl->d.n * pl->d.ntensors * (slab / pl->d.run_bytes) > CE_MAX_COPIES)
     pl->ce = false;
