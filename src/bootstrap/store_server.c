@@ -1,7 +1,7 @@
 /* The bootstrap key-value store server: a libuv loop on a background thread of rank 0 that serves
  * SET/GET/ADD/WAIT to every PE over TCP, parking blocking requests until they can be answered. */
 #define _GNU_SOURCE
-#include "bootstrap/bootstrap.h"
+#include "bootstrap/proto.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -37,25 +37,11 @@
  * `ready` list, which every libuv callback drains before returning. Memory of a closed
  * connection is freed only in its close callback, after libuv has cancelled its writes. */
 
-enum {
-  OP_HELLO = 1,
-  OP_SET = 2,
-  OP_GET = 3,
-  OP_TRY_GET = 4,
-  OP_ADD = 5,
-  OP_WAIT = 6,
-  OP_WAIT_GE = 7,
-  OP_DEL = 8,
-  OP_BYE = 9,
-};
-
-#define MAX_CONNS           1024
-#define PRE_HELLO_MAX_FRAME 4096u /* a HELLO is small; anything bigger before it is garbage */
-#define MAX_TOKEN           1024u
-#define READ_CHUNK          65536u
-#define WRITE_QUEUE_MAX     (2u * (SKV_BOOT_MAX_FRAME + 8u))
-#define MAX_RANKS           (1 << 20)
-#define MSG_CAP             512
+#define MAX_CONNS       1024
+#define READ_CHUNK      65536u
+#define WRITE_QUEUE_MAX (2u * (SKV_BOOT_MAX_FRAME + SKV_BOOT_REPLY_HDR))
+#define MAX_RANKS       (1 << 20)
+#define MSG_CAP         512
 
 typedef enum { RANK_NONE = 0, RANK_LIVE, RANK_LEFT, RANK_DEAD } rank_state_t;
 
@@ -191,56 +177,6 @@ static void tab_del(table_t *t, const uint8_t *k, size_t kl) {
   t->bytes -= e->vlen;
   free(e->val);
   free(e);
-}
-
-/* ---- little-endian wire helpers --------------------------------------------------------- */
-
-static uint32_t get_u32(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get_u64(const uint8_t *p) {
-  return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
-}
-static void put_u32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-/* A cursor over one frame's fields; `bad` once a field runs past the end. */
-typedef struct rd {
-  const uint8_t *p;
-  size_t n, off;
-  bool bad;
-} rd_t;
-
-static const uint8_t *rd_take(rd_t *r, size_t n) {
-  if (r->bad || r->n - r->off < n) {
-    r->bad = true;
-    return NULL;
-  }
-  const uint8_t *p = r->p + r->off;
-  r->off += n;
-  return p;
-}
-static uint32_t rd_u32(rd_t *r) {
-  const uint8_t *p = rd_take(r, 4);
-  return p ? get_u32(p) : 0;
-}
-static int64_t rd_i64(rd_t *r) {
-  const uint8_t *p = rd_take(r, 8);
-  return p ? (int64_t)get_u64(p) : 0;
-}
-/* A key: u16 length then bytes. */
-static const uint8_t *rd_key(rd_t *r, size_t *kl) {
-  const uint8_t *p = rd_take(r, 2);
-  if (!p) return NULL;
-  *kl = (size_t)p[0] | (size_t)p[1] << 8;
-  return rd_take(r, *kl);
-}
-static bool rd_done(const rd_t *r) {
-  return !r->bad && r->off == r->n;
 }
 
 /* ---- connections and the server ---------------------------------------------------------- */
@@ -385,8 +321,8 @@ static void mark_ready(conn_t *c) {
 static void send_reply(conn_t *c, int32_t status, const void *a, size_t alen, const void *b,
                        size_t blen) {
   if (c->closing) return;
-  size_t len = 4 + alen + blen;
-  wreq_t *w = malloc(sizeof *w + 4 + len);
+  size_t len = 4 + alen + blen; /* after the length field */
+  wreq_t *w = malloc(sizeof *w + SKV_BOOT_FRAME_HDR + len);
   if (!w) {
     SKV_WARN(SKV_SUBSYS_BOOT,
              "bootstrap store: out of memory for a %zu-byte reply to %s; closing it", len, c->peer);
@@ -394,11 +330,10 @@ static void send_reply(conn_t *c, int32_t status, const void *a, size_t alen, co
     mark_ready(c);
     return;
   }
-  put_u32(w->data, (uint32_t)len);
-  put_u32(w->data + 4, (uint32_t)status);
-  if (alen) memcpy(w->data + 8, a, alen);
-  if (blen) memcpy(w->data + 8 + alen, b, blen);
-  uv_buf_t buf = uv_buf_init((char *)w->data, (unsigned)(4 + len));
+  skv__reply_hdr_put(w->data, alen + blen, status);
+  if (alen) memcpy(w->data + SKV_BOOT_REPLY_HDR, a, alen);
+  if (blen) memcpy(w->data + SKV_BOOT_REPLY_HDR + alen, b, blen);
+  uv_buf_t buf = uv_buf_init((char *)w->data, (unsigned)(SKV_BOOT_FRAME_HDR + len));
   int rc = uv_write(&w->req, (uv_stream_t *)&c->tcp, &buf, 1, on_write);
   if (rc < 0) {
     free(w);
@@ -506,26 +441,33 @@ static void mark_dead(skv_store_server_t *srv, int rank) {
 
 /* ---- parked requests -------------------------------------------------------------------- */
 
+/* A reader over the parked request's frame, past its opcode and timeout: at the key of a GET or
+ * WAIT_GE, at the first key not yet seen of a WAIT. */
+static void park_reader(const conn_t *c, skv__reader_t *r) {
+  skv__read_init(r, c->park_frame, c->park_len, 1);
+  (void)skv__read_u32(r);
+  if (c->park_op == SKV_BOOT_OP_WAIT) r->off = c->park_off;
+}
+
 /* Is the parked (or about to be parked) request of `c` answerable now? Answers it if so. */
 static bool try_complete(conn_t *c) {
   skv_store_server_t *srv = c->srv;
-  rd_t r = {c->park_frame, c->park_len, 0, false};
+  skv__reader_t r;
+  park_reader(c, &r);
   size_t kl = 0;
   const uint8_t *k;
   switch (c->park_op) {
-  case OP_GET: {
-    r.off = 1 + 4;
-    k = rd_key(&r, &kl);
+  case SKV_BOOT_OP_GET: {
+    k = skv__read_key(&r, &kl);
     entry_t *e = tab_find(&srv->tab, k, kl);
     if (!e) return false;
     send_reply(c, 0, e->val, e->vlen, NULL, 0);
     return true;
   }
-  case OP_WAIT: {
-    r.off = c->park_off;
+  case SKV_BOOT_OP_WAIT: {
     while (c->park_left > 0) {
       size_t at = r.off;
-      k = rd_key(&r, &kl);
+      k = skv__read_key(&r, &kl);
       if (!tab_find(&srv->tab, k, kl)) {
         c->park_off = at;
         return false;
@@ -536,13 +478,12 @@ static bool try_complete(conn_t *c) {
     send_reply(c, 0, NULL, 0, NULL, 0);
     return true;
   }
-  case OP_WAIT_GE: {
-    r.off = 1 + 4;
-    k = rd_key(&r, &kl);
-    int64_t target = rd_i64(&r);
+  case SKV_BOOT_OP_WAIT_GE: {
+    k = skv__read_key(&r, &kl);
+    int64_t target = (int64_t)skv__read_u64(&r);
     entry_t *e = tab_find(&srv->tab, k, kl);
     int64_t v = 0;
-    if (e && e->vlen == 8) v = (int64_t)get_u64(e->val);
+    if (e && e->vlen == 8) v = (int64_t)skv__get_le64(e->val);
     if (e && e->vlen != 8) {
       char kb[96], msg[MSG_CAP];
       snprintf(msg, sizeof msg, "key \"%s\" holds a %u-byte value, not a counter",
@@ -552,7 +493,7 @@ static bool try_complete(conn_t *c) {
     }
     if (v < target) return false;
     uint8_t b[8];
-    put_u64(b, (uint64_t)v);
+    skv__put_le64(b, (uint64_t)v);
     send_reply(c, 0, b, 8, NULL, 0);
     return true;
   }
@@ -574,29 +515,27 @@ static void wake_parked(skv_store_server_t *srv) {
 static void timeout_reply(conn_t *c) {
   skv_store_server_t *srv = c->srv;
   char msg[MSG_CAP], kb[96], ranks[256];
-  rd_t r = {c->park_frame, c->park_len, 0, false};
+  skv__reader_t r;
+  park_reader(c, &r);
   size_t kl = 0;
   const uint8_t *k;
   ranks_summary(srv, ranks, sizeof ranks);
   switch (c->park_op) {
-  case OP_GET:
-    r.off = 5;
-    k = rd_key(&r, &kl);
+  case SKV_BOOT_OP_GET:
+    k = skv__read_key(&r, &kl);
     snprintf(msg, sizeof msg, "timed out after %d ms waiting for key \"%s\"; no PE set it%s",
              (int)c->park_timeout, show_key(k, kl, kb, sizeof kb), ranks);
     break;
-  case OP_WAIT:
-    r.off = c->park_off;
-    k = rd_key(&r, &kl);
+  case SKV_BOOT_OP_WAIT:
+    k = skv__read_key(&r, &kl);
     snprintf(msg, sizeof msg, "timed out after %d ms with %u keys missing, first \"%s\"%s",
              (int)c->park_timeout, c->park_left, show_key(k, kl, kb, sizeof kb), ranks);
     break;
   default: {
-    r.off = 5;
-    k = rd_key(&r, &kl);
-    int64_t target = rd_i64(&r);
+    k = skv__read_key(&r, &kl);
+    int64_t target = (int64_t)skv__read_u64(&r);
     entry_t *e = tab_find(&srv->tab, k, kl);
-    int64_t v = (e && e->vlen == 8) ? (int64_t)get_u64(e->val) : 0;
+    int64_t v = (e && e->vlen == 8) ? (int64_t)skv__get_le64(e->val) : 0;
     snprintf(msg, sizeof msg,
              "timed out after %d ms: counter \"%s\" is %" PRId64 ", waiting for %" PRId64 "%s",
              (int)c->park_timeout, show_key(k, kl, kb, sizeof kb), v, target, ranks);
@@ -694,22 +633,24 @@ static void protocol_error(conn_t *c, const char *what) {
 static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
   skv_store_server_t *srv = c->srv;
   char msg[MSG_CAP];
-  if (p[0] != OP_HELLO) {
+  if (p[0] != SKV_BOOT_OP_HELLO) {
     char what[64];
     snprintf(what, sizeof what, "opcode %u before HELLO", p[0]);
     protocol_error(c, what);
     return;
   }
-  if (n < 13 || n - 13 > MAX_TOKEN) {
+  if (n < SKV_BOOT_HELLO_FIXED || n - SKV_BOOT_HELLO_FIXED > SKV_BOOT_MAX_TOKEN) {
     protocol_error(c, "a malformed HELLO");
     return;
   }
-  uint32_t ver = get_u32(p + 1);
-  int32_t rank = (int32_t)get_u32(p + 5), nranks = (int32_t)get_u32(p + 9);
-  const uint8_t *tok = p + 13;
-  size_t tlen = n - 13;
+  skv__reader_t r;
+  skv__read_init(&r, p, n, 1);
+  uint32_t ver = skv__read_u32(&r);
+  int32_t rank = (int32_t)skv__read_u32(&r), nranks = (int32_t)skv__read_u32(&r);
+  const uint8_t *tok = p + r.off;
+  size_t tlen = n - r.off;
   uint8_t vb[4];
-  put_u32(vb, SKV_BOOT_PROTO_VERSION);
+  skv__put_le32(vb, SKV_BOOT_PROTO_VERSION);
   if (ver != SKV_BOOT_PROTO_VERSION) {
     snprintf(msg, sizeof msg,
              "this PE speaks bootstrap protocol %u, the store speaks %u: every PE must "
@@ -776,16 +717,17 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     handle_hello(c, p, n);
     return;
   }
-  rd_t r = {p, n, 1, false};
+  skv__reader_t r;
+  skv__read_init(&r, p, n, 1);
   size_t kl = 0;
   const uint8_t *k;
   char msg[MSG_CAP], kb[96];
   switch (p[0]) {
-  case OP_SET: {
-    k = rd_key(&r, &kl);
-    uint32_t vl = rd_u32(&r);
-    const uint8_t *v = rd_take(&r, vl);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_SET: {
+    k = skv__read_key(&r, &kl);
+    uint32_t vl = skv__read_u32(&r);
+    const uint8_t *v = skv__read_take(&r, vl);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
     if (vl > SKV_BOOT_MAX_VALUE) {
       snprintf(msg, sizeof msg, "value of %u bytes for key \"%s\" is over the %u-byte limit", vl,
@@ -802,19 +744,19 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     wake_parked(srv);
     return;
   }
-  case OP_GET:
-  case OP_WAIT_GE: {
-    int32_t t = (int32_t)rd_u32(&r);
-    k = rd_key(&r, &kl);
-    if (p[0] == OP_WAIT_GE) (void)rd_i64(&r);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_GET:
+  case SKV_BOOT_OP_WAIT_GE: {
+    int32_t t = (int32_t)skv__read_u32(&r);
+    k = skv__read_key(&r, &kl);
+    if (p[0] == SKV_BOOT_OP_WAIT_GE) (void)skv__read_u64(&r);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl) || !timeout_ok(c, t)) return;
     park(c, p[0], t, p, n);
     return;
   }
-  case OP_TRY_GET: {
-    k = rd_key(&r, &kl);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_TRY_GET: {
+    k = skv__read_key(&r, &kl);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
     entry_t *e = tab_find(&srv->tab, k, kl);
     if (!e) {
@@ -825,10 +767,10 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     send_reply(c, 0, e->val, e->vlen, NULL, 0);
     return;
   }
-  case OP_ADD: {
-    k = rd_key(&r, &kl);
-    int64_t d = rd_i64(&r);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_ADD: {
+    k = skv__read_key(&r, &kl);
+    int64_t d = (int64_t)skv__read_u64(&r);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
     entry_t *e = tab_find(&srv->tab, k, kl);
     int64_t v = 0;
@@ -838,7 +780,7 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
       reply_msg(c, SKV_EINVAL, msg);
       return;
     }
-    if (e) v = (int64_t)get_u64(e->val);
+    if (e) v = (int64_t)skv__get_le64(e->val);
     if (__builtin_add_overflow(v, d, &v)) {
       snprintf(msg, sizeof msg, "adding %" PRId64 " to counter \"%s\" overflows", d,
                show_key(k, kl, kb, sizeof kb));
@@ -846,7 +788,7 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
       return;
     }
     uint8_t b[8];
-    put_u64(b, (uint64_t)v);
+    skv__put_le64(b, (uint64_t)v);
     if (e) {
       memcpy(e->val, b, 8);
     } else {
@@ -860,36 +802,36 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     wake_parked(srv);
     return;
   }
-  case OP_WAIT: {
-    int32_t t = (int32_t)rd_u32(&r);
-    uint32_t nk = rd_u32(&r);
+  case SKV_BOOT_OP_WAIT: {
+    int32_t t = (int32_t)skv__read_u32(&r);
+    uint32_t nk = skv__read_u32(&r);
     size_t first = r.off;
     for (uint32_t i = 0; i < nk && !r.bad; i++) {
-      (void)rd_key(&r, &kl);
+      (void)skv__read_key(&r, &kl);
       if (!r.bad && (kl < 1 || kl > SKV_BOOT_MAX_KEY)) {
         key_ok(c, kl);
         return;
       }
     }
-    if (!rd_done(&r)) break;
+    if (!skv__read_done(&r)) break;
     if (!timeout_ok(c, t)) return;
     c->park_off = first;
     c->park_left = nk;
-    park(c, OP_WAIT, t, p, n);
+    park(c, SKV_BOOT_OP_WAIT, t, p, n);
     return;
   }
-  case OP_DEL: {
-    k = rd_key(&r, &kl);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_DEL: {
+    k = skv__read_key(&r, &kl);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
     tab_del(&srv->tab, k, kl);
     send_reply(c, 0, NULL, 0, NULL, 0);
     return;
   }
-  case OP_HELLO:
+  case SKV_BOOT_OP_HELLO:
     protocol_error(c, "a second HELLO");
     return;
-  case OP_BYE:
+  case SKV_BOOT_OP_BYE:
     if (n != 1) break;
     c->said_bye = true;
     SKV_INFO(SKV_SUBSYS_BOOT, "bootstrap store: rank %d (%s) left", c->rank, c->peer);
@@ -911,25 +853,25 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
 /* Handle every complete frame in c->in, unless a request of c is parked. */
 static void process_input(conn_t *c) {
   size_t off = 0;
-  while (!c->closing && !c->parked && !c->kill && c->in_len - off >= 4) {
-    uint32_t len = get_u32(c->in + off);
-    uint32_t lim = c->said_hello ? SKV_BOOT_MAX_FRAME : PRE_HELLO_MAX_FRAME;
+  while (!c->closing && !c->parked && !c->kill && c->in_len - off >= SKV_BOOT_FRAME_HDR) {
+    uint32_t len = skv__get_le32(c->in + off);
+    uint32_t lim = c->said_hello ? SKV_BOOT_MAX_FRAME : SKV_BOOT_PRE_HELLO_MAX_FRAME;
     if (len == 0 || len > lim) {
       char what[96];
       snprintf(what, sizeof what, "a frame of %u bytes (limit %u)", len, lim);
       protocol_error(c, what);
       return;
     }
-    if (c->in_len - off - 4 < len) break;
-    handle_frame(c, c->in + off + 4, len);
-    off += 4 + (size_t)len;
+    if (c->in_len - off - SKV_BOOT_FRAME_HDR < len) break;
+    handle_frame(c, c->in + off + SKV_BOOT_FRAME_HDR, len);
+    off += SKV_BOOT_FRAME_HDR + (size_t)len;
   }
   if (c->closing) return;
   if (off) {
     memmove(c->in, c->in + off, c->in_len - off);
     c->in_len -= off;
   }
-  if (c->parked && c->in_len > 4 + (size_t)SKV_BOOT_MAX_FRAME) {
+  if (c->parked && c->in_len > SKV_BOOT_FRAME_HDR + (size_t)SKV_BOOT_MAX_FRAME) {
     protocol_error(c, "more requests while one was waiting");
     return;
   }
@@ -1151,8 +1093,8 @@ int skv__store_server_start(const char *bind_addr, int port, const char *token, 
   *out = NULL;
   SKV_ARG_CHECK(port >= 0 && port <= 65535, SKV_SUBSYS_BOOT,
                 "skv__store_server_start: port %d is not in 0..65535", port);
-  SKV_ARG_CHECK(token && strlen(token) >= 1 && strlen(token) <= MAX_TOKEN, SKV_SUBSYS_BOOT,
-                "skv__store_server_start: the token must have 1..%u bytes", MAX_TOKEN);
+  SKV_ARG_CHECK(token && strlen(token) >= 1 && strlen(token) <= SKV_BOOT_MAX_TOKEN, SKV_SUBSYS_BOOT,
+                "skv__store_server_start: the token must have 1..%u bytes", SKV_BOOT_MAX_TOKEN);
   SKV_ARG_CHECK(nranks >= 1 && nranks <= MAX_RANKS, SKV_SUBSYS_BOOT,
                 "skv__store_server_start: nranks %d is not in 1..%d", nranks, MAX_RANKS);
   if (!bind_addr || !*bind_addr) bind_addr = "127.0.0.1";
