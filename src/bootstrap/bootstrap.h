@@ -8,11 +8,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Sizes of keys and values (the wire protocol's other limits are in bootstrap/proto.h). */
+/* Sizes of keys and values (the wire protocol's other limits are in bootstrap/proto.h, those of
+ * the server's key table in bootstrap/store_table.h). */
 #define SKV_BOOT_MAX_KEY   SKV_STORE_MAX_KEY   /* bytes of a key */
 #define SKV_BOOT_MAX_VALUE SKV_STORE_MAX_VALUE /* bytes of a value */
-#define SKV_BOOT_MAX_KEYS  (1u << 20)          /* keys the server holds at most */
-#define SKV_BOOT_MAX_BYTES (1ull << 30)        /* value bytes the server holds at most */
 
 /* ---- store_server.c ------------------------------------------------------------------------ */
 

@@ -1,7 +1,8 @@
 /* The bootstrap key-value store server: a libuv loop on a background thread of rank 0 that serves
- * SET/GET/ADD/WAIT to every PE over TCP, parking blocking requests until they can be answered. */
+ * the protocol to every PE over TCP, parking blocking requests; the keys are in store_table.c. */
 #define _GNU_SOURCE
 #include "bootstrap/proto.h"
+#include "bootstrap/store_table.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -16,13 +17,14 @@
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
-#include <xxhash.h>
 
 /* How it works
  *
  * One thread runs a libuv loop that owns every piece of server state (connections, the key
- * table, parked requests); the only cross-thread traffic is the stop request (a uv_async plus
- * `stop` under `mu`) and the count of live ranks that skv__store_server_stop waits on.
+ * table of store_table.c, parked requests); the only cross-thread traffic is the stop request (a
+ * uv_async plus `stop` under `mu`) and the count of live ranks that skv__store_server_stop waits
+ * on. Parked requests stay here, not with the table: they are a connection's state (its frame,
+ * deadline and place in the reply order), and a SET or ADD on the table is what wakes them.
  *
  * Each connection accumulates bytes in `in` and handles every complete frame in order. A
  * blocking request (GET, WAIT, WAIT_GE) that cannot be answered at once is parked on the
@@ -44,140 +46,6 @@
 #define MSG_CAP         512
 
 typedef enum { RANK_NONE = 0, RANK_LIVE, RANK_LEFT, RANK_DEAD } rank_state_t;
-
-/* ---- key table: chained hashing, power-of-two buckets -------------------------------------- */
-
-typedef struct entry {
-  struct entry *next;
-  uint64_t hash;
-  uint8_t *val;
-  uint32_t vlen;
-  uint16_t klen;
-  uint8_t key[];
-} entry_t;
-
-typedef struct table {
-  entry_t **b;
-  size_t nb;
-  size_t n;
-  uint64_t bytes;
-} table_t;
-
-static uint64_t key_hash(const uint8_t *k, size_t n) {
-  return XXH3_64bits(k, n);
-}
-
-static entry_t **tab_slot(table_t *t, const uint8_t *k, size_t kl, uint64_t h) {
-  entry_t **pp = &t->b[h & (t->nb - 1)];
-  for (; *pp; pp = &(*pp)->next)
-    if ((*pp)->hash == h && (*pp)->klen == kl && memcmp((*pp)->key, k, kl) == 0) return pp;
-  return pp;
-}
-
-static entry_t *tab_find(table_t *t, const uint8_t *k, size_t kl) {
-  return *tab_slot(t, k, kl, key_hash(k, kl));
-}
-
-static int tab_init(table_t *t) {
-  t->nb = 64;
-  t->b = calloc(t->nb, sizeof *t->b);
-  return t->b ? 0 : SKV_ENOMEM;
-}
-
-static void tab_grow(table_t *t) {
-  size_t nb = t->nb * 2;
-  entry_t **b = calloc(nb, sizeof *b);
-  if (!b) return; /* longer chains, still correct */
-  for (size_t i = 0; i < t->nb; i++) {
-    entry_t *e = t->b[i];
-    while (e) {
-      entry_t *next = e->next;
-      e->next = b[e->hash & (nb - 1)];
-      b[e->hash & (nb - 1)] = e;
-      e = next;
-    }
-  }
-  free(t->b);
-  t->b = b;
-  t->nb = nb;
-}
-
-static void tab_free(table_t *t) {
-  for (size_t i = 0; t->b && i < t->nb; i++) {
-    entry_t *e = t->b[i];
-    while (e) {
-      entry_t *next = e->next;
-      free(e->val);
-      free(e);
-      e = next;
-    }
-  }
-  free(t->b);
-  memset(t, 0, sizeof *t);
-}
-
-/* Set key to val; 0, or an SKV_E* code with `msg` filled. */
-static int tab_set(table_t *t, const uint8_t *k, size_t kl, const uint8_t *v, size_t vl,
-                   char *msg) {
-  uint64_t h = key_hash(k, kl);
-  entry_t **pp = tab_slot(t, k, kl, h);
-  entry_t *e = *pp;
-  uint64_t old = e ? e->vlen : 0;
-  if (t->bytes - old + vl > SKV_BOOT_MAX_BYTES) {
-    snprintf(msg, MSG_CAP,
-             "the store holds %" PRIu64 " value bytes and this value of %zu bytes would pass its "
-             "limit of %llu; delete keys that are no longer needed",
-             t->bytes, vl, (unsigned long long)SKV_BOOT_MAX_BYTES);
-    return SKV_ENOSPC;
-  }
-  if (!e && t->n >= SKV_BOOT_MAX_KEYS) {
-    snprintf(msg, MSG_CAP,
-             "the store holds %zu keys, its limit; delete keys that are no longer needed", t->n);
-    return SKV_ENOSPC;
-  }
-  uint8_t *nv = NULL;
-  if (vl) {
-    nv = malloc(vl);
-    if (!nv) {
-      snprintf(msg, MSG_CAP, "the store server is out of memory for a %zu-byte value", vl);
-      return SKV_ENOMEM;
-    }
-    memcpy(nv, v, vl);
-  }
-  if (!e) {
-    e = malloc(sizeof *e + kl);
-    if (!e) {
-      free(nv);
-      snprintf(msg, MSG_CAP, "the store server is out of memory for a key");
-      return SKV_ENOMEM;
-    }
-    e->next = NULL;
-    e->hash = h;
-    e->klen = (uint16_t)kl;
-    memcpy(e->key, k, kl);
-    e->val = NULL;
-    e->vlen = 0;
-    *pp = e;
-    t->n++;
-  }
-  free(e->val);
-  e->val = nv;
-  e->vlen = (uint32_t)vl;
-  t->bytes = t->bytes - old + vl;
-  if (t->n > t->nb) tab_grow(t);
-  return 0;
-}
-
-static void tab_del(table_t *t, const uint8_t *k, size_t kl) {
-  entry_t **pp = tab_slot(t, k, kl, key_hash(k, kl));
-  entry_t *e = *pp;
-  if (!e) return;
-  *pp = e->next;
-  t->n--;
-  t->bytes -= e->vlen;
-  free(e->val);
-  free(e);
-}
 
 /* ---- connections and the server ---------------------------------------------------------- */
 
@@ -221,7 +89,7 @@ struct skv_store_server {
   int port;
   conn_t *conns, *parked, *ready;
   int nconns;
-  table_t tab;
+  skv__table_t tab;
   uint64_t timer_due;
   uint8_t *rank_state;
   conn_t **rank_conn;
@@ -459,7 +327,7 @@ static bool try_complete(conn_t *c) {
   switch (c->park_op) {
   case SKV_BOOT_OP_GET: {
     k = skv__read_key(&r, &kl);
-    entry_t *e = tab_find(&srv->tab, k, kl);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
     if (!e) return false;
     send_reply(c, 0, e->val, e->vlen, NULL, 0);
     return true;
@@ -468,7 +336,7 @@ static bool try_complete(conn_t *c) {
     while (c->park_left > 0) {
       size_t at = r.off;
       k = skv__read_key(&r, &kl);
-      if (!tab_find(&srv->tab, k, kl)) {
+      if (!skv__table_find(&srv->tab, k, kl)) {
         c->park_off = at;
         return false;
       }
@@ -481,7 +349,7 @@ static bool try_complete(conn_t *c) {
   case SKV_BOOT_OP_WAIT_GE: {
     k = skv__read_key(&r, &kl);
     int64_t target = (int64_t)skv__read_u64(&r);
-    entry_t *e = tab_find(&srv->tab, k, kl);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
     int64_t v = 0;
     if (e && e->vlen == 8) v = (int64_t)skv__get_le64(e->val);
     if (e && e->vlen != 8) {
@@ -534,7 +402,7 @@ static void timeout_reply(conn_t *c) {
   default: {
     k = skv__read_key(&r, &kl);
     int64_t target = (int64_t)skv__read_u64(&r);
-    entry_t *e = tab_find(&srv->tab, k, kl);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
     int64_t v = (e && e->vlen == 8) ? (int64_t)skv__get_le64(e->val) : 0;
     snprintf(msg, sizeof msg,
              "timed out after %d ms: counter \"%s\" is %" PRId64 ", waiting for %" PRId64 "%s",
@@ -735,7 +603,7 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
       reply_msg(c, SKV_EINVAL, msg);
       return;
     }
-    int rc = tab_set(&srv->tab, k, kl, v, vl, msg);
+    int rc = skv__table_set(&srv->tab, k, kl, v, vl, msg, sizeof msg);
     if (rc < 0) {
       reply_msg(c, rc, msg);
       return;
@@ -758,7 +626,7 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     k = skv__read_key(&r, &kl);
     if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
-    entry_t *e = tab_find(&srv->tab, k, kl);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
     if (!e) {
       snprintf(msg, sizeof msg, "key \"%s\" does not exist", show_key(k, kl, kb, sizeof kb));
       reply_msg(c, SKV_ENOTFOUND, msg);
@@ -772,7 +640,7 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     int64_t d = (int64_t)skv__read_u64(&r);
     if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
-    entry_t *e = tab_find(&srv->tab, k, kl);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
     int64_t v = 0;
     if (e && e->vlen != 8) {
       snprintf(msg, sizeof msg, "key \"%s\" holds a %u-byte value, not a counter (8 bytes)",
@@ -792,7 +660,7 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     if (e) {
       memcpy(e->val, b, 8);
     } else {
-      int rc = tab_set(&srv->tab, k, kl, b, 8, msg);
+      int rc = skv__table_set(&srv->tab, k, kl, b, 8, msg, sizeof msg);
       if (rc < 0) {
         reply_msg(c, rc, msg);
         return;
@@ -824,7 +692,7 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     k = skv__read_key(&r, &kl);
     if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
-    tab_del(&srv->tab, k, kl);
+    skv__table_del(&srv->tab, k, kl);
     send_reply(c, 0, NULL, 0, NULL, 0);
     return;
   }
@@ -1037,7 +905,7 @@ static void server_free(skv_store_server_t *srv) {
       SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: closing its event loop failed: %s",
                uv_strerror(rc));
   }
-  tab_free(&srv->tab);
+  skv__table_free(&srv->tab);
   free(srv->token);
   free(srv->rank_state);
   free(srv->rank_conn);
@@ -1114,7 +982,7 @@ int skv__store_server_start(const char *bind_addr, int port, const char *token, 
   srv->rank_state = calloc((size_t)nranks, 1);
   srv->rank_conn = calloc((size_t)nranks, sizeof *srv->rank_conn);
   int rc, fd = -1;
-  if (!srv->token || !srv->rank_state || !srv->rank_conn || tab_init(&srv->tab) != 0) {
+  if (!srv->token || !srv->rank_state || !srv->rank_conn || skv__table_init(&srv->tab) != 0) {
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BOOT, "bootstrap store: out of memory");
     goto fail;
   }
