@@ -139,7 +139,7 @@ static int nccl_create(skv_comm_t *c) {
   cudaDeviceGetAttribute(&mine.pci[1], cudaDevAttrPciBusId, ctx->device);
   cudaDeviceGetAttribute(&mine.pci[2], cudaDevAttrPciDeviceId, ctx->device);
   nccl_ready_t all[SKV_MAX_LOCAL_PES];
-  skv__coll_name(ctx, c->heap->seq, "comm-nccl-ready", name, sizeof name);
+  skv__coll_name(ctx, c->heap->op.seq, "comm-nccl-ready", name, sizeof name);
   SKV_CHECK(skv__store_allgather(ctx->store, name, &mine, all, sizeof mine, to));
   for (int r = 0; r < n; r++) {
     if (!all[r].ok) {
@@ -166,7 +166,7 @@ static int nccl_create(skv_comm_t *c) {
   /* Connect every algorithm at init, so that no connection is set up inside a graph capture. */
   setenv("NCCL_RUNTIME_CONNECT", "0", 0);
   ncclUniqueId id;
-  skv__coll_name(ctx, c->heap->seq, "comm-nccl-id", name, sizeof name);
+  skv__coll_name(ctx, c->heap->op.seq, "comm-nccl-id", name, sizeof name);
   if (c->me == 0) {
     ncclResult_t r = nccl.GetUniqueId(&id);
     if (r != ncclSuccess) memset(&id, 0, sizeof id); /* the init below fails everywhere */
@@ -194,12 +194,12 @@ static int nccl_create(skv_comm_t *c) {
     if (comm) nccl.CommAbort(comm);
     comm = NULL;
   }
-  skv__coll_name(ctx, c->heap->seq, "comm-nccl-init", name, sizeof name);
+  skv__coll_name(ctx, c->heap->op.seq, "comm-nccl-init", name, sizeof name);
   int rc = skv__store_allgather(ctx->store, name, &ok, oks, sizeof ok, to);
   bool all_ok = rc == 0;
   for (int q = 0; all_ok && q < n; q++) all_ok = oks[q] != 0;
   if (c->me == 0) {
-    skv__coll_name(ctx, c->heap->seq, "comm-nccl-id", name, sizeof name);
+    skv__coll_name(ctx, c->heap->op.seq, "comm-nccl-id", name, sizeof name);
     skv__store_del(ctx->store, name); /* every PE has read it: the allgather above proves it */
   }
   if (!all_ok) {
