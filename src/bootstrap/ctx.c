@@ -274,10 +274,6 @@ bool skv__is_bootstrap_failure(int rc) {
 
 /* ---- collective operations ------------------------------------------------------------- */
 
-void skv__coll_name(const skv_ctx_t *ctx, uint64_t seq, const char *what, char *buf, size_t cap) {
-  snprintf(buf, cap, "%s/%016" PRIx64 "/%" PRIu64, what, ctx->job_id, seq);
-}
-
 int skv__coll_begin(skv_ctx_t *ctx, skv__coll_op_t *op, const char *kind, const char *fmt, ...) {
   op->ctx = ctx;
   op->seq = 0;
@@ -287,7 +283,8 @@ int skv__coll_begin(skv_ctx_t *ctx, skv__coll_op_t *op, const char *kind, const 
   va_start(ap, fmt);
   int rc = coll_check_v(ctx, &op->seq, fmt, ap);
   va_end(ap);
-  if (rc == 0) skv__coll_name(ctx, op->seq, kind, op->name, sizeof op->name);
+  if (rc == 0)
+    snprintf(op->name, sizeof op->name, "%s/%016" PRIx64 "/%" PRIu64, kind, ctx->job_id, op->seq);
   return rc;
 }
 

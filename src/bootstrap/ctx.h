@@ -41,9 +41,6 @@ int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq, const char *fmt, ...) SKV_PRI
  * mismatch, protocol, authentication): the peers are not all there to take part any more. */
 bool skv__is_bootstrap_failure(int rc);
 
-/* A unique name for the collective object created under sequence number `seq`. */
-void skv__coll_name(const skv_ctx_t *ctx, uint64_t seq, const char *what, char *buf, size_t cap);
-
 /* ---- collective operations and their store keys ------------------------------------------- */
 
 /* How it works
@@ -56,7 +53,7 @@ void skv__coll_name(const skv_ctx_t *ctx, uint64_t seq, const char *what, char *
  * ends by deleting them now (skv__coll_end, skv__coll_settle), when every PE is known to have
  * read them, or later (skv__coll_forget), after this PE's next collective check completes, when
  * not (docs/bootstrap.md, "Key lifetime"). A heap's operation lives as long as the heap: what is
- * built on a heap (a KV cache) takes its steps in the heap's operation, and their keys
+ * built on a heap (a KV cache, a comm) takes its steps in the heap's operation, and their keys
  * go with the heap's, once skv_heap_destroy's check has completed.
  *
  * What can go wrong: a key deleted while a peer still waits for it makes that peer time out.

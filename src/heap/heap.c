@@ -172,8 +172,8 @@ int skv_heap_destroy(skv_heap_t *heap) {
   /* Collective so that no PE unmaps while a peer may still be reading its segment through
    * a kernel; bounded by the timeout, and the memory is released even when it fails. */
   int rc = skv__coll_check(heap->ctx, NULL, "skv_heap_destroy(%s)", heap->name);
-  /* The heap's keys ("made", and those of steps taken on it: kv-ready): every PE has read
-   * them once it passed the check. */
+  /* The heap's keys ("made", and those of steps taken on it: kv-ready, the NCCL set-up): every
+   * PE has read them once it passed the check. */
   if (rc == 0)
     skv__coll_end(&heap->op);
   else
