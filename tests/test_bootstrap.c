@@ -787,8 +787,7 @@ Test(store, malformed_input_closes_only_that_connection) {
     if (kind == 0) {
       skv__frame_begin(&f, 0x7f);
     } else if (kind == 1) {
-      skv__frame_begin(
-          &f, SKV_BOOT_OP_SET); /* SET: key length 100, but 2 bytes of key and nothing else */
+      skv__frame_begin(&f, SKV_BOOT_OP_SET); /* key length 100, but 2 bytes of key and no more */
       skv__frame_u16(&f, 100);
       skv__frame_put(&f, "ab", 2);
     } else if (kind == 2) {

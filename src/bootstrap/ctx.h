@@ -60,8 +60,10 @@ bool skv__is_bootstrap_failure(int rc);
  * Deleting now is right only after a step that gathered every PE's contribution (then every PE
  * has finished the steps before it) or after a collective check that came later; a PE that
  * contributes without reading (skv__coll_contribute) must fail the operation's next agreement,
- * so that nobody takes that step as proof. Keys past SKV_COLL_OP_KEYS, or those deferred past
- * SKV_CTX_DEFERRED_KEYS before a check, stay in the store (a small leak, never an error). */
+ * so that nobody takes that step as proof. A key past SKV_COLL_OP_KEYS (or of a step name too
+ * long to note) is deferred at once, which is always safe: every PE reads a step's keys before
+ * it takes part in any later collective check. Keys deferred past SKV_CTX_DEFERRED_KEYS before
+ * a check stay in the store (a small leak, never an error). */
 
 #define SKV_COLL_NAME_CAP 96 /* bytes of an operation's name, NUL included */
 #define SKV_COLL_STEP_CAP 16 /* bytes of a step's name, NUL included */
