@@ -1,7 +1,7 @@
 /* Tests of the bootstrap layer: the store server and client (in one process and across forked
  * PEs, hostile input, dead and stopped peers) and fd passing between the PEs of one node. */
 #define _GNU_SOURCE
-#include "bootstrap/bootstrap.h"
+#include "bootstrap/proto.h"
 #include "skv_test.h"
 
 #include <arpa/inet.h>
@@ -135,46 +135,6 @@ static int raw_local_port(int fd) {
   return ntohs(a.sin_port);
 }
 
-typedef struct frame {
-  uint8_t b[1024];
-  size_t n;
-} frame_t;
-
-static void f_put(frame_t *f, const void *p, size_t n) {
-  memcpy(f->b + f->n, p, n);
-  f->n += n;
-}
-static void f_u16(frame_t *f, uint16_t v) {
-  f_put(f, &v, 2);
-} /* the test host is little-endian */
-static void f_u32(frame_t *f, uint32_t v) {
-  f_put(f, &v, 4);
-}
-static void f_u64(frame_t *f, uint64_t v) {
-  f_put(f, &v, 8);
-}
-static void f_begin(frame_t *f, uint8_t op) {
-  f->n = 0;
-  f_u32(f, 0);
-  f_put(f, &op, 1);
-}
-static void f_end(frame_t *f) {
-  uint32_t len = (uint32_t)(f->n - 4);
-  memcpy(f->b, &len, 4);
-}
-static void f_key(frame_t *f, const char *k) {
-  f_u16(f, (uint16_t)strlen(k));
-  f_put(f, k, strlen(k));
-}
-static void f_hello(frame_t *f, const char *token, int rank, int nranks) {
-  f_begin(f, 1);
-  f_u32(f, SKV_BOOT_PROTO_VERSION);
-  f_u32(f, (uint32_t)rank);
-  f_u32(f, (uint32_t)nranks);
-  f_put(f, token, strlen(token));
-  f_end(f);
-}
-
 static void raw_send(int fd, const void *p, size_t n) {
   cr_assert_eq(send(fd, p, n, MSG_NOSIGNAL), (ssize_t)n, "raw send: %s", strerror(errno));
 }
@@ -194,12 +154,11 @@ static bool raw_recv(int fd, void *p, size_t n, int timeout_ms) {
 
 /* Read one reply: its status and up to cap payload bytes. */
 static int32_t raw_reply(int fd, void *payload, size_t cap, size_t *plen) {
-  uint8_t h[8];
-  cr_assert(raw_recv(fd, h, 8, 5000), "no reply from the server");
+  uint8_t h[SKV_BOOT_REPLY_HDR];
+  cr_assert(raw_recv(fd, h, sizeof h, 5000), "no reply from the server");
   uint32_t len;
   int32_t status;
-  memcpy(&len, h, 4);
-  memcpy(&status, h + 4, 4);
+  skv__reply_hdr_get(h, &len, &status);
   cr_assert_geq(len, 4u);
   size_t n = len - 4;
   cr_assert_leq(n, cap, "reply of %zu bytes", n);
@@ -350,36 +309,38 @@ Test(store, oversized_keys_and_values) {
   /* The server checks too (for clients that skip the client-side checks), and keeps the
    * connection: a raw SET with a 300-byte key gets SKV_EINVAL, then a TRY_GET is answered. */
   int fd = raw_connect(skv__store_server_port(srv));
-  frame_t f;
+  skv__frame_t f = {0};
   /* rank 0 is taken by `st`; a 2-rank server would be needed for another rank, so leave st. */
   cr_assert_eq(skv__store_close(st), 0);
-  f_hello(&f, "tok-oversized", 0, 1);
-  raw_send(fd, f.b, f.n);
+  skv__frame_hello(&f, "tok-oversized", 0, 1);
+  raw_send(fd, f.p, f.len);
   uint8_t pl[600];
   cr_assert_eq(raw_reply(fd, pl, sizeof pl, NULL), 0, "HELLO refused");
-  f_begin(&f, 2);
-  f_u16(&f, 300);
+  skv__frame_begin(&f, SKV_BOOT_OP_SET);
+  skv__frame_u16(&f, 300);
   char k300[300];
   memset(k300, 'z', sizeof k300);
-  f_put(&f, k300, sizeof k300);
-  f_u32(&f, 1);
-  f_put(&f, "v", 1);
-  f_end(&f);
-  raw_send(fd, f.b, f.n);
+  skv__frame_put(&f, k300, sizeof k300);
+  skv__frame_u32(&f, 1);
+  skv__frame_put(&f, "v", 1);
+  skv__frame_end(&f);
+  raw_send(fd, f.p, f.len);
   size_t n = 0;
   cr_assert_eq(raw_reply(fd, pl, sizeof pl - 1, &n), SKV_EINVAL);
   pl[n] = '\0';
   cr_assert(strstr((char *)pl, "300 bytes"), "reason: %s", pl);
-  f_begin(&f, 4);
-  f_key(&f, "big");
-  f_end(&f);
-  raw_send(fd, f.b, f.n);
-  uint8_t hdr[8];
-  cr_assert(raw_recv(fd, hdr, 8, 5000));
+  skv__frame_begin(&f, SKV_BOOT_OP_TRY_GET);
+  skv__frame_key(&f, "big");
+  skv__frame_end(&f);
+  raw_send(fd, f.p, f.len);
+  uint8_t hdr[SKV_BOOT_REPLY_HDR];
+  cr_assert(raw_recv(fd, hdr, sizeof hdr, 5000));
+  uint32_t rlen;
   int32_t status;
-  memcpy(&status, hdr + 4, 4);
+  skv__reply_hdr_get(hdr, &rlen, &status);
   cr_assert_eq(status, 0, "connection unusable after a rejected key");
   close(fd);
+  skv__frame_free(&f);
   cr_assert_eq(skv__store_server_stop(srv, 2000), 0, "%s", skv_last_error());
 }
 
@@ -479,9 +440,9 @@ Test(store, wrong_token_and_bad_ranks_rejected) {
   cr_assert(skv__now_ms() - t0 < 3000, "rejections should be quick");
   /* a rank out of range never reaches the server (checked by the client), so send it raw */
   int fd = raw_connect(port);
-  frame_t f;
-  f_hello(&f, "good-token-123", 7, 3);
-  raw_send(fd, f.b, f.n);
+  skv__frame_t f = {0};
+  skv__frame_hello(&f, "good-token-123", 7, 3);
+  raw_send(fd, f.p, f.len);
   char msg[600];
   size_t n = 0;
   cr_assert_eq(raw_reply(fd, msg, sizeof msg - 1, &n), SKV_EINVAL);
@@ -489,6 +450,7 @@ Test(store, wrong_token_and_bad_ranks_rejected) {
   cr_assert(strstr(msg, "rank 7"), "%s", msg);
   cr_assert(raw_closed(fd, 3000), "connection kept after a rejected HELLO");
   close(fd);
+  skv__frame_free(&f);
   /* the correct clients are still served */
   skv_store_t *b = join(srv, "good-token-123", 1, 3);
   expect_value(b, "k", "v", 1);
@@ -693,7 +655,7 @@ Test(store, malformed_input_closes_only_that_connection) {
   skv_store_server_t *srv = serve(tok, 8);
   int port = skv__store_server_port(srv);
   skv_store_t *st = join(srv, tok, 0, 8);
-  frame_t f;
+  skv__frame_t f = {0};
   uint64_t seed = skv_test_seed();
   int step = 0;
 
@@ -701,8 +663,7 @@ Test(store, malformed_input_closes_only_that_connection) {
   int fd = raw_connect(port);
   uint8_t junk[200];
   skv_test_fill_random(junk, sizeof junk, &seed);
-  uint32_t len = 100;
-  memcpy(junk, &len, 4);
+  skv__put_le32(junk, 100);
   junk[4] = 0xee;
   raw_send(fd, junk, sizeof junk);
   expect_closed_and_logged(fd, "random bytes");
@@ -731,8 +692,8 @@ Test(store, malformed_input_closes_only_that_connection) {
 
   /* a truncated frame, then the peer goes away */
   fd = raw_connect(port);
-  f_hello(&f, tok, 1, 8);
-  raw_send(fd, f.b, 10);
+  skv__frame_hello(&f, tok, 1, 8);
+  raw_send(fd, f.p, 10);
   shutdown(fd, SHUT_WR);
   cr_assert(raw_closed(fd, 3000), "truncated frame");
   close(fd);
@@ -740,35 +701,34 @@ Test(store, malformed_input_closes_only_that_connection) {
 
   /* an unknown opcode before HELLO */
   fd = raw_connect(port);
-  f_begin(&f, 0x42);
-  f_end(&f);
-  raw_send(fd, f.b, f.n);
+  skv__frame_begin(&f, 0x42);
+  skv__frame_end(&f);
+  raw_send(fd, f.p, f.len);
   expect_closed_and_logged(fd, "opcode before HELLO");
   still_serving(st, step++);
 
   /* several frames in one write, and a frame split into single bytes */
   fd = raw_connect(port);
-  frame_t all;
-  all.n = 0;
-  f_hello(&f, tok, 6, 8);
-  f_put(&all, f.b, f.n);
-  f_begin(&f, 2);
-  f_key(&f, "multi");
-  f_u32(&f, 3);
-  f_put(&f, "abc", 3);
-  f_end(&f);
-  f_put(&all, f.b, f.n);
-  f_begin(&f, 5);
-  f_key(&f, "mctr");
-  f_u64(&f, 41);
-  f_end(&f);
-  f_put(&all, f.b, f.n);
-  f_begin(&f, 3);
-  f_u32(&f, 1000);
-  f_key(&f, "multi");
-  f_end(&f);
-  f_put(&all, f.b, f.n);
-  raw_send(fd, all.b, all.n);
+  skv__frame_t all = {0};
+  skv__frame_hello(&f, tok, 6, 8);
+  skv__frame_put(&all, f.p, f.len);
+  skv__frame_begin(&f, SKV_BOOT_OP_SET);
+  skv__frame_key(&f, "multi");
+  skv__frame_u32(&f, 3);
+  skv__frame_put(&f, "abc", 3);
+  skv__frame_end(&f);
+  skv__frame_put(&all, f.p, f.len);
+  skv__frame_begin(&f, SKV_BOOT_OP_ADD);
+  skv__frame_key(&f, "mctr");
+  skv__frame_u64(&f, 41);
+  skv__frame_end(&f);
+  skv__frame_put(&all, f.p, f.len);
+  skv__frame_begin(&f, SKV_BOOT_OP_GET);
+  skv__frame_u32(&f, 1000);
+  skv__frame_key(&f, "multi");
+  skv__frame_end(&f);
+  skv__frame_put(&all, f.p, f.len);
+  raw_send(fd, all.p, all.len);
   uint8_t pl[64];
   size_t n = 0;
   cr_assert_eq(raw_reply(fd, pl, sizeof pl, &n), 0);
@@ -776,33 +736,32 @@ Test(store, malformed_input_closes_only_that_connection) {
   cr_assert_eq(raw_reply(fd, pl, sizeof pl, &n), 0);
   cr_assert_eq(n, 0);
   cr_assert_eq(raw_reply(fd, pl, sizeof pl, &n), 0);
-  int64_t ctr;
-  memcpy(&ctr, pl, 8);
+  int64_t ctr = (int64_t)skv__get_le64(pl);
   cr_assert(n == 8 && ctr == 41, "ADD reply");
   cr_assert_eq(raw_reply(fd, pl, sizeof pl, &n), 0);
   cr_assert(n == 3 && memcmp(pl, "abc", 3) == 0, "GET reply");
   /* byte by byte: a TRY_GET */
-  f_begin(&f, 4);
-  f_key(&f, "multi");
-  f_end(&f);
-  for (size_t i = 0; i < f.n; i++) {
-    raw_send(fd, f.b + i, 1);
+  skv__frame_begin(&f, SKV_BOOT_OP_TRY_GET);
+  skv__frame_key(&f, "multi");
+  skv__frame_end(&f);
+  for (size_t i = 0; i < f.len; i++) {
+    raw_send(fd, f.p + i, 1);
     sleep_ms(2);
   }
   cr_assert_eq(raw_reply(fd, pl, sizeof pl, &n), 0);
   cr_assert(n == 3 && memcmp(pl, "abc", 3) == 0, "TRY_GET reply after a split frame");
   /* a frame queued behind a parked GET is answered after it, in order */
-  all.n = 0;
-  f_begin(&f, 3);
-  f_u32(&f, 5000);
-  f_key(&f, "parked");
-  f_end(&f);
-  f_put(&all, f.b, f.n);
-  f_begin(&f, 4);
-  f_key(&f, "multi");
-  f_end(&f);
-  f_put(&all, f.b, f.n);
-  raw_send(fd, all.b, all.n);
+  all.len = 0;
+  skv__frame_begin(&f, SKV_BOOT_OP_GET);
+  skv__frame_u32(&f, 5000);
+  skv__frame_key(&f, "parked");
+  skv__frame_end(&f);
+  skv__frame_put(&all, f.p, f.len);
+  skv__frame_begin(&f, SKV_BOOT_OP_TRY_GET);
+  skv__frame_key(&f, "multi");
+  skv__frame_end(&f);
+  skv__frame_put(&all, f.p, f.len);
+  raw_send(fd, all.p, all.len);
   sleep_ms(100);
   struct pollfd pf = {.fd = fd, .events = POLLIN};
   cr_assert_eq(poll(&pf, 1, 0), 0, "a reply came before the parked GET was answered");
@@ -811,9 +770,9 @@ Test(store, malformed_input_closes_only_that_connection) {
   cr_assert(n == 1 && pl[0] == 'P', "parked GET answered first");
   cr_assert_eq(raw_reply(fd, pl, sizeof pl, &n), 0);
   cr_assert(n == 3 && memcmp(pl, "abc", 3) == 0, "queued TRY_GET answered second");
-  f_begin(&f, 9);
-  f_end(&f);
-  raw_send(fd, f.b, f.n);
+  skv__frame_begin(&f, SKV_BOOT_OP_BYE);
+  skv__frame_end(&f);
+  raw_send(fd, f.p, f.len);
   cr_assert_eq(raw_reply(fd, pl, sizeof pl, &n), 0, "BYE acknowledged");
   cr_assert(raw_closed(fd, 3000), "server closes after BYE");
   close(fd);
@@ -822,24 +781,24 @@ Test(store, malformed_input_closes_only_that_connection) {
   /* after a good HELLO: an unknown opcode, truncated fields, trailing bytes, a second HELLO */
   for (int kind = 0; kind < 4; kind++) {
     fd = raw_connect(port);
-    f_hello(&f, tok, 2 + kind, 8);
-    raw_send(fd, f.b, f.n);
+    skv__frame_hello(&f, tok, 2 + kind, 8);
+    raw_send(fd, f.p, f.len);
     cr_assert_eq(raw_reply(fd, junk, sizeof junk, NULL), 0, "HELLO of rank %d refused", 2 + kind);
     if (kind == 0) {
-      f_begin(&f, 0x7f);
+      skv__frame_begin(&f, 0x7f);
     } else if (kind == 1) {
-      f_begin(&f, 2); /* SET: key length 100, but 2 bytes of key and nothing else */
-      f_u16(&f, 100);
-      f_put(&f, "ab", 2);
+      skv__frame_begin(&f, SKV_BOOT_OP_SET); /* key length 100, but 2 bytes of key and no more */
+      skv__frame_u16(&f, 100);
+      skv__frame_put(&f, "ab", 2);
     } else if (kind == 2) {
-      f_begin(&f, 4); /* TRY_GET with a byte too many */
-      f_key(&f, "alive/0");
-      f_put(&f, "!", 1);
+      skv__frame_begin(&f, SKV_BOOT_OP_TRY_GET); /* TRY_GET with a byte too many */
+      skv__frame_key(&f, "alive/0");
+      skv__frame_put(&f, "!", 1);
     } else {
-      f_hello(&f, tok, 2 + kind, 8);
+      skv__frame_hello(&f, tok, 2 + kind, 8);
     }
-    if (kind != 3) f_end(&f);
-    raw_send(fd, f.b, f.n);
+    if (kind != 3) skv__frame_end(&f);
+    raw_send(fd, f.p, f.len);
     expect_closed_and_logged(fd, kind == 0   ? "unknown opcode"
                                  : kind == 1 ? "truncated fields"
                                  : kind == 2 ? "trailing bytes"
@@ -853,6 +812,8 @@ Test(store, malformed_input_closes_only_that_connection) {
   void *v = NULL;
   cr_assert_eq(skv__store_get(st, "never", &v, &n, 5000), SKV_EPEERDEAD);
   skv_log_set_sink(NULL, NULL);
+  skv__frame_free(&f);
+  skv__frame_free(&all);
   cr_assert_eq(skv__store_close(st), 0);
   cr_assert_eq(skv__store_server_stop(srv, 2000), 0, "%s", skv_last_error());
 }

@@ -8,14 +8,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Protocol limits (docs/bootstrap.md describes the wire format). */
-#define SKV_BOOT_PROTO_VERSION    1
-#define SKV_BOOT_MAX_KEY          SKV_STORE_MAX_KEY            /* bytes of a key */
-#define SKV_BOOT_MAX_VALUE        SKV_STORE_MAX_VALUE          /* bytes of a value */
-#define SKV_BOOT_MAX_FRAME        (SKV_BOOT_MAX_VALUE + 1024u) /* bytes of one frame's payload */
-#define SKV_BOOT_MAX_KEYS         (1u << 20)                   /* keys the server holds at most */
-#define SKV_BOOT_MAX_BYTES        (1ull << 30) /* value bytes the server holds at most */
-#define SKV_BOOT_HELLO_TIMEOUT_MS 10000        /* a connection must say HELLO by then */
+/* Sizes of keys and values (the wire protocol's other limits are in bootstrap/proto.h, those of
+ * the server's key table in bootstrap/store_table.h). */
+#define SKV_BOOT_MAX_KEY   SKV_STORE_MAX_KEY   /* bytes of a key */
+#define SKV_BOOT_MAX_VALUE SKV_STORE_MAX_VALUE /* bytes of a value */
 
 /* ---- store_server.c ------------------------------------------------------------------------ */
 

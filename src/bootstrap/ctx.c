@@ -190,17 +190,26 @@ typedef struct coll_rec {
   char desc[240];
 } coll_rec_t;
 
-void skv__coll_name(const skv_ctx_t *ctx, uint64_t seq, const char *what, char *buf, size_t cap) {
-  snprintf(buf, cap, "%s/%016" PRIx64 "/%" PRIu64, what, ctx->job_id, seq);
+/* Delete this PE's store key `key` after the next collective check completes. */
+static void defer_key(skv_ctx_t *ctx, const char *key) {
+  pthread_mutex_lock(&ctx->mu);
+  if (ctx->ndeferred < SKV_CTX_DEFERRED_KEYS)
+    snprintf(ctx->deferred[ctx->ndeferred++], sizeof ctx->deferred[0], "%s", key);
+  pthread_mutex_unlock(&ctx->mu);
 }
 
-int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, ...) {
+/* The context's own operations (the check, allgather, broadcast) are named "<kind>/<seq>". */
+static void op_init(skv__coll_op_t *op, skv_ctx_t *ctx, uint64_t seq, const char *kind) {
+  op->ctx = ctx;
+  op->seq = seq;
+  op->nkeys = 0;
+  snprintf(op->name, sizeof op->name, "%s/%" PRIu64, kind, seq);
+}
+
+static int coll_check_v(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, va_list ap) {
   coll_rec_t me;
   memset(&me, 0, sizeof me);
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(me.desc, sizeof me.desc, fmt, ap);
-  va_end(ap);
   pthread_mutex_lock(&ctx->mu);
   uint64_t seq = ++ctx->coll_seq;
   pthread_mutex_unlock(&ctx->mu);
@@ -209,11 +218,12 @@ int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, ...) {
   int n = ctx->cfg.world_size;
   coll_rec_t *all = calloc((size_t)n, sizeof *all);
   if (!all) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "out of memory for the collective check");
-  char name[48];
-  snprintf(name, sizeof name, "coll/%" PRIu64, seq);
+  skv__coll_op_t op;
+  op_init(&op, ctx, seq, "coll");
   SKV_TRACE(SKV_SUBSYS_INIT, "collective #%" PRIu64 ": %s", seq, me.desc);
-  int rc = skv__store_allgather(ctx->store, name, &me, all, sizeof me, ctx->cfg.timeout_ms);
+  int rc = skv__coll_allgather(&op, NULL, &me, all, sizeof me);
   if (rc < 0) {
+    skv__coll_forget(&op);
     free(all);
     char what[300];
     snprintf(what, sizeof what, "%s", skv_last_error());
@@ -235,18 +245,25 @@ int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, ...) {
   }
   free(all);
   /* Every PE that contributed to this check had finished reading the keys of its earlier
-   * collectives, so this PE's keys of those can go (docs/bootstrap.md, "Key lifetime"). */
+   * collectives, so this PE's keys of those can go (docs/bootstrap.md, "Key lifetime"); the
+   * check's own key goes after the next one. */
   if (rc == 0) {
     pthread_mutex_lock(&ctx->mu);
     int nd = ctx->ndeferred;
     ctx->ndeferred = 0;
     for (int i = 0; i < nd; i++) (void)skv__store_del(ctx->store, ctx->deferred[i]);
     pthread_mutex_unlock(&ctx->mu);
-    char key[SKV_BOOT_MAX_KEY + 16];
-    skv__store_allgather_key(ctx->store, name, key, sizeof key);
-    skv__coll_forget_later(ctx, key);
   }
+  skv__coll_forget(&op);
   if (rc == 0 && seq_out) *seq_out = seq;
+  return rc;
+}
+
+int skv__coll_check(skv_ctx_t *ctx, uint64_t *seq_out, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int rc = coll_check_v(ctx, seq_out, fmt, ap);
+  va_end(ap);
   return rc;
 }
 
@@ -255,8 +272,66 @@ bool skv__is_bootstrap_failure(int rc) {
          rc == SKV_EPROTO || rc == SKV_EAUTH;
 }
 
-int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) {
+/* ---- collective operations ------------------------------------------------------------- */
+
+int skv__coll_begin(skv_ctx_t *ctx, skv__coll_op_t *op, const char *kind, const char *fmt, ...) {
+  op->ctx = ctx;
+  op->seq = 0;
+  op->nkeys = 0;
+  op->name[0] = '\0';
+  va_list ap;
+  va_start(ap, fmt);
+  int rc = coll_check_v(ctx, &op->seq, fmt, ap);
+  va_end(ap);
+  if (rc == 0)
+    snprintf(op->name, sizeof op->name, "%s/%016" PRIx64 "/%" PRIu64, kind, ctx->job_id, op->seq);
+  return rc;
+}
+
+/* The store name of `step` of op ("<name>/<step>", or the name itself); per_rank: this PE's
+ * allgather key of it. */
+static void op_key(const skv__coll_op_t *op, const char *step, bool per_rank, char *buf,
+                   size_t cap) {
+  char name[SKV_BOOT_MAX_KEY + 16];
+  if (step && step[0])
+    snprintf(name, sizeof name, "%s/%s", op->name, step);
+  else
+    snprintf(name, sizeof name, "%s", op->name);
+  if (per_rank)
+    skv__store_allgather_key(op->ctx->store, name, buf, cap);
+  else
+    snprintf(buf, cap, "%s", name);
+}
+
+/* This PE is about to write its key of `step`: the operation notes it (or, full, defers it). */
+static void op_note(skv__coll_op_t *op, const char *step, bool per_rank) {
+  if (!step) step = "";
+  if (op->nkeys < SKV_COLL_OP_KEYS && strlen(step) < SKV_COLL_STEP_CAP) {
+    snprintf(op->keys[op->nkeys].step, sizeof op->keys[0].step, "%s", step);
+    op->keys[op->nkeys++].per_rank = per_rank;
+    return;
+  }
+  char key[SKV_BOOT_MAX_KEY + 16];
+  op_key(op, step, per_rank, key, sizeof key);
+  defer_key(op->ctx, key);
+}
+
+/* Delete now (or defer) this PE's keys first..nkeys-1 of op. */
+static void op_drop(skv__coll_op_t *op, int first, bool later) {
+  char key[SKV_BOOT_MAX_KEY + 16];
+  for (int i = first; i < op->nkeys; i++) {
+    op_key(op, op->keys[i].step, op->keys[i].per_rank, key, sizeof key);
+    if (later)
+      defer_key(op->ctx, key);
+    else
+      (void)skv__store_del(op->ctx->store, key);
+  }
+  op->nkeys = first;
+}
+
+int skv__coll_agree(skv__coll_op_t *op, const char *step, int rc, const char *what) {
   if (rc < 0 && skv__is_bootstrap_failure(rc)) return rc;
+  skv_ctx_t *ctx = op->ctx;
   const int n = ctx->cfg.world_size;
   skv_step_result_t *all = rc < 0 ? NULL : calloc((size_t)n, sizeof *all);
   if (rc == 0 && !all) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "%s: out of memory", what);
@@ -264,13 +339,14 @@ int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) 
     /* A PE that failed only tells the others (its allgather key): it needs nothing from them,
      * and some may have given up already. Its own error stays the one it reports. */
     char key[SKV_BOOT_MAX_KEY + 16];
-    skv__store_allgather_key(ctx->store, name, key, sizeof key);
+    op_note(op, step, true);
+    op_key(op, step, true, key, sizeof key);
     skv__store_put_failure(ctx->store, key, rc);
     return rc;
   }
   skv_step_result_t me;
   memset(&me, 0, sizeof me);
-  int out = skv__store_allgather(ctx->store, name, &me, all, sizeof me, ctx->cfg.timeout_ms);
+  int out = skv__coll_allgather(op, step, &me, all, sizeof me);
   for (int r = 0; out == 0 && r < n; r++)
     if (all[r].rc < 0)
       out = SKV_FAIL(all[r].rc, SKV_SUBSYS_INIT, "%s: rank %d failed: %s", what, r,
@@ -279,14 +355,72 @@ int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) 
   return out;
 }
 
-void skv__coll_forget_later(skv_ctx_t *ctx, const char *key) {
-  pthread_mutex_lock(&ctx->mu);
-  if (ctx->ndeferred < SKV_CTX_DEFERRED_KEYS)
-    snprintf(ctx->deferred[ctx->ndeferred++], sizeof ctx->deferred[0], "%s", key);
-  pthread_mutex_unlock(&ctx->mu);
+int skv__coll_allgather(skv__coll_op_t *op, const char *step, const void *in, void *out,
+                        size_t bytes) {
+  char name[SKV_BOOT_MAX_KEY + 16];
+  op_key(op, step, false, name, sizeof name);
+  op_note(op, step, true);
+  return skv__store_allgather(op->ctx->store, name, in, out, bytes, op->ctx->cfg.timeout_ms);
+}
+
+int skv__coll_contribute(skv__coll_op_t *op, const char *step, const void *in, size_t bytes) {
+  char name[SKV_BOOT_MAX_KEY + 16];
+  op_key(op, step, false, name, sizeof name);
+  op_note(op, step, true);
+  return skv__store_allgather_put(op->ctx->store, name, in, bytes);
+}
+
+int skv__coll_bcast(skv__coll_op_t *op, const char *step, void *buf, size_t bytes, int root,
+                    const char *what) {
+  skv_ctx_t *ctx = op->ctx;
+  char key[SKV_BOOT_MAX_KEY + 16];
+  op_key(op, step, false, key, sizeof key);
+  if (ctx->cfg.rank == root) {
+    op_note(op, step, false);
+    return skv__store_set(ctx->store, key, buf, bytes);
+  }
+  void *val = NULL;
+  size_t len = 0;
+  SKV_CHECK(skv__store_get(ctx->store, key, &val, &len, ctx->cfg.timeout_ms));
+  int rc = 0;
+  if (len != bytes)
+    rc = SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_BOOT, "%s from rank %d carried %zu bytes, expected %zu",
+                  what, root, len, bytes);
+  else
+    memcpy(buf, val, bytes);
+  free(val);
+  return rc;
+}
+
+void skv__coll_settle(skv__coll_op_t *op) {
+  if (op->nkeys < 2) return;
+  skv__coll_key_t last = op->keys[--op->nkeys];
+  op_drop(op, 0, false);
+  op->keys[op->nkeys++] = last;
+}
+
+void skv__coll_end(skv__coll_op_t *op) {
+  if (op->ctx) op_drop(op, 0, false);
+}
+
+void skv__coll_forget(skv__coll_op_t *op) {
+  if (op->ctx) op_drop(op, 0, true);
 }
 
 /* ---- host collectives and the public store -------------------------------------------- */
+
+/* Begin one of the context's own collectives: the check, and op named "<kind>/<seq>". */
+static int host_begin(skv_ctx_t *ctx, skv__coll_op_t *op, const char *kind, const char *fmt, ...)
+    SKV_PRINTF(4, 5);
+static int host_begin(skv_ctx_t *ctx, skv__coll_op_t *op, const char *kind, const char *fmt, ...) {
+  uint64_t seq = 0;
+  va_list ap;
+  va_start(ap, fmt);
+  int rc = coll_check_v(ctx, &seq, fmt, ap);
+  va_end(ap);
+  op_init(op, ctx, seq, kind);
+  return rc;
+}
 
 int skv_ctx_barrier(skv_ctx_t *ctx) {
   SKV_CTX_CHECK(ctx, "skv_ctx_barrier");
@@ -301,15 +435,11 @@ int skv_ctx_allgather(skv_ctx_t *ctx, const void *in, void *out, size_t bytes) {
   SKV_ARG_CHECK(in && out && bytes > 0 && bytes <= SKV_STORE_MAX_VALUE, SKV_SUBSYS_BOOT,
                 "skv_ctx_allgather: need non-NULL in/out and 1..%u bytes (got %zu)",
                 SKV_STORE_MAX_VALUE, bytes);
-  uint64_t seq;
-  SKV_CHECK(skv__coll_check(ctx, &seq, "skv_ctx_allgather(bytes=%zu)", bytes));
-  char name[64];
-  snprintf(name, sizeof name, "ag/%" PRIu64, seq);
-  SKV_CHECK(skv__store_allgather(ctx->store, name, in, out, bytes, ctx->cfg.timeout_ms));
-  char key[SKV_BOOT_MAX_KEY + 16];
-  skv__store_allgather_key(ctx->store, name, key, sizeof key);
-  skv__coll_forget_later(ctx, key);
-  return 0;
+  skv__coll_op_t op;
+  SKV_CHECK(host_begin(ctx, &op, "ag", "skv_ctx_allgather(bytes=%zu)", bytes));
+  int rc = skv__coll_allgather(&op, NULL, in, out, bytes);
+  skv__coll_forget(&op);
+  return rc;
 }
 
 int skv_ctx_broadcast(skv_ctx_t *ctx, void *buf, size_t bytes, int root) {
@@ -320,25 +450,10 @@ int skv_ctx_broadcast(skv_ctx_t *ctx, void *buf, size_t bytes, int root) {
   SKV_ARG_CHECK(root >= 0 && root < ctx->cfg.world_size, SKV_SUBSYS_BOOT,
                 "skv_ctx_broadcast: root %d is not a rank of this %d-PE job", root,
                 ctx->cfg.world_size);
-  uint64_t seq;
-  SKV_CHECK(skv__coll_check(ctx, &seq, "skv_ctx_broadcast(bytes=%zu, root=%d)", bytes, root));
-  char name[64];
-  snprintf(name, sizeof name, "bc/%" PRIu64, seq);
-  if (ctx->cfg.rank == root) {
-    SKV_CHECK(skv__store_set(ctx->store, name, buf, bytes));
-    skv__coll_forget_later(ctx, name);
-    return 0;
-  }
-  void *val = NULL;
-  size_t len = 0;
-  SKV_CHECK(skv__store_get(ctx->store, name, &val, &len, ctx->cfg.timeout_ms));
-  int rc = 0;
-  if (len != bytes)
-    rc = SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_BOOT,
-                  "broadcast from rank %d carried %zu bytes, expected %zu", root, len, bytes);
-  else
-    memcpy(buf, val, bytes);
-  free(val);
+  skv__coll_op_t op;
+  SKV_CHECK(host_begin(ctx, &op, "bc", "skv_ctx_broadcast(bytes=%zu, root=%d)", bytes, root));
+  int rc = skv__coll_bcast(&op, NULL, buf, bytes, root, "broadcast");
+  skv__coll_forget(&op);
   return rc;
 }
 

@@ -1,7 +1,7 @@
 /* The bootstrap store client: a blocking TCP connection to rank 0's store, one request at a
  * time, every wait bounded; set/get/add/wait plus the barrier and allgather built on them. */
 #define _GNU_SOURCE
-#include "bootstrap/bootstrap.h"
+#include "bootstrap/proto.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -18,19 +18,6 @@
 #include <time.h>
 #include <unistd.h>
 
-/* Opcodes: the same numbers as store_server.c (docs/bootstrap.md lists them). */
-enum {
-  OP_HELLO = 1,
-  OP_SET = 2,
-  OP_GET = 3,
-  OP_TRY_GET = 4,
-  OP_ADD = 5,
-  OP_WAIT = 6,
-  OP_WAIT_GE = 7,
-  OP_DEL = 8,
-  OP_BYE = 9,
-};
-
 #define GRACE_MS      2000 /* a reply may come this long after the request's own timeout */
 #define CLOSE_WAIT_MS 5000 /* bound on the BYE round trip */
 #define RETRY_MS      20   /* connect retry period while rank 0 starts */
@@ -44,64 +31,6 @@ struct skv_store {
   char peer[300];
   char why[300]; /* why the connection is broken */
 };
-
-/* ---- framing ---------------------------------------------------------------------------- */
-
-typedef struct wbuf {
-  uint8_t *p;
-  size_t len, cap;
-  bool oom;
-} wbuf_t;
-
-static void wb_put(wbuf_t *b, const void *src, size_t n) {
-  if (b->oom) return;
-  if (b->len + n > b->cap) {
-    size_t cap = SKV_MAX(b->cap * 2, b->len + n + 64);
-    uint8_t *p = realloc(b->p, cap);
-    if (!p) {
-      b->oom = true;
-      return;
-    }
-    b->p = p;
-    b->cap = cap;
-  }
-  if (n) memcpy(b->p + b->len, src, n);
-  b->len += n;
-}
-static void wb_u8(wbuf_t *b, uint8_t v) {
-  wb_put(b, &v, 1);
-}
-static void wb_u16(wbuf_t *b, uint16_t v) {
-  uint8_t x[2] = {(uint8_t)v, (uint8_t)(v >> 8)};
-  wb_put(b, x, 2);
-}
-static void wb_u32(wbuf_t *b, uint32_t v) {
-  uint8_t x[4];
-  for (int i = 0; i < 4; i++) x[i] = (uint8_t)(v >> (8 * i));
-  wb_put(b, x, 4);
-}
-static void wb_u64(wbuf_t *b, uint64_t v) {
-  uint8_t x[8];
-  for (int i = 0; i < 8; i++) x[i] = (uint8_t)(v >> (8 * i));
-  wb_put(b, x, 8);
-}
-static void wb_key(wbuf_t *b, const char *k) {
-  size_t n = strlen(k);
-  wb_u16(b, (uint16_t)n);
-  wb_put(b, k, n);
-}
-/* Begin a frame: room for the length, then the opcode. */
-static void wb_begin(wbuf_t *b, uint8_t op) {
-  wb_u32(b, 0);
-  wb_u8(b, op);
-}
-
-static uint32_t get_u32(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get_u64(const uint8_t *p) {
-  return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
-}
 
 /* ---- bounded socket I/O ----------------------------------------------------------------- */
 
@@ -180,13 +109,14 @@ static int io_error(skv_store_t *st, int rc, const char *what, int wait_ms, bool
                 sending ? "sending to" : "receiving from", st->peer, strerror(-rc));
 }
 
-/* Send the frame in `b` and read the reply: *status and a malloc'ed payload (NUL appended).
- * Transport failures break the connection and are returned; the caller maps *status. */
-static int rpc(skv_store_t *st, const char *what, wbuf_t *b, int wait_ms, int32_t *status,
+/* Send the frame in `b` (its length filled in here) and read the reply: *status and a malloc'ed
+ * payload (NUL appended). Transport failures break the connection and are returned; the caller
+ * maps *status. */
+static int rpc(skv_store_t *st, const char *what, skv__frame_t *b, int wait_ms, int32_t *status,
                uint8_t **payload, size_t *plen) {
   *payload = NULL;
   *plen = 0;
-  if (b->oom)
+  if (b->failed)
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BOOT, "%s: out of memory for the request", what);
   if (st->broken)
     return SKV_FAIL(
@@ -194,16 +124,16 @@ static int rpc(skv_store_t *st, const char *what, wbuf_t *b, int wait_ms, int32_
         "%s: the connection to the bootstrap store was lost earlier (%s); the job must be "
         "restarted",
         what, st->why);
-  uint32_t len = (uint32_t)(b->len - 4);
-  for (int i = 0; i < 4; i++) b->p[i] = (uint8_t)(len >> (8 * i));
+  skv__frame_end(b);
   uint64_t deadline = skv__now_ms() + (uint64_t)wait_ms + GRACE_MS;
   int rc = send_all(st->fd, b->p, b->len, deadline);
   if (rc < 0) return io_error(st, rc, what, wait_ms, true);
-  uint8_t hdr[8];
-  rc = recv_all(st->fd, hdr, 8, deadline);
+  uint8_t hdr[SKV_BOOT_REPLY_HDR];
+  rc = recv_all(st->fd, hdr, sizeof hdr, deadline);
   if (rc < 0) return io_error(st, rc, what, wait_ms, false);
-  uint32_t rlen = get_u32(hdr);
-  int32_t s = (int32_t)get_u32(hdr + 4);
+  uint32_t rlen;
+  int32_t s;
+  skv__reply_hdr_get(hdr, &rlen, &s);
   if (rlen < 4 || rlen > SKV_BOOT_MAX_FRAME || s > 0 ||
       (s < 0 && (s < SKV_EINTERNAL || s > SKV_EINVAL)))
     return broken(st, SKV_EPROTO, what,
@@ -247,7 +177,7 @@ static int status_error(const char *what, int32_t status, const uint8_t *msg, si
 }
 
 /* A request that returns no data (or data the caller ignores). */
-static int call(skv_store_t *st, const char *what, wbuf_t *b, int wait_ms, uint8_t **out,
+static int call(skv_store_t *st, const char *what, skv__frame_t *b, int wait_ms, uint8_t **out,
                 size_t *outlen) {
   int32_t status = 0;
   uint8_t *p = NULL;
@@ -255,8 +185,7 @@ static int call(skv_store_t *st, const char *what, wbuf_t *b, int wait_ms, uint8
   pthread_mutex_lock(&st->mu);
   int rc = rpc(st, what, b, wait_ms, &status, &p, &n);
   pthread_mutex_unlock(&st->mu);
-  free(b->p);
-  b->p = NULL;
+  skv__frame_free(b);
   if (rc < 0) return rc;
   if (status < 0) {
     rc = status_error(what, status, p, n);
@@ -357,8 +286,9 @@ int skv__store_connect(const char *host, int port, const char *token, int rank, 
   SKV_ARG_CHECK(host && *host, SKV_SUBSYS_BOOT, "skv__store_connect: host is empty");
   SKV_ARG_CHECK(port > 0 && port <= 65535, SKV_SUBSYS_BOOT,
                 "skv__store_connect: port %d is not in 1..65535", port);
-  SKV_ARG_CHECK(token && *token && strlen(token) <= 1024, SKV_SUBSYS_BOOT,
-                "skv__store_connect: the token must have 1..1024 bytes (set SKV_TOKEN)");
+  SKV_ARG_CHECK(token && *token && strlen(token) <= SKV_BOOT_MAX_TOKEN, SKV_SUBSYS_BOOT,
+                "skv__store_connect: the token must have 1..%u bytes (set SKV_TOKEN)",
+                SKV_BOOT_MAX_TOKEN);
   SKV_ARG_CHECK(nranks >= 1 && rank >= 0 && rank < nranks, SKV_SUBSYS_BOOT,
                 "skv__store_connect: rank %d is not in [0, %d)", rank, nranks);
   SKV_ARG_CHECK(timeout_ms >= 0, SKV_SUBSYS_BOOT,
@@ -399,18 +329,14 @@ int skv__store_connect(const char *host, int port, const char *token, int rank, 
   st->fd = fd;
   int one = 1;
   (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  wbuf_t b = {0};
-  wb_begin(&b, OP_HELLO);
-  wb_u32(&b, SKV_BOOT_PROTO_VERSION);
-  wb_u32(&b, (uint32_t)rank);
-  wb_u32(&b, (uint32_t)nranks);
-  wb_put(&b, token, strlen(token));
+  skv__frame_t b = {0};
+  skv__frame_hello(&b, token, rank, nranks);
   int32_t status = 0;
   uint8_t *p = NULL;
   size_t n = 0;
   int left = skv__ms_left(deadline);
   rc = rpc(st, what, &b, left, &status, &p, &n);
-  free(b.p);
+  skv__frame_free(&b);
   if (rc < 0) goto fail;
   if (status == SKV_EAUTH) {
     rc = SKV_FAIL(SKV_EAUTH, SKV_SUBSYS_BOOT,
@@ -420,7 +346,7 @@ int skv__store_connect(const char *host, int port, const char *token, int rank, 
   } else if (status < 0) {
     rc = SKV_FAIL(status, SKV_SUBSYS_BOOT, "%s: the bootstrap store refused this PE: %.*s", what,
                   (int)SKV_MIN(n, (size_t)400), (const char *)p);
-  } else if (n != 4 || get_u32(p) != SKV_BOOT_PROTO_VERSION) {
+  } else if (n != 4 || skv__get_le32(p) != SKV_BOOT_PROTO_VERSION) {
     rc = SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_BOOT, "%s: unexpected HELLO reply from the store", what);
   }
   free(p);
@@ -451,16 +377,16 @@ static int store_close(skv_store_t *st, bool quiet) {
   pthread_mutex_lock(&st->mu);
   st->quiet = quiet;
   if (!st->broken) {
-    wbuf_t b = {0};
-    wb_begin(&b, OP_BYE);
+    skv__frame_t b = {0};
+    skv__frame_begin(&b, SKV_BOOT_OP_BYE);
     int32_t status = 0;
     uint8_t *p = NULL;
     size_t n = 0;
-    if (b.oom && quiet)
+    if (b.failed && quiet)
       rc = SKV_ENOMEM;
     else
       rc = rpc(st, "skv__store_close", &b, CLOSE_WAIT_MS - GRACE_MS, &status, &p, &n);
-    free(b.p);
+    skv__frame_free(&b);
     if (rc == 0 && status < 0) {
       if (quiet) {
         SKV_WARN(SKV_SUBSYS_BOOT, "skv__store_close: %.*s (%s)", (int)SKV_MIN(n, (size_t)400),
@@ -538,11 +464,11 @@ static int do_set(skv_store_t *st, const char *what, const char *key, const void
         "over several keys",
         what, len, SKV_BOOT_MAX_VALUE);
   if (!val && len) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT, "%s: value is NULL", what);
-  wbuf_t b = {0};
-  wb_begin(&b, OP_SET);
-  wb_key(&b, key);
-  wb_u32(&b, (uint32_t)len);
-  wb_put(&b, val, len);
+  skv__frame_t b = {0};
+  skv__frame_begin(&b, SKV_BOOT_OP_SET);
+  skv__frame_key(&b, key);
+  skv__frame_u32(&b, (uint32_t)len);
+  skv__frame_put(&b, val, len);
   return call(st, what, &b, wait_ms, NULL, NULL);
 }
 
@@ -560,10 +486,10 @@ static int do_get(skv_store_t *st, const char *what, const char *key, void **val
   if (!val || !len) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT, "%s: val or len is NULL", what);
   *val = NULL;
   *len = 0;
-  wbuf_t b = {0};
-  wb_begin(&b, OP_GET);
-  wb_u32(&b, (uint32_t)timeout_ms);
-  wb_key(&b, key);
+  skv__frame_t b = {0};
+  skv__frame_begin(&b, SKV_BOOT_OP_GET);
+  skv__frame_u32(&b, (uint32_t)timeout_ms);
+  skv__frame_key(&b, key);
   uint8_t *p = NULL;
   size_t n = 0;
   SKV_CHECK(call(st, what, &b, timeout_ms, &p, &n));
@@ -586,16 +512,16 @@ int skv__store_try_get(skv_store_t *st, const char *key, void **val, size_t *len
   if (!val || !len) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT, "%s: val or len is NULL", what);
   *val = NULL;
   *len = 0;
-  wbuf_t b = {0};
-  wb_begin(&b, OP_TRY_GET);
-  wb_key(&b, key);
+  skv__frame_t b = {0};
+  skv__frame_begin(&b, SKV_BOOT_OP_TRY_GET);
+  skv__frame_key(&b, key);
   uint8_t *p = NULL;
   size_t n = 0;
   int32_t status = 0;
   pthread_mutex_lock(&st->mu);
   int rc = rpc(st, what, &b, st->timeout_ms, &status, &p, &n);
   pthread_mutex_unlock(&st->mu);
-  free(b.p);
+  skv__frame_free(&b);
   if (rc < 0) return rc;
   if (status == SKV_ENOTFOUND) { /* an expected answer: no warning in the log */
     free(p);
@@ -614,10 +540,10 @@ int skv__store_try_get(skv_store_t *st, const char *key, void **val, size_t *len
 static int do_add(skv_store_t *st, const char *what, const char *key, int64_t delta,
                   int64_t *result, int wait_ms) {
   SKV_CHECK(check_key(what, key));
-  wbuf_t b = {0};
-  wb_begin(&b, OP_ADD);
-  wb_key(&b, key);
-  wb_u64(&b, (uint64_t)delta);
+  skv__frame_t b = {0};
+  skv__frame_begin(&b, SKV_BOOT_OP_ADD);
+  skv__frame_key(&b, key);
+  skv__frame_u64(&b, (uint64_t)delta);
   uint8_t *p = NULL;
   size_t n = 0;
   SKV_CHECK(call(st, what, &b, wait_ms, &p, &n));
@@ -627,7 +553,7 @@ static int do_add(skv_store_t *st, const char *what, const char *key, int64_t de
     rc = broken(st, SKV_EPROTO, what, "ADD reply of %zu bytes instead of 8", n);
     pthread_mutex_unlock(&st->mu);
   } else if (result) {
-    *result = (int64_t)get_u64(p);
+    *result = (int64_t)skv__get_le64(p);
   }
   free(p);
   return rc;
@@ -659,11 +585,11 @@ int skv__store_wait(skv_store_t *st, const char *const *keys, size_t n, int time
                     "%s: %zu keys (%zu bytes) do not fit in one request; wait for "
                     "fewer keys at a time",
                     what, n, bytes);
-  wbuf_t b = {0};
-  wb_begin(&b, OP_WAIT);
-  wb_u32(&b, (uint32_t)timeout_ms);
-  wb_u32(&b, (uint32_t)n);
-  for (size_t i = 0; i < n; i++) wb_key(&b, keys[i]);
+  skv__frame_t b = {0};
+  skv__frame_begin(&b, SKV_BOOT_OP_WAIT);
+  skv__frame_u32(&b, (uint32_t)timeout_ms);
+  skv__frame_u32(&b, (uint32_t)n);
+  for (size_t i = 0; i < n; i++) skv__frame_key(&b, keys[i]);
   return call(st, what, &b, timeout_ms, NULL, NULL);
 }
 
@@ -671,11 +597,11 @@ static int do_wait_ge(skv_store_t *st, const char *what, const char *key, int64_
                       int timeout_ms) {
   SKV_CHECK(check_key(what, key));
   SKV_CHECK(check_timeout(what, timeout_ms));
-  wbuf_t b = {0};
-  wb_begin(&b, OP_WAIT_GE);
-  wb_u32(&b, (uint32_t)timeout_ms);
-  wb_key(&b, key);
-  wb_u64(&b, (uint64_t)target);
+  skv__frame_t b = {0};
+  skv__frame_begin(&b, SKV_BOOT_OP_WAIT_GE);
+  skv__frame_u32(&b, (uint32_t)timeout_ms);
+  skv__frame_key(&b, key);
+  skv__frame_u64(&b, (uint64_t)target);
   return call(st, what, &b, timeout_ms, NULL, NULL);
 }
 
@@ -693,18 +619,18 @@ int skv__store_check_dead(skv_store_t *st, const char *key) {
   SKV_CHECK(check_key(what, key));
   /* A WAIT_GE that cannot be met, checked once: the store answers SKV_EPEERDEAD once a rank
    * died, else SKV_ETIMEDOUT, which here means "all alive" (no warning in the log). */
-  wbuf_t b = {0};
-  wb_begin(&b, OP_WAIT_GE);
-  wb_u32(&b, 0);
-  wb_key(&b, key);
-  wb_u64(&b, (uint64_t)INT64_MAX);
+  skv__frame_t b = {0};
+  skv__frame_begin(&b, SKV_BOOT_OP_WAIT_GE);
+  skv__frame_u32(&b, 0);
+  skv__frame_key(&b, key);
+  skv__frame_u64(&b, (uint64_t)INT64_MAX);
   uint8_t *p = NULL;
   size_t n = 0;
   int32_t status = 0;
   pthread_mutex_lock(&st->mu);
   int rc = rpc(st, what, &b, 0, &status, &p, &n);
   pthread_mutex_unlock(&st->mu);
-  free(b.p);
+  skv__frame_free(&b);
   if (rc == 0 && status < 0 && status != SKV_ETIMEDOUT) rc = status_error(what, status, p, n);
   free(p);
   return rc;
@@ -715,9 +641,9 @@ int skv__store_del(skv_store_t *st, const char *key) {
   STORE_CHECK(st, "skv__store_del");
   describe(what, sizeof what, "skv__store_del", key);
   SKV_CHECK(check_key(what, key));
-  wbuf_t b = {0};
-  wb_begin(&b, OP_DEL);
-  wb_key(&b, key);
+  skv__frame_t b = {0};
+  skv__frame_begin(&b, SKV_BOOT_OP_DEL);
+  skv__frame_key(&b, key);
   return call(st, what, &b, st->timeout_ms, NULL, NULL);
 }
 

@@ -1,7 +1,8 @@
 /* The bootstrap key-value store server: a libuv loop on a background thread of rank 0 that serves
- * SET/GET/ADD/WAIT to every PE over TCP, parking blocking requests until they can be answered. */
+ * the protocol to every PE over TCP, parking blocking requests; the keys are in store_table.c. */
 #define _GNU_SOURCE
-#include "bootstrap/bootstrap.h"
+#include "bootstrap/proto.h"
+#include "bootstrap/store_table.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -16,13 +17,14 @@
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
-#include <xxhash.h>
 
 /* How it works
  *
  * One thread runs a libuv loop that owns every piece of server state (connections, the key
- * table, parked requests); the only cross-thread traffic is the stop request (a uv_async plus
- * `stop` under `mu`) and the count of live ranks that skv__store_server_stop waits on.
+ * table of store_table.c, parked requests); the only cross-thread traffic is the stop request (a
+ * uv_async plus `stop` under `mu`) and the count of live ranks that skv__store_server_stop waits
+ * on. Parked requests stay here, not with the table: they are a connection's state (its frame,
+ * deadline and place in the reply order), and a SET or ADD on the table is what wakes them.
  *
  * Each connection accumulates bytes in `in` and handles every complete frame in order. A
  * blocking request (GET, WAIT, WAIT_GE) that cannot be answered at once is parked on the
@@ -37,211 +39,13 @@
  * `ready` list, which every libuv callback drains before returning. Memory of a closed
  * connection is freed only in its close callback, after libuv has cancelled its writes. */
 
-enum {
-  OP_HELLO = 1,
-  OP_SET = 2,
-  OP_GET = 3,
-  OP_TRY_GET = 4,
-  OP_ADD = 5,
-  OP_WAIT = 6,
-  OP_WAIT_GE = 7,
-  OP_DEL = 8,
-  OP_BYE = 9,
-};
-
-#define MAX_CONNS           1024
-#define PRE_HELLO_MAX_FRAME 4096u /* a HELLO is small; anything bigger before it is garbage */
-#define MAX_TOKEN           1024u
-#define READ_CHUNK          65536u
-#define WRITE_QUEUE_MAX     (2u * (SKV_BOOT_MAX_FRAME + 8u))
-#define MAX_RANKS           (1 << 20)
-#define MSG_CAP             512
+#define MAX_CONNS       1024
+#define READ_CHUNK      65536u
+#define WRITE_QUEUE_MAX (2u * (SKV_BOOT_MAX_FRAME + SKV_BOOT_REPLY_HDR))
+#define MAX_RANKS       (1 << 20)
+#define MSG_CAP         512
 
 typedef enum { RANK_NONE = 0, RANK_LIVE, RANK_LEFT, RANK_DEAD } rank_state_t;
-
-/* ---- key table: chained hashing, power-of-two buckets -------------------------------------- */
-
-typedef struct entry {
-  struct entry *next;
-  uint64_t hash;
-  uint8_t *val;
-  uint32_t vlen;
-  uint16_t klen;
-  uint8_t key[];
-} entry_t;
-
-typedef struct table {
-  entry_t **b;
-  size_t nb;
-  size_t n;
-  uint64_t bytes;
-} table_t;
-
-static uint64_t key_hash(const uint8_t *k, size_t n) {
-  return XXH3_64bits(k, n);
-}
-
-static entry_t **tab_slot(table_t *t, const uint8_t *k, size_t kl, uint64_t h) {
-  entry_t **pp = &t->b[h & (t->nb - 1)];
-  for (; *pp; pp = &(*pp)->next)
-    if ((*pp)->hash == h && (*pp)->klen == kl && memcmp((*pp)->key, k, kl) == 0) return pp;
-  return pp;
-}
-
-static entry_t *tab_find(table_t *t, const uint8_t *k, size_t kl) {
-  return *tab_slot(t, k, kl, key_hash(k, kl));
-}
-
-static int tab_init(table_t *t) {
-  t->nb = 64;
-  t->b = calloc(t->nb, sizeof *t->b);
-  return t->b ? 0 : SKV_ENOMEM;
-}
-
-static void tab_grow(table_t *t) {
-  size_t nb = t->nb * 2;
-  entry_t **b = calloc(nb, sizeof *b);
-  if (!b) return; /* longer chains, still correct */
-  for (size_t i = 0; i < t->nb; i++) {
-    entry_t *e = t->b[i];
-    while (e) {
-      entry_t *next = e->next;
-      e->next = b[e->hash & (nb - 1)];
-      b[e->hash & (nb - 1)] = e;
-      e = next;
-    }
-  }
-  free(t->b);
-  t->b = b;
-  t->nb = nb;
-}
-
-static void tab_free(table_t *t) {
-  for (size_t i = 0; t->b && i < t->nb; i++) {
-    entry_t *e = t->b[i];
-    while (e) {
-      entry_t *next = e->next;
-      free(e->val);
-      free(e);
-      e = next;
-    }
-  }
-  free(t->b);
-  memset(t, 0, sizeof *t);
-}
-
-/* Set key to val; 0, or an SKV_E* code with `msg` filled. */
-static int tab_set(table_t *t, const uint8_t *k, size_t kl, const uint8_t *v, size_t vl,
-                   char *msg) {
-  uint64_t h = key_hash(k, kl);
-  entry_t **pp = tab_slot(t, k, kl, h);
-  entry_t *e = *pp;
-  uint64_t old = e ? e->vlen : 0;
-  if (t->bytes - old + vl > SKV_BOOT_MAX_BYTES) {
-    snprintf(msg, MSG_CAP,
-             "the store holds %" PRIu64 " value bytes and this value of %zu bytes would pass its "
-             "limit of %llu; delete keys that are no longer needed",
-             t->bytes, vl, (unsigned long long)SKV_BOOT_MAX_BYTES);
-    return SKV_ENOSPC;
-  }
-  if (!e && t->n >= SKV_BOOT_MAX_KEYS) {
-    snprintf(msg, MSG_CAP,
-             "the store holds %zu keys, its limit; delete keys that are no longer needed", t->n);
-    return SKV_ENOSPC;
-  }
-  uint8_t *nv = NULL;
-  if (vl) {
-    nv = malloc(vl);
-    if (!nv) {
-      snprintf(msg, MSG_CAP, "the store server is out of memory for a %zu-byte value", vl);
-      return SKV_ENOMEM;
-    }
-    memcpy(nv, v, vl);
-  }
-  if (!e) {
-    e = malloc(sizeof *e + kl);
-    if (!e) {
-      free(nv);
-      snprintf(msg, MSG_CAP, "the store server is out of memory for a key");
-      return SKV_ENOMEM;
-    }
-    e->next = NULL;
-    e->hash = h;
-    e->klen = (uint16_t)kl;
-    memcpy(e->key, k, kl);
-    e->val = NULL;
-    e->vlen = 0;
-    *pp = e;
-    t->n++;
-  }
-  free(e->val);
-  e->val = nv;
-  e->vlen = (uint32_t)vl;
-  t->bytes = t->bytes - old + vl;
-  if (t->n > t->nb) tab_grow(t);
-  return 0;
-}
-
-static void tab_del(table_t *t, const uint8_t *k, size_t kl) {
-  entry_t **pp = tab_slot(t, k, kl, key_hash(k, kl));
-  entry_t *e = *pp;
-  if (!e) return;
-  *pp = e->next;
-  t->n--;
-  t->bytes -= e->vlen;
-  free(e->val);
-  free(e);
-}
-
-/* ---- little-endian wire helpers --------------------------------------------------------- */
-
-static uint32_t get_u32(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get_u64(const uint8_t *p) {
-  return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
-}
-static void put_u32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-/* A cursor over one frame's fields; `bad` once a field runs past the end. */
-typedef struct rd {
-  const uint8_t *p;
-  size_t n, off;
-  bool bad;
-} rd_t;
-
-static const uint8_t *rd_take(rd_t *r, size_t n) {
-  if (r->bad || r->n - r->off < n) {
-    r->bad = true;
-    return NULL;
-  }
-  const uint8_t *p = r->p + r->off;
-  r->off += n;
-  return p;
-}
-static uint32_t rd_u32(rd_t *r) {
-  const uint8_t *p = rd_take(r, 4);
-  return p ? get_u32(p) : 0;
-}
-static int64_t rd_i64(rd_t *r) {
-  const uint8_t *p = rd_take(r, 8);
-  return p ? (int64_t)get_u64(p) : 0;
-}
-/* A key: u16 length then bytes. */
-static const uint8_t *rd_key(rd_t *r, size_t *kl) {
-  const uint8_t *p = rd_take(r, 2);
-  if (!p) return NULL;
-  *kl = (size_t)p[0] | (size_t)p[1] << 8;
-  return rd_take(r, *kl);
-}
-static bool rd_done(const rd_t *r) {
-  return !r->bad && r->off == r->n;
-}
 
 /* ---- connections and the server ---------------------------------------------------------- */
 
@@ -285,7 +89,7 @@ struct skv_store_server {
   int port;
   conn_t *conns, *parked, *ready;
   int nconns;
-  table_t tab;
+  skv__table_t tab;
   uint64_t timer_due;
   uint8_t *rank_state;
   conn_t **rank_conn;
@@ -385,8 +189,8 @@ static void mark_ready(conn_t *c) {
 static void send_reply(conn_t *c, int32_t status, const void *a, size_t alen, const void *b,
                        size_t blen) {
   if (c->closing) return;
-  size_t len = 4 + alen + blen;
-  wreq_t *w = malloc(sizeof *w + 4 + len);
+  size_t len = 4 + alen + blen; /* after the length field */
+  wreq_t *w = malloc(sizeof *w + SKV_BOOT_FRAME_HDR + len);
   if (!w) {
     SKV_WARN(SKV_SUBSYS_BOOT,
              "bootstrap store: out of memory for a %zu-byte reply to %s; closing it", len, c->peer);
@@ -394,11 +198,10 @@ static void send_reply(conn_t *c, int32_t status, const void *a, size_t alen, co
     mark_ready(c);
     return;
   }
-  put_u32(w->data, (uint32_t)len);
-  put_u32(w->data + 4, (uint32_t)status);
-  if (alen) memcpy(w->data + 8, a, alen);
-  if (blen) memcpy(w->data + 8 + alen, b, blen);
-  uv_buf_t buf = uv_buf_init((char *)w->data, (unsigned)(4 + len));
+  skv__reply_hdr_put(w->data, alen + blen, status);
+  if (alen) memcpy(w->data + SKV_BOOT_REPLY_HDR, a, alen);
+  if (blen) memcpy(w->data + SKV_BOOT_REPLY_HDR + alen, b, blen);
+  uv_buf_t buf = uv_buf_init((char *)w->data, (unsigned)(SKV_BOOT_FRAME_HDR + len));
   int rc = uv_write(&w->req, (uv_stream_t *)&c->tcp, &buf, 1, on_write);
   if (rc < 0) {
     free(w);
@@ -506,27 +309,34 @@ static void mark_dead(skv_store_server_t *srv, int rank) {
 
 /* ---- parked requests -------------------------------------------------------------------- */
 
+/* A reader over the parked request's frame, past its opcode and timeout: at the key of a GET or
+ * WAIT_GE, at the first key not yet seen of a WAIT. */
+static void park_reader(const conn_t *c, skv__reader_t *r) {
+  skv__read_init(r, c->park_frame, c->park_len, 1);
+  (void)skv__read_u32(r);
+  if (c->park_op == SKV_BOOT_OP_WAIT) r->off = c->park_off;
+}
+
 /* Is the parked (or about to be parked) request of `c` answerable now? Answers it if so. */
 static bool try_complete(conn_t *c) {
   skv_store_server_t *srv = c->srv;
-  rd_t r = {c->park_frame, c->park_len, 0, false};
+  skv__reader_t r;
+  park_reader(c, &r);
   size_t kl = 0;
   const uint8_t *k;
   switch (c->park_op) {
-  case OP_GET: {
-    r.off = 1 + 4;
-    k = rd_key(&r, &kl);
-    entry_t *e = tab_find(&srv->tab, k, kl);
+  case SKV_BOOT_OP_GET: {
+    k = skv__read_key(&r, &kl);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
     if (!e) return false;
     send_reply(c, 0, e->val, e->vlen, NULL, 0);
     return true;
   }
-  case OP_WAIT: {
-    r.off = c->park_off;
+  case SKV_BOOT_OP_WAIT: {
     while (c->park_left > 0) {
       size_t at = r.off;
-      k = rd_key(&r, &kl);
-      if (!tab_find(&srv->tab, k, kl)) {
+      k = skv__read_key(&r, &kl);
+      if (!skv__table_find(&srv->tab, k, kl)) {
         c->park_off = at;
         return false;
       }
@@ -536,13 +346,12 @@ static bool try_complete(conn_t *c) {
     send_reply(c, 0, NULL, 0, NULL, 0);
     return true;
   }
-  case OP_WAIT_GE: {
-    r.off = 1 + 4;
-    k = rd_key(&r, &kl);
-    int64_t target = rd_i64(&r);
-    entry_t *e = tab_find(&srv->tab, k, kl);
+  case SKV_BOOT_OP_WAIT_GE: {
+    k = skv__read_key(&r, &kl);
+    int64_t target = (int64_t)skv__read_u64(&r);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
     int64_t v = 0;
-    if (e && e->vlen == 8) v = (int64_t)get_u64(e->val);
+    if (e && e->vlen == 8) v = (int64_t)skv__get_le64(e->val);
     if (e && e->vlen != 8) {
       char kb[96], msg[MSG_CAP];
       snprintf(msg, sizeof msg, "key \"%s\" holds a %u-byte value, not a counter",
@@ -552,7 +361,7 @@ static bool try_complete(conn_t *c) {
     }
     if (v < target) return false;
     uint8_t b[8];
-    put_u64(b, (uint64_t)v);
+    skv__put_le64(b, (uint64_t)v);
     send_reply(c, 0, b, 8, NULL, 0);
     return true;
   }
@@ -574,29 +383,27 @@ static void wake_parked(skv_store_server_t *srv) {
 static void timeout_reply(conn_t *c) {
   skv_store_server_t *srv = c->srv;
   char msg[MSG_CAP], kb[96], ranks[256];
-  rd_t r = {c->park_frame, c->park_len, 0, false};
+  skv__reader_t r;
+  park_reader(c, &r);
   size_t kl = 0;
   const uint8_t *k;
   ranks_summary(srv, ranks, sizeof ranks);
   switch (c->park_op) {
-  case OP_GET:
-    r.off = 5;
-    k = rd_key(&r, &kl);
+  case SKV_BOOT_OP_GET:
+    k = skv__read_key(&r, &kl);
     snprintf(msg, sizeof msg, "timed out after %d ms waiting for key \"%s\"; no PE set it%s",
              (int)c->park_timeout, show_key(k, kl, kb, sizeof kb), ranks);
     break;
-  case OP_WAIT:
-    r.off = c->park_off;
-    k = rd_key(&r, &kl);
+  case SKV_BOOT_OP_WAIT:
+    k = skv__read_key(&r, &kl);
     snprintf(msg, sizeof msg, "timed out after %d ms with %u keys missing, first \"%s\"%s",
              (int)c->park_timeout, c->park_left, show_key(k, kl, kb, sizeof kb), ranks);
     break;
   default: {
-    r.off = 5;
-    k = rd_key(&r, &kl);
-    int64_t target = rd_i64(&r);
-    entry_t *e = tab_find(&srv->tab, k, kl);
-    int64_t v = (e && e->vlen == 8) ? (int64_t)get_u64(e->val) : 0;
+    k = skv__read_key(&r, &kl);
+    int64_t target = (int64_t)skv__read_u64(&r);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
+    int64_t v = (e && e->vlen == 8) ? (int64_t)skv__get_le64(e->val) : 0;
     snprintf(msg, sizeof msg,
              "timed out after %d ms: counter \"%s\" is %" PRId64 ", waiting for %" PRId64 "%s",
              (int)c->park_timeout, show_key(k, kl, kb, sizeof kb), v, target, ranks);
@@ -694,22 +501,24 @@ static void protocol_error(conn_t *c, const char *what) {
 static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
   skv_store_server_t *srv = c->srv;
   char msg[MSG_CAP];
-  if (p[0] != OP_HELLO) {
+  if (p[0] != SKV_BOOT_OP_HELLO) {
     char what[64];
     snprintf(what, sizeof what, "opcode %u before HELLO", p[0]);
     protocol_error(c, what);
     return;
   }
-  if (n < 13 || n - 13 > MAX_TOKEN) {
+  if (n < SKV_BOOT_HELLO_FIXED || n - SKV_BOOT_HELLO_FIXED > SKV_BOOT_MAX_TOKEN) {
     protocol_error(c, "a malformed HELLO");
     return;
   }
-  uint32_t ver = get_u32(p + 1);
-  int32_t rank = (int32_t)get_u32(p + 5), nranks = (int32_t)get_u32(p + 9);
-  const uint8_t *tok = p + 13;
-  size_t tlen = n - 13;
+  skv__reader_t r;
+  skv__read_init(&r, p, n, 1);
+  uint32_t ver = skv__read_u32(&r);
+  int32_t rank = (int32_t)skv__read_u32(&r), nranks = (int32_t)skv__read_u32(&r);
+  const uint8_t *tok = p + r.off;
+  size_t tlen = n - r.off;
   uint8_t vb[4];
-  put_u32(vb, SKV_BOOT_PROTO_VERSION);
+  skv__put_le32(vb, SKV_BOOT_PROTO_VERSION);
   if (ver != SKV_BOOT_PROTO_VERSION) {
     snprintf(msg, sizeof msg,
              "this PE speaks bootstrap protocol %u, the store speaks %u: every PE must "
@@ -776,16 +585,17 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     handle_hello(c, p, n);
     return;
   }
-  rd_t r = {p, n, 1, false};
+  skv__reader_t r;
+  skv__read_init(&r, p, n, 1);
   size_t kl = 0;
   const uint8_t *k;
   char msg[MSG_CAP], kb[96];
   switch (p[0]) {
-  case OP_SET: {
-    k = rd_key(&r, &kl);
-    uint32_t vl = rd_u32(&r);
-    const uint8_t *v = rd_take(&r, vl);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_SET: {
+    k = skv__read_key(&r, &kl);
+    uint32_t vl = skv__read_u32(&r);
+    const uint8_t *v = skv__read_take(&r, vl);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
     if (vl > SKV_BOOT_MAX_VALUE) {
       snprintf(msg, sizeof msg, "value of %u bytes for key \"%s\" is over the %u-byte limit", vl,
@@ -793,7 +603,7 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
       reply_msg(c, SKV_EINVAL, msg);
       return;
     }
-    int rc = tab_set(&srv->tab, k, kl, v, vl, msg);
+    int rc = skv__table_set(&srv->tab, k, kl, v, vl, msg, sizeof msg);
     if (rc < 0) {
       reply_msg(c, rc, msg);
       return;
@@ -802,21 +612,21 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     wake_parked(srv);
     return;
   }
-  case OP_GET:
-  case OP_WAIT_GE: {
-    int32_t t = (int32_t)rd_u32(&r);
-    k = rd_key(&r, &kl);
-    if (p[0] == OP_WAIT_GE) (void)rd_i64(&r);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_GET:
+  case SKV_BOOT_OP_WAIT_GE: {
+    int32_t t = (int32_t)skv__read_u32(&r);
+    k = skv__read_key(&r, &kl);
+    if (p[0] == SKV_BOOT_OP_WAIT_GE) (void)skv__read_u64(&r);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl) || !timeout_ok(c, t)) return;
     park(c, p[0], t, p, n);
     return;
   }
-  case OP_TRY_GET: {
-    k = rd_key(&r, &kl);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_TRY_GET: {
+    k = skv__read_key(&r, &kl);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
-    entry_t *e = tab_find(&srv->tab, k, kl);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
     if (!e) {
       snprintf(msg, sizeof msg, "key \"%s\" does not exist", show_key(k, kl, kb, sizeof kb));
       reply_msg(c, SKV_ENOTFOUND, msg);
@@ -825,12 +635,12 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     send_reply(c, 0, e->val, e->vlen, NULL, 0);
     return;
   }
-  case OP_ADD: {
-    k = rd_key(&r, &kl);
-    int64_t d = rd_i64(&r);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_ADD: {
+    k = skv__read_key(&r, &kl);
+    int64_t d = (int64_t)skv__read_u64(&r);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
-    entry_t *e = tab_find(&srv->tab, k, kl);
+    skv__entry_t *e = skv__table_find(&srv->tab, k, kl);
     int64_t v = 0;
     if (e && e->vlen != 8) {
       snprintf(msg, sizeof msg, "key \"%s\" holds a %u-byte value, not a counter (8 bytes)",
@@ -838,7 +648,7 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
       reply_msg(c, SKV_EINVAL, msg);
       return;
     }
-    if (e) v = (int64_t)get_u64(e->val);
+    if (e) v = (int64_t)skv__get_le64(e->val);
     if (__builtin_add_overflow(v, d, &v)) {
       snprintf(msg, sizeof msg, "adding %" PRId64 " to counter \"%s\" overflows", d,
                show_key(k, kl, kb, sizeof kb));
@@ -846,11 +656,11 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
       return;
     }
     uint8_t b[8];
-    put_u64(b, (uint64_t)v);
+    skv__put_le64(b, (uint64_t)v);
     if (e) {
       memcpy(e->val, b, 8);
     } else {
-      int rc = tab_set(&srv->tab, k, kl, b, 8, msg);
+      int rc = skv__table_set(&srv->tab, k, kl, b, 8, msg, sizeof msg);
       if (rc < 0) {
         reply_msg(c, rc, msg);
         return;
@@ -860,36 +670,36 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
     wake_parked(srv);
     return;
   }
-  case OP_WAIT: {
-    int32_t t = (int32_t)rd_u32(&r);
-    uint32_t nk = rd_u32(&r);
+  case SKV_BOOT_OP_WAIT: {
+    int32_t t = (int32_t)skv__read_u32(&r);
+    uint32_t nk = skv__read_u32(&r);
     size_t first = r.off;
     for (uint32_t i = 0; i < nk && !r.bad; i++) {
-      (void)rd_key(&r, &kl);
+      (void)skv__read_key(&r, &kl);
       if (!r.bad && (kl < 1 || kl > SKV_BOOT_MAX_KEY)) {
         key_ok(c, kl);
         return;
       }
     }
-    if (!rd_done(&r)) break;
+    if (!skv__read_done(&r)) break;
     if (!timeout_ok(c, t)) return;
     c->park_off = first;
     c->park_left = nk;
-    park(c, OP_WAIT, t, p, n);
+    park(c, SKV_BOOT_OP_WAIT, t, p, n);
     return;
   }
-  case OP_DEL: {
-    k = rd_key(&r, &kl);
-    if (!rd_done(&r)) break;
+  case SKV_BOOT_OP_DEL: {
+    k = skv__read_key(&r, &kl);
+    if (!skv__read_done(&r)) break;
     if (!key_ok(c, kl)) return;
-    tab_del(&srv->tab, k, kl);
+    skv__table_del(&srv->tab, k, kl);
     send_reply(c, 0, NULL, 0, NULL, 0);
     return;
   }
-  case OP_HELLO:
+  case SKV_BOOT_OP_HELLO:
     protocol_error(c, "a second HELLO");
     return;
-  case OP_BYE:
+  case SKV_BOOT_OP_BYE:
     if (n != 1) break;
     c->said_bye = true;
     SKV_INFO(SKV_SUBSYS_BOOT, "bootstrap store: rank %d (%s) left", c->rank, c->peer);
@@ -911,25 +721,25 @@ static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
 /* Handle every complete frame in c->in, unless a request of c is parked. */
 static void process_input(conn_t *c) {
   size_t off = 0;
-  while (!c->closing && !c->parked && !c->kill && c->in_len - off >= 4) {
-    uint32_t len = get_u32(c->in + off);
-    uint32_t lim = c->said_hello ? SKV_BOOT_MAX_FRAME : PRE_HELLO_MAX_FRAME;
+  while (!c->closing && !c->parked && !c->kill && c->in_len - off >= SKV_BOOT_FRAME_HDR) {
+    uint32_t len = skv__get_le32(c->in + off);
+    uint32_t lim = c->said_hello ? SKV_BOOT_MAX_FRAME : SKV_BOOT_PRE_HELLO_MAX_FRAME;
     if (len == 0 || len > lim) {
       char what[96];
       snprintf(what, sizeof what, "a frame of %u bytes (limit %u)", len, lim);
       protocol_error(c, what);
       return;
     }
-    if (c->in_len - off - 4 < len) break;
-    handle_frame(c, c->in + off + 4, len);
-    off += 4 + (size_t)len;
+    if (c->in_len - off - SKV_BOOT_FRAME_HDR < len) break;
+    handle_frame(c, c->in + off + SKV_BOOT_FRAME_HDR, len);
+    off += SKV_BOOT_FRAME_HDR + (size_t)len;
   }
   if (c->closing) return;
   if (off) {
     memmove(c->in, c->in + off, c->in_len - off);
     c->in_len -= off;
   }
-  if (c->parked && c->in_len > 4 + (size_t)SKV_BOOT_MAX_FRAME) {
+  if (c->parked && c->in_len > SKV_BOOT_FRAME_HDR + (size_t)SKV_BOOT_MAX_FRAME) {
     protocol_error(c, "more requests while one was waiting");
     return;
   }
@@ -1095,7 +905,7 @@ static void server_free(skv_store_server_t *srv) {
       SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: closing its event loop failed: %s",
                uv_strerror(rc));
   }
-  tab_free(&srv->tab);
+  skv__table_free(&srv->tab);
   free(srv->token);
   free(srv->rank_state);
   free(srv->rank_conn);
@@ -1151,8 +961,8 @@ int skv__store_server_start(const char *bind_addr, int port, const char *token, 
   *out = NULL;
   SKV_ARG_CHECK(port >= 0 && port <= 65535, SKV_SUBSYS_BOOT,
                 "skv__store_server_start: port %d is not in 0..65535", port);
-  SKV_ARG_CHECK(token && strlen(token) >= 1 && strlen(token) <= MAX_TOKEN, SKV_SUBSYS_BOOT,
-                "skv__store_server_start: the token must have 1..%u bytes", MAX_TOKEN);
+  SKV_ARG_CHECK(token && strlen(token) >= 1 && strlen(token) <= SKV_BOOT_MAX_TOKEN, SKV_SUBSYS_BOOT,
+                "skv__store_server_start: the token must have 1..%u bytes", SKV_BOOT_MAX_TOKEN);
   SKV_ARG_CHECK(nranks >= 1 && nranks <= MAX_RANKS, SKV_SUBSYS_BOOT,
                 "skv__store_server_start: nranks %d is not in 1..%d", nranks, MAX_RANKS);
   if (!bind_addr || !*bind_addr) bind_addr = "127.0.0.1";
@@ -1172,7 +982,7 @@ int skv__store_server_start(const char *bind_addr, int port, const char *token, 
   srv->rank_state = calloc((size_t)nranks, 1);
   srv->rank_conn = calloc((size_t)nranks, sizeof *srv->rank_conn);
   int rc, fd = -1;
-  if (!srv->token || !srv->rank_state || !srv->rank_conn || tab_init(&srv->tab) != 0) {
+  if (!srv->token || !srv->rank_state || !srv->rank_conn || skv__table_init(&srv->tab) != 0) {
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BOOT, "bootstrap store: out of memory");
     goto fail;
   }

@@ -127,20 +127,19 @@ typedef struct nccl_ready {
 } nccl_ready_t;
 
 /* Collective: every PE agrees whether NCCL can be used; rank 0's unique id travels through
- * the bootstrap store; the communicator is initialised without blocking and bounded. */
+ * the bootstrap store; the communicator is initialised without blocking and bounded. The store
+ * steps are steps of the comm heap's operation: their keys go with the heap. */
 static int nccl_create(skv_comm_t *c) {
   skv_ctx_t *ctx = c->ctx;
   comm_cuda_t *cc = cc_of(c);
   int n = c->npes, to = ctx->cfg.timeout_ms;
-  char name[160];
   pthread_once(&nccl_once, nccl_load);
   nccl_ready_t mine = {nccl_why[0] == '\0', {0, 0, 0}};
   cudaDeviceGetAttribute(&mine.pci[0], cudaDevAttrPciDomainId, ctx->device);
   cudaDeviceGetAttribute(&mine.pci[1], cudaDevAttrPciBusId, ctx->device);
   cudaDeviceGetAttribute(&mine.pci[2], cudaDevAttrPciDeviceId, ctx->device);
   nccl_ready_t all[SKV_MAX_LOCAL_PES];
-  skv__coll_name(ctx, c->heap->seq, "comm-nccl-ready", name, sizeof name);
-  SKV_CHECK(skv__store_allgather(ctx->store, name, &mine, all, sizeof mine, to));
+  SKV_CHECK(skv__coll_allgather(&c->heap->op, "nccl-ready", &mine, all, sizeof mine));
   for (int r = 0; r < n; r++) {
     if (!all[r].ok) {
       SKV_INFO(SKV_SUBSYS_COMM, "no NCCL all-reduce: PE %d cannot load NCCL%s%s", r,
@@ -166,23 +165,10 @@ static int nccl_create(skv_comm_t *c) {
   /* Connect every algorithm at init, so that no connection is set up inside a graph capture. */
   setenv("NCCL_RUNTIME_CONNECT", "0", 0);
   ncclUniqueId id;
-  skv__coll_name(ctx, c->heap->seq, "comm-nccl-id", name, sizeof name);
-  if (c->me == 0) {
-    ncclResult_t r = nccl.GetUniqueId(&id);
-    if (r != ncclSuccess) memset(&id, 0, sizeof id); /* the init below fails everywhere */
-    SKV_CHECK(skv__store_set(ctx->store, name, &id, sizeof id));
-  } else {
-    void *val = NULL;
-    size_t len = 0;
-    SKV_CHECK(skv__store_get(ctx->store, name, &val, &len, to));
-    if (len != sizeof id) {
-      free(val);
-      return SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_COMM,
-                      "the NCCL unique id from rank 0 has %zu bytes, expected %zu", len, sizeof id);
-    }
-    memcpy(&id, val, sizeof id);
-    free(val);
-  }
+  if (c->me == 0 && nccl.GetUniqueId(&id) != ncclSuccess)
+    memset(&id, 0, sizeof id); /* the init below fails everywhere */
+  SKV_CHECK(skv__coll_bcast(&c->heap->op, "nccl-id", &id, sizeof id, ctx->local_ranks[0],
+                            "the NCCL unique id"));
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
   ncclComm_t comm = NULL;
@@ -194,14 +180,9 @@ static int nccl_create(skv_comm_t *c) {
     if (comm) nccl.CommAbort(comm);
     comm = NULL;
   }
-  skv__coll_name(ctx, c->heap->seq, "comm-nccl-init", name, sizeof name);
-  int rc = skv__store_allgather(ctx->store, name, &ok, oks, sizeof ok, to);
+  int rc = skv__coll_allgather(&c->heap->op, "nccl-init", &ok, oks, sizeof ok);
   bool all_ok = rc == 0;
   for (int q = 0; all_ok && q < n; q++) all_ok = oks[q] != 0;
-  if (c->me == 0) {
-    skv__coll_name(ctx, c->heap->seq, "comm-nccl-id", name, sizeof name);
-    skv__store_del(ctx->store, name); /* every PE has read it: the allgather above proves it */
-  }
   if (!all_ok) {
     if (comm) nccl.CommAbort(comm);
     SKV_WARN(

@@ -26,25 +26,9 @@ const char *skv__backend_name(int backend) {
 }
 
 int skv__heap_agree(skv_heap_t *heap, const char *step, int rc) {
-  char key[sizeof heap->name + 16], what[sizeof heap->name + 32];
-  snprintf(key, sizeof key, "%s/%s", heap->name, step);
+  char what[sizeof heap->name + 32];
   snprintf(what, sizeof what, "skv_heap_create(%s)", heap->name);
-  return skv__coll_agree(heap->ctx, key, rc, what);
-}
-
-/* This PE's store keys of the create steps named (the allgathers "<name>/<step>"): deleted now,
- * once every PE is known to have read them, or (later) after the next collective check, for a
- * create that failed (docs/bootstrap.md, "Key lifetime"). */
-static void heap_forget_keys(const skv_heap_t *heap, const char *const *steps, int n, bool later) {
-  char step[sizeof heap->name + 16], key[SKV_BOOT_MAX_KEY + 16];
-  for (int i = 0; i < n; i++) {
-    snprintf(step, sizeof step, "%s/%s", heap->name, steps[i]);
-    skv__store_allgather_key(heap->ctx->store, step, key, sizeof key);
-    if (later)
-      skv__coll_forget_later(heap->ctx, key);
-    else
-      (void)skv__store_del(heap->ctx->store, key);
-  }
+  return skv__coll_agree(&heap->op, step, rc, what);
 }
 
 static const skv_heap_backend_t *backend_of(int backend) {
@@ -117,7 +101,7 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
   in->scratch_bytes = SKV_ALIGN_UP(scratch, 256);
   in->data_offset = SKV_ALIGN_UP(in->scratch_offset + in->scratch_bytes, 4096);
   in->data_bytes = opts->data_bytes;
-  int rc = skv__coll_check(ctx, &h->seq,
+  int rc = skv__coll_begin(ctx, &h->op, "heap",
                            "skv_heap_create(backend=%s, data_bytes=%" PRIu64
                            ", signal_bytes=%" PRIu64 ", scratch_bytes=%" PRIu64 ")",
                            be->name, in->data_bytes, in->signal_bytes, in->scratch_bytes);
@@ -125,7 +109,7 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
     free(h);
     return rc;
   }
-  skv__coll_name(ctx, h->seq, "heap", h->name, sizeof h->name);
+  snprintf(h->name, sizeof h->name, "%s", h->op.name);
   uint64_t gran = be->granularity(h);
   in->segment_bytes = SKV_ALIGN_UP(in->data_offset + in->data_bytes, gran);
   in->stride = in->segment_bytes;
@@ -134,7 +118,6 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
    * the create on every PE with its message, and the others release what they made, instead of
    * going on with a heap that one PE lacks (and waiting for it until the timeout). */
   int agreed = skv__heap_agree(h, "made", rc);
-  static const char *const steps[] = {"dev", "prep", "made"};
   if (agreed < 0) {
     if (rc == 0) {
       char saved[1024];
@@ -142,12 +125,13 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
       (void)be->destroy(h);
       skv__error_restore(saved);
     }
-    heap_forget_keys(h, steps, 3, true);
+    skv__coll_forget(&h->op); /* the failed create's keys go after the next collective check */
     free(h);
     return agreed;
   }
-  /* Every PE has contributed to "made", so has read our keys of the steps before it. */
-  heap_forget_keys(h, steps, 2, false);
+  /* Every PE has contributed to "made", so has read our keys of the steps before it ("dev",
+   * "prep"); the "made" key stays until skv_heap_destroy (docs/bootstrap.md, "Key lifetime"). */
+  skv__coll_settle(&h->op);
   char b1[32], b2[32];
   SKV_INFO(SKV_SUBSYS_HEAP,
            "heap %s: backend %s, %d PEs, segment %s (data %s at +%" PRIu64
@@ -188,9 +172,12 @@ int skv_heap_destroy(skv_heap_t *heap) {
   /* Collective so that no PE unmaps while a peer may still be reading its segment through
    * a kernel; bounded by the timeout, and the memory is released even when it fails. */
   int rc = skv__coll_check(heap->ctx, NULL, "skv_heap_destroy(%s)", heap->name);
-  static const char *const made[] = {"made"};
+  /* The heap's keys ("made", and those of steps taken on it: kv-ready, the NCCL set-up): every
+   * PE has read them once it passed the check. */
   if (rc == 0)
-    heap_forget_keys(heap, made, 1, false); /* every PE has read them: it passed the check */
+    skv__coll_end(&heap->op);
+  else
+    skv__coll_forget(&heap->op);
   int rc2 = heap->be->destroy(heap);
   SKV_INFO(SKV_SUBSYS_HEAP, "heap %s destroyed%s", heap->name,
            rc ? " (peers did not all arrive)" : "");

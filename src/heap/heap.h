@@ -12,9 +12,10 @@ struct skv_heap {
   skv_ctx_t *ctx;
   const skv_heap_backend_t *be;
   skv_heap_info_t info; /* layout, base, stride, npes, my_pe */
-  uint64_t seq;         /* collective sequence number it was created under */
-  char name[96];        /* unique name (store keys, fd exchange tag) */
-  void *impl;           /* backend state */
+  skv__coll_op_t op;    /* its collective operation: the store keys of create and of the steps
+                           taken on the heap later, deleted by skv_heap_destroy */
+  char name[SKV_COLL_NAME_CAP]; /* unique: op's name (store keys, fd exchange tag) */
+  void *impl;                   /* backend state */
 };
 
 struct skv_heap_backend {
@@ -43,8 +44,9 @@ const char *skv__backend_name(int backend);
  * GPU up): a failure there goes through the "prep" agreement like one of the host backend's. */
 int skv__heap_host_create(skv_heap_t *heap, int rc);
 
-/* All-or-nothing step `step` of skv_heap_create (skv__coll_agree under "<heap name>/<step>"):
- * 0 when every PE's rc was 0, else this PE's failure or the first failing rank's. */
+/* All-or-nothing step `step` of skv_heap_create (skv__coll_agree in the heap's operation, keys
+ * "<heap name>/<step>/<rank>"): 0 when every PE's rc was 0, else this PE's failure or the first
+ * failing rank's. */
 int skv__heap_agree(skv_heap_t *heap, const char *step, int rc);
 
 /* Address of byte `off` of PE `pe` without checks (hot paths that checked already). */

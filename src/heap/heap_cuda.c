@@ -93,14 +93,12 @@ static int gather_devices(skv_heap_t *heap, int dev, dev_rec_t *devs) {
       cudaDeviceGetAttribute(&mine.pci[2], cudaDevAttrPciDeviceId, dev) == cudaSuccess)
     mine.ok = 1;
   (void)cudaGetLastError();
-  char name[160];
-  snprintf(name, sizeof name, "%s/dev", heap->name);
   dev_rec_t *all = calloc((size_t)ctx->cfg.world_size, sizeof *all);
   if (!all) {
-    (void)skv__store_allgather_put(ctx->store, name, &mine, sizeof mine);
+    (void)skv__coll_contribute(&heap->op, "dev", &mine, sizeof mine);
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "out of memory");
   }
-  int rc = skv__store_allgather(ctx->store, name, &mine, all, sizeof mine, ctx->cfg.timeout_ms);
+  int rc = skv__coll_allgather(&heap->op, "dev", &mine, all, sizeof mine);
   for (int i = 0; rc == 0 && i < heap->info.npes; i++) devs[i] = all[ctx->local_ranks[i]];
   free(all);
   return rc;

@@ -53,11 +53,6 @@ static int backend_init(skv_kv_t *kv) {
 }
 #endif
 
-/* The name of create's last agreement (an allgather): one per cache, after its data heap. */
-static void kv_ready_step(const skv_kv_t *kv, char *buf, size_t cap) {
-  snprintf(buf, cap, "%s/kv-ready", kv->data->name);
-}
-
 int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_t *opts,
                   skv_kv_t **out) {
   SKV_ARG_CHECK(ctx && geom && opts && out, SKV_SUBSYS_KV,
@@ -131,15 +126,13 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
   if (rc == 0) rc = backend_init(kv);
 #endif
   /* Every PE's records are initialised before anyone looks at a peer's; and a PE that failed
-   * here (out of memory) fails every PE at once, naming it, so that all tear down together. */
-  char step[sizeof kv->data->name + 16], what[sizeof kv->data->name + 32];
-  kv_ready_step(kv, step, sizeof step);
+   * here (out of memory) fails every PE at once, naming it, so that all tear down together.
+   * The agreement is a step of the data heap's operation: its keys go with the heap's. */
+  char what[sizeof kv->data->name + 32];
   snprintf(what, sizeof what, "skv_kv_create(%s)", kv->data->name);
-  rc = skv__coll_agree(ctx, step, rc, what);
+  rc = skv__coll_agree(&kv->data->op, "kv-ready", rc, what);
   if (rc < 0) {
-    char key[SKV_BOOT_MAX_KEY + 16];
-    skv__store_allgather_key(ctx->store, step, key, sizeof key);
-    skv__coll_forget_later(ctx, key);
+    skv__coll_forget(&kv->data->op); /* the failed create's keys go after the next check */
     goto fail;
   }
   if (!kv->pool.my_pidns)
@@ -181,13 +174,7 @@ int skv_kv_destroy(skv_kv_t *kv) {
 #endif
   skv__pool_fini(&kv->pool);
   int r1 = skv_heap_destroy(kv->meta);
-  if (r1 == 0) { /* every PE passed that collective, so has read our agreement key */
-    char step[sizeof kv->data->name + 16], key[SKV_BOOT_MAX_KEY + 16];
-    kv_ready_step(kv, step, sizeof step);
-    skv__store_allgather_key(kv->ctx->store, step, key, sizeof key);
-    (void)skv__store_del(kv->ctx->store, key);
-  }
-  int r2 = skv_heap_destroy(kv->data);
+  int r2 = skv_heap_destroy(kv->data); /* with the keys of its kv-ready agreement */
   free(kv);
   return rc ? rc : r1 ? r1 : r2;
 }
