@@ -46,6 +46,7 @@ static inline char *skv__comm_addr(const skv_comm_t *c, int pe, uint64_t off) {
   return (char *)skv__heap_addr(c->heap, pe, off);
 }
 
+/* ---- dtype.c: names, and the half-precision conversions of the host backend --------------- */
 /* Bytes of one element of `dtype` (0 when invalid). */
 static inline uint32_t skv__dtype_size(int dtype) {
   return dtype == SKV_DTYPE_FP32                                ? 4u
@@ -55,13 +56,13 @@ static inline uint32_t skv__dtype_size(int dtype) {
 const char *skv__dtype_name(int dtype);
 const char *skv__op_name(int op);
 const char *skv__algo_name(int algo);
-
-/* ---- comm.c: half-precision conversions (round to nearest even, like the GPU) ------------- */
+/* Round to nearest even, like the GPU; NaN becomes the GPU's canonical one. */
 float skv__bf16_to_float(uint16_t h);
 uint16_t skv__float_to_bf16(float f);
 float skv__fp16_to_float(uint16_t h);
 uint16_t skv__float_to_fp16(float f);
 
+/* ---- comm.c ------------------------------------------------------------------------------- */
 /* The algorithm AUTO picks for `bytes` on this comm (never SKV_ALGO_AUTO). */
 int skv__comm_choose(const skv_comm_t *c, uint64_t bytes);
 
