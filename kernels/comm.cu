@@ -10,8 +10,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-/* The flag protocol is described in src/comm/comm.c ("How the flag protocols work"); the host
- * backend there runs the same index math (kernels/comm_proto.h) with the CPU. */
+/* The flag protocols are described in kernels/comm_proto.h ("How the flag protocols work"); the
+ * host backend (src/comm/comm_host.c) runs the same index math from there with the CPU. */
 
 namespace {
 
