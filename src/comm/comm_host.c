@@ -259,23 +259,6 @@ static uint64_t *host_slot(const skv_comm_t *c, int pe, uint64_t off) {
   return (uint64_t *)skv__comm_addr(c, pe, off);
 }
 
-static bool cmp_true(uint64_t have, int cmp, uint64_t want) {
-  switch (cmp) {
-  case SKV_CMP_EQ:
-    return have == want;
-  case SKV_CMP_NE:
-    return have != want;
-  case SKV_CMP_GE:
-    return have >= want;
-  case SKV_CMP_GT:
-    return have > want;
-  case SKV_CMP_LT:
-    return have < want;
-  default:
-    return have <= want;
-  }
-}
-
 static const char *cmp_name(int cmp) {
   static const char *names[] = {"==", "!=", ">=", ">", "<", "<="};
   return cmp >= 0 && cmp < 6 ? names[cmp] : "?";
@@ -321,14 +304,15 @@ int skv__comm_host_barrier(skv_comm_t *c, int ch) {
 int skv__comm_host_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value) {
   uint64_t *s = host_slot(c, c->me, c->heap->info.signal_offset + (uint64_t)slot * 8u);
   host_wait_t w = host_wait_start(c);
-  uint64_t have;
-  while (!cmp_true(have = __atomic_load_n(s, __ATOMIC_ACQUIRE), cmp, value)) {
+  uint64_t have = __atomic_load_n(s, __ATOMIC_ACQUIRE);
+  while (!SKV_CMP_HOLDS(have, cmp, value)) {
     if (!host_keep_waiting(&w))
       return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
                       "skv_wait: slot %u still reads %" PRIu64
                       " after %d ms, waiting for %s %" PRIu64
                       "; did the peer that should signal it run?",
                       slot, have, c->ctx->cfg.timeout_ms, cmp_name(cmp), value);
+    have = __atomic_load_n(s, __ATOMIC_ACQUIRE);
   }
   return 0;
 }
