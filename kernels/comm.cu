@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     int bad = -1;
     if (!gather_reduce<DT, OP>(
             d, mine, [&](int p) { return skv__os_slot(nvec, p, v); }, own, acc, w, bad)) {
-      report(d, SKV__ERR_ALLREDUCE, ch, bad, 1, -1, v, e, 0, 0, w.waited());
+      report(d, SKV__ERR_ALLREDUCE, ch, bad, SKV__PHASE_ONESHOT, -1, v, e, 0, 0, w.waited());
       failed = true;
       break;
     }
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     int bad = -1;
     if (!gather_reduce<DT, OP>(
             d, mine, [&](int p) { return skv__ts_rs(cv, p, v); }, own, acc, w, bad)) {
-      report(d, SKV__ERR_ALLREDUCE, ch, bad, 2, -1, gv, e, 0, 0, w.waited());
+      report(d, SKV__ERR_ALLREDUCE, ch, bad, SKV__PHASE_RS, -1, gv, e, 0, 0, w.waited());
       failed = true;
       break;
     }
@@ -405,7 +405,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
       const char *s = mine + skv__ts_ag(cv, n, j, v);
       uint4 y = ld_slot(s);
       if (!poll<DT>(s, y, w, d)) {
-        report(d, SKV__ERR_ALLREDUCE, ch, j, 3, -1, (uint64_t)j * cv + v, e, 0, 0, w.waited());
+        report(d, SKV__ERR_ALLREDUCE, ch, j, SKV__PHASE_AG, -1, (uint64_t)j * cv + v, e, 0, 0,
+               w.waited());
         failed = true;
         break;
       }

@@ -120,6 +120,8 @@ enum {
   SKV__ERR_WAIT = 3,
   SKV__ERR_DEVAPI = 4,
 };
+/* Steps of an all-reduce that can wait for a peer (skv__phase_name in src/comm/dtype.c). */
+enum { SKV__PHASE_ONESHOT = 1, SKV__PHASE_RS = 2, SKV__PHASE_AG = 3 };
 
 /* The first device-side failure, in host-mapped memory (written once: the thread that wins
  * `broken` fills it, fences, then sets `code` last). */
@@ -128,7 +130,7 @@ typedef struct skv__comm_err {
   volatile int32_t kind;    /* SKV__ERR_* */
   volatile int32_t channel; /* channel, or -1 */
   volatile int32_t peer;    /* PE waited for, or -1 */
-  volatile int32_t phase;   /* all-reduce: 1 one-shot, 2 reduce-scatter, 3 all-gather */
+  volatile int32_t phase;   /* all-reduce: SKV__PHASE_* */
   volatile int32_t cmp;     /* wait: SKV_CMP_* */
   volatile uint64_t slot;   /* wait: slot; all-reduce: vector index */
   volatile uint64_t epoch;  /* epoch of the channel */

@@ -57,6 +57,8 @@ static inline uint32_t skv__dtype_size(int dtype) {
 const char *skv__dtype_name(int dtype);
 const char *skv__op_name(int op);
 const char *skv__algo_name(int algo);
+const char *skv__cmp_name(int cmp);     /* SKV_CMP_*: "==", "!=", ... */
+const char *skv__phase_name(int phase); /* SKV__PHASE_*: "one-shot", ... */
 /* Round to nearest even, like the GPU; NaN becomes the GPU's canonical one. */
 float skv__bf16_to_float(uint16_t h);
 uint16_t skv__float_to_bf16(float f);

@@ -413,11 +413,6 @@ int skv__comm_cuda_barrier(skv_comm_t *c, int channel, void *stream) {
   return e ? launch_fail(e, "skv_k_barrier") : 0;
 }
 
-static const char *cmp_text(int cmp) {
-  static const char *names[] = {"==", "!=", ">=", ">", "<", "<="};
-  return cmp >= 0 && cmp < 6 ? names[cmp] : "?";
-}
-
 int skv__comm_cuda_check(skv_comm_t *c) {
   volatile skv__comm_err_t *e = cc_of(c)->err;
   int code = e->code;
@@ -431,10 +426,7 @@ int skv__comm_cuda_check(skv_comm_t *c) {
     snprintf(what, sizeof what,
              "skv_allreduce (%s, channel %d, epoch %" PRIu64
              "): PE %d did not deliver vector %" PRIu64 " (waited %.0f ms, timeout %d ms)",
-             e->phase == 1   ? "one-shot"
-             : e->phase == 2 ? "two-shot reduce-scatter"
-                             : "two-shot all-gather",
-             e->channel, e->epoch, e->peer, e->slot, waited, to);
+             skv__phase_name(e->phase), e->channel, e->epoch, e->peer, e->slot, waited, to);
     break;
   case SKV__ERR_BARRIER:
     snprintf(what, sizeof what,
@@ -447,7 +439,7 @@ int skv__comm_cuda_check(skv_comm_t *c) {
              "skv_wait: slot %" PRIu64 " still read %" PRIu64 ", waiting for %s %" PRIu64
              " (waited %.0f ms, "
              "timeout %d ms); did the peer that should signal it run?",
-             e->slot, e->observed, cmp_text(e->cmp), e->value, waited, to);
+             e->slot, e->observed, skv__cmp_name(e->cmp), e->value, waited, to);
     break;
   }
   e->code = 0;

@@ -137,7 +137,7 @@ static void hvec_from_acc(hvec_t *x, const float *acc, int dtype) {
 
 /* ---- all-reduce --------------------------------------------------------------------------- */
 
-static int host_timeout(skv_comm_t *c, const char *what, int channel, uint64_t epoch, int peer,
+static int host_timeout(skv_comm_t *c, int phase, int channel, uint64_t epoch, int peer,
                         uint64_t v) {
   __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
   return SKV_FAIL(
@@ -145,7 +145,7 @@ static int host_timeout(skv_comm_t *c, const char *what, int channel, uint64_t e
       "skv_allreduce (%s, channel %d, epoch %" PRIu64 "): PE %d did not deliver vector %" PRIu64
       " within %d ms; is it alive and making the same calls (count, dtype, channel)? The comm is "
       "unusable now: destroy it on every PE",
-      what, channel, epoch, peer, v, c->ctx->cfg.timeout_ms);
+      skv__phase_name(phase), channel, epoch, peer, v, c->ctx->cfg.timeout_ms);
 }
 
 static int host_oneshot(skv_comm_t *c, const void *in, void *out, uint64_t count, int dtype, int op,
@@ -172,7 +172,7 @@ static int host_oneshot(skv_comm_t *c, const void *in, void *out, uint64_t count
         hvec_load(&x, in, v, count, es);
         hvec_canon(&x, es);
       } else if (!slot_take(mine + skv__os_slot(nvec, j, v), &x, es, &w)) {
-        return host_timeout(c, "one-shot", ch, e, j, v);
+        return host_timeout(c, SKV__PHASE_ONESHOT, ch, e, j, v);
       }
       hvec_accumulate(acc, &x, dtype, op, j == 0);
     }
@@ -212,7 +212,7 @@ static int host_twoshot(skv_comm_t *c, const void *in, void *out, uint64_t count
         hvec_load(&x, in, gv, count, es);
         hvec_canon(&x, es);
       } else if (!slot_take(mine + skv__ts_rs(cv, p, v), &x, es, &w)) {
-        return host_timeout(c, "two-shot reduce-scatter", ch, e, p, gv);
+        return host_timeout(c, SKV__PHASE_RS, ch, e, p, gv);
       }
       hvec_accumulate(acc, &x, dtype, op, p == 0);
     }
@@ -228,7 +228,7 @@ static int host_twoshot(skv_comm_t *c, const void *in, void *out, uint64_t count
     uint64_t valid = skv__ts_valid(nvec, cv, j);
     for (uint64_t v = 0; v < valid; v++) {
       if (!slot_take(mine + skv__ts_ag(cv, n, j, v), &x, es, &w))
-        return host_timeout(c, "two-shot all-gather", ch, e, j, (uint64_t)j * cv + v);
+        return host_timeout(c, SKV__PHASE_AG, ch, e, j, (uint64_t)j * cv + v);
       hvec_store(out, &x, (uint64_t)j * cv + v, count, es);
     }
   }
@@ -257,11 +257,6 @@ int skv__comm_host_allreduce(skv_comm_t *c, const void *in, void *out, size_t co
 
 static uint64_t *host_slot(const skv_comm_t *c, int pe, uint64_t off) {
   return (uint64_t *)skv__comm_addr(c, pe, off);
-}
-
-static const char *cmp_name(int cmp) {
-  static const char *names[] = {"==", "!=", ">=", ">", "<", "<="};
-  return cmp >= 0 && cmp < 6 ? names[cmp] : "?";
 }
 
 int skv__comm_host_signal(skv_comm_t *c, int pe, uint32_t slot, uint64_t value, int op) {
@@ -311,7 +306,7 @@ int skv__comm_host_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value) {
                       "skv_wait: slot %u still reads %" PRIu64
                       " after %d ms, waiting for %s %" PRIu64
                       "; did the peer that should signal it run?",
-                      slot, have, c->ctx->cfg.timeout_ms, cmp_name(cmp), value);
+                      slot, have, c->ctx->cfg.timeout_ms, skv__cmp_name(cmp), value);
     have = __atomic_load_n(s, __ATOMIC_ACQUIRE);
   }
   return 0;

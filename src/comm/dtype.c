@@ -1,5 +1,5 @@
-/* Element types of the collectives: the names of dtypes, ops and algorithms (logs, tests), and
- * the fp16 / bf16 conversions of the host backend (round to nearest even, like the GPU). */
+/* Element types and names of the collectives: names of dtypes, ops, algorithms, comparisons and
+ * all-reduce steps (logs, messages), and the host backend's fp16 / bf16 conversions. */
 #include "comm/comm.h"
 
 #include <string.h>
@@ -40,6 +40,22 @@ const char *skv__algo_name(int algo) {
     return "twoshot";
   case SKV_ALGO_NCCL:
     return "nccl";
+  default:
+    return "?";
+  }
+}
+const char *skv__cmp_name(int cmp) {
+  static const char *names[] = {"==", "!=", ">=", ">", "<", "<="};
+  return cmp >= 0 && cmp < 6 ? names[cmp] : "?";
+}
+const char *skv__phase_name(int phase) {
+  switch (phase) {
+  case SKV__PHASE_ONESHOT:
+    return "one-shot";
+  case SKV__PHASE_RS:
+    return "two-shot reduce-scatter";
+  case SKV__PHASE_AG:
+    return "two-shot all-gather";
   default:
     return "?";
   }
