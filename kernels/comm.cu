@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   bool failed = ld_volatile_u32(d.broken) != 0u;
   const int n = d.npes, me = d.me;
   const uint64_t nvec = skv__nvec(count, Dt<DT>::kEs);
-  const uint64_t roff = d.scratch_off + (uint64_t)ch * d.chan_bytes + (e & 1u) * d.region_bytes;
+  const uint64_t roff = skv__region_off(d.scratch_off, d.chan_bytes, d.region_bytes, ch, e);
   const char *mine = d.base + (uint64_t)me * d.stride + roff;
   const uint64_t G = (uint64_t)gridDim.x * blockDim.x,
                  t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   bool failed = ld_volatile_u32(d.broken) != 0u;
   const int n = d.npes, me = d.me;
   const uint64_t nvec = skv__nvec(count, Dt<DT>::kEs), cv = skv__ts_cv(nvec, n);
-  const uint64_t roff = d.scratch_off + (uint64_t)ch * d.chan_bytes + (e & 1u) * d.region_bytes;
+  const uint64_t roff = skv__region_off(d.scratch_off, d.chan_bytes, d.region_bytes, ch, e);
   const char *mine = d.base + (uint64_t)me * d.stride + roff;
   const uint64_t G = (uint64_t)gridDim.x * blockDim.x,
                  t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -423,15 +423,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 __global__ void skv_k_barrier(skv__comm_dev_t d, int ch) {
   pdl_start();
   skv__chan_state_t *st = d.chan + ch;
-  const uint64_t e = ld_volatile_u64(&st->barrier_epoch) + 1,
-                 fbase = d.flag_off + (uint64_t)ch * d.flag_chan_bytes;
+  const uint64_t e = ld_volatile_u64(&st->barrier_epoch) + 1;
   bool failed = ld_volatile_u32(d.broken) != 0u;
   const int q = threadIdx.x;
   if (!failed && q < d.npes && q != d.me) {
-    skv_dev_store_release(
-        (uint64_t *)(d.base + (uint64_t)q * d.stride + fbase + (uint64_t)d.me * 8u), e);
-    const uint64_t *f =
-        (const uint64_t *)(d.base + (uint64_t)d.me * d.stride + fbase + (uint64_t)q * 8u);
+    skv_dev_store_release((uint64_t *)(d.base + (uint64_t)q * d.stride +
+                                       skv__flag_off(d.flag_off, d.flag_chan_bytes, ch, d.me)),
+                          e);
+    const uint64_t *f = (const uint64_t *)(d.base + (uint64_t)d.me * d.stride +
+                                           skv__flag_off(d.flag_off, d.flag_chan_bytes, ch, q));
     Waiter w;
     uint64_t have;
     while ((have = skv_dev_load_acquire(f)) < e) {

@@ -89,6 +89,15 @@ SKV__HD uint64_t skv__oneshot_chunk_bytes(uint64_t region, int n) {
 SKV__HD uint64_t skv__twoshot_chunk_bytes(uint64_t region, int n) {
   return region / (2ull * (uint64_t)n * SKV__VEC) * (uint64_t)n * SKV__VEC;
 }
+/* Byte offset in a segment of channel ch's region for epoch e (regions alternate by parity). */
+SKV__HD uint64_t skv__region_off(uint64_t scratch_off, uint64_t chan_bytes, uint64_t region_bytes,
+                                 int ch, uint64_t e) {
+  return scratch_off + (uint64_t)ch * chan_bytes + (e % SKV__LAMPORT_REGIONS) * region_bytes;
+}
+/* Byte offset in a segment of the barrier flag that PE pe sets on channel ch. */
+SKV__HD uint64_t skv__flag_off(uint64_t flag_off, uint64_t flag_chan_bytes, int ch, int pe) {
+  return flag_off + (uint64_t)ch * flag_chan_bytes + (uint64_t)pe * 8u;
+}
 /* Byte offsets inside one region. One-shot: slot of source PE p holds nvec vectors. Two-shot:
  * RS slot of source p (cv vectors), then AG slot of owner j (cv vectors). */
 SKV__HD uint64_t skv__os_slot(uint64_t nvec, int p, uint64_t v) {

@@ -47,6 +47,14 @@ static inline char *skv__comm_addr(const skv_comm_t *c, int pe, uint64_t off) {
   return (char *)skv__heap_addr(c->heap, pe, off);
 }
 
+/* Elements of `es` bytes that one launch (one epoch) of `algo` (SKV_ALGO_ONESHOT or _TWOSHOT)
+ * carries; both backends split a larger message into launches of this many. */
+static inline uint64_t skv__comm_chunk_count(const skv_comm_t *c, int algo, uint32_t es) {
+  uint64_t bytes = algo == SKV_ALGO_ONESHOT ? skv__oneshot_chunk_bytes(c->region_bytes, c->npes)
+                                            : skv__twoshot_chunk_bytes(c->region_bytes, c->npes);
+  return bytes / es;
+}
+
 /* ---- dtype.c: names, and the half-precision conversions of the host backend --------------- */
 /* Bytes of one element of `dtype` (0 when invalid). */
 static inline uint32_t skv__dtype_size(int dtype) {

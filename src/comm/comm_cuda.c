@@ -379,9 +379,7 @@ int skv__comm_cuda_allreduce(skv_comm_t *c, const void *in, void *out, size_t co
   const skv__comm_dev_t *d = dev_of(c);
   uint32_t es = skv__dtype_size(dtype);
   int alg = algo == SKV_ALGO_ONESHOT ? SKV__ALG_ONESHOT : SKV__ALG_TWOSHOT;
-  uint64_t chunk = alg == SKV__ALG_ONESHOT ? skv__oneshot_chunk_bytes(c->region_bytes, c->npes)
-                                           : skv__twoshot_chunk_bytes(c->region_bytes, c->npes);
-  uint64_t per = chunk / es;
+  uint64_t per = skv__comm_chunk_count(c, algo, es);
   /* One launch (one epoch) per chunk: stream-ordered, nothing allocated, capturable. */
   for (uint64_t off = 0; off < count; off += per) {
     uint64_t m = SKV_MIN(per, (uint64_t)count - off);

@@ -153,7 +153,7 @@ static int host_oneshot(skv_comm_t *c, const void *in, void *out, uint64_t count
   uint32_t es = skv__dtype_size(dtype);
   int n = c->npes, me = c->me;
   uint64_t e = c->hchan[ch].epoch, nvec = skv__nvec(count, es);
-  uint64_t roff = c->scratch_off + (uint64_t)ch * c->chan_bytes + (e & 1u) * c->region_bytes;
+  uint64_t roff = skv__region_off(c->scratch_off, c->chan_bytes, c->region_bytes, ch, e);
   char *mine = skv__comm_addr(c, me, roff);
   hvec_t x;
   for (uint64_t v = 0; v < nvec; v++) {
@@ -188,7 +188,7 @@ static int host_twoshot(skv_comm_t *c, const void *in, void *out, uint64_t count
   uint32_t es = skv__dtype_size(dtype);
   int n = c->npes, me = c->me;
   uint64_t e = c->hchan[ch].epoch, nvec = skv__nvec(count, es), cv = skv__ts_cv(nvec, n);
-  uint64_t roff = c->scratch_off + (uint64_t)ch * c->chan_bytes + (e & 1u) * c->region_bytes;
+  uint64_t roff = skv__region_off(c->scratch_off, c->chan_bytes, c->region_bytes, ch, e);
   char *mine = skv__comm_addr(c, me, roff);
   hvec_t x;
   /* 1: push range j to PE j's reduce-scatter slots */
@@ -239,9 +239,7 @@ static int host_twoshot(skv_comm_t *c, const void *in, void *out, uint64_t count
 int skv__comm_host_allreduce(skv_comm_t *c, const void *in, void *out, size_t count, int dtype,
                              int op, int algo, int ch) {
   uint32_t es = skv__dtype_size(dtype);
-  uint64_t chunk = algo == SKV_ALGO_ONESHOT ? skv__oneshot_chunk_bytes(c->region_bytes, c->npes)
-                                            : skv__twoshot_chunk_bytes(c->region_bytes, c->npes);
-  uint64_t per = chunk / es;
+  uint64_t per = skv__comm_chunk_count(c, algo, es);
   for (uint64_t off = 0; off < count; off += per) {
     uint64_t m = SKV_MIN(per, count - off);
     const char *i = (const char *)in + off * es;
@@ -270,14 +268,13 @@ int skv__comm_host_signal(skv_comm_t *c, int pe, uint32_t slot, uint64_t value, 
 
 int skv__comm_host_barrier(skv_comm_t *c, int ch) {
   uint64_t e = c->hchan[ch].barrier_epoch + 1;
-  uint64_t base = c->flag_off + (uint64_t)ch * c->flag_chan_bytes;
+  uint64_t my_flag = skv__flag_off(c->flag_off, c->flag_chan_bytes, ch, c->me);
   for (int k = 1; k < c->npes; k++)
-    __atomic_store_n(host_slot(c, (c->me + k) % c->npes, base + (uint64_t)c->me * 8u), e,
-                     __ATOMIC_RELEASE);
+    __atomic_store_n(host_slot(c, (c->me + k) % c->npes, my_flag), e, __ATOMIC_RELEASE);
   host_wait_t w = host_wait_start(c);
   for (int k = 1; k < c->npes; k++) {
     int q = (c->me + k) % c->npes;
-    uint64_t *f = host_slot(c, c->me, base + (uint64_t)q * 8u);
+    uint64_t *f = host_slot(c, c->me, skv__flag_off(c->flag_off, c->flag_chan_bytes, ch, q));
     uint64_t have;
     while ((have = __atomic_load_n(f, __ATOMIC_ACQUIRE)) < e) {
       if (!host_keep_waiting(&w)) {
