@@ -137,6 +137,26 @@ static void hvec_from_acc(hvec_t *x, const float *acc, int dtype) {
 
 /* ---- all-reduce --------------------------------------------------------------------------- */
 
+/* Byte offset of slot (p, v) in a region: skv__os_slot (per_pe = nvec) or skv__ts_rs (cv). */
+typedef uint64_t (*slot_off_fn)(uint64_t per_pe, int p, uint64_t v);
+
+/* x = `own` (my vector) and slot (p, v) of every other PE p, taken (polled, then cleared) from
+ * mine + slot_off(per_pe, p, v), reduced in PE order: gather_reduce of kernels/comm.cu. Returns
+ * -1, or the PE that did not deliver in time. */
+static int host_gather_reduce(const skv_comm_t *c, char *mine, slot_off_fn slot_off,
+                              uint64_t per_pe, uint64_t v, const hvec_t *own, int dtype, int op,
+                              host_wait_t *w, hvec_t *x) {
+  uint32_t es = skv__dtype_size(dtype);
+  float acc[8];
+  for (int p = 0; p < c->npes; p++) {
+    hvec_t y = *own;
+    if (p != c->me && !slot_take(mine + slot_off(per_pe, p, v), &y, es, w)) return p;
+    hvec_accumulate(acc, &y, dtype, op, p == 0);
+  }
+  hvec_from_acc(x, acc, dtype);
+  return -1;
+}
+
 static int host_timeout(skv_comm_t *c, int phase, int channel, uint64_t epoch, int peer,
                         uint64_t v) {
   __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
@@ -165,18 +185,12 @@ static int host_oneshot(skv_comm_t *c, const void *in, void *out, uint64_t count
     }
   }
   host_wait_t w = host_wait_start(c);
-  float acc[8];
+  hvec_t own;
   for (uint64_t v = 0; v < nvec; v++) {
-    for (int j = 0; j < n; j++) {
-      if (j == me) {
-        hvec_load(&x, in, v, count, es);
-        hvec_canon(&x, es);
-      } else if (!slot_take(mine + skv__os_slot(nvec, j, v), &x, es, &w)) {
-        return host_timeout(c, SKV__PHASE_ONESHOT, ch, e, j, v);
-      }
-      hvec_accumulate(acc, &x, dtype, op, j == 0);
-    }
-    hvec_from_acc(&x, acc, dtype);
+    hvec_load(&own, in, v, count, es);
+    hvec_canon(&own, es);
+    int bad = host_gather_reduce(c, mine, skv__os_slot, nvec, v, &own, dtype, op, &w, &x);
+    if (bad >= 0) return host_timeout(c, SKV__PHASE_ONESHOT, ch, e, bad, v);
     hvec_store(out, &x, v, count, es);
   }
   c->hchan[ch].epoch = e + 1;
@@ -203,20 +217,14 @@ static int host_twoshot(skv_comm_t *c, const void *in, void *out, uint64_t count
   }
   /* 2: reduce my range in PE order, write it out, push it to every PE's all-gather slots */
   host_wait_t w = host_wait_start(c);
-  float acc[8];
+  hvec_t own;
   uint64_t mv = skv__ts_valid(nvec, cv, me);
   for (uint64_t v = 0; v < mv; v++) {
     uint64_t gv = (uint64_t)me * cv + v;
-    for (int p = 0; p < n; p++) {
-      if (p == me) {
-        hvec_load(&x, in, gv, count, es);
-        hvec_canon(&x, es);
-      } else if (!slot_take(mine + skv__ts_rs(cv, p, v), &x, es, &w)) {
-        return host_timeout(c, SKV__PHASE_RS, ch, e, p, gv);
-      }
-      hvec_accumulate(acc, &x, dtype, op, p == 0);
-    }
-    hvec_from_acc(&x, acc, dtype);
+    hvec_load(&own, in, gv, count, es);
+    hvec_canon(&own, es);
+    int bad = host_gather_reduce(c, mine, skv__ts_rs, cv, v, &own, dtype, op, &w, &x);
+    if (bad >= 0) return host_timeout(c, SKV__PHASE_RS, ch, e, bad, gv);
     hvec_canon(&x, es);
     hvec_store(out, &x, gv, count, es);
     for (int k = 1; k < n; k++)
