@@ -479,6 +479,17 @@ enum {
   SKV_CMP_LT = 4,
   SKV_CMP_LE = 5
 };
+/* Whether `have` compares true with `want` under `cmp` (SKV_CMP_*; any other value compares as
+ * SKV_CMP_LE): the one definition behind skv_wait on either backend and skv_dev_cmp. A plain
+ * expression, for C and CUDA device code alike; `have` and `want` are each evaluated exactly
+ * once, `cmp` up to five times (pass it without side effects). */
+#define SKV_CMP_HOLDS(have, cmp, want)      \
+  ((cmp) == SKV_CMP_EQ   ? (have) == (want) \
+   : (cmp) == SKV_CMP_NE ? (have) != (want) \
+   : (cmp) == SKV_CMP_GE ? (have) >= (want) \
+   : (cmp) == SKV_CMP_GT ? (have) > (want)  \
+   : (cmp) == SKV_CMP_LT ? (have) < (want)  \
+                         : (have) <= (want))
 
 typedef struct skv_comm skv_comm_t;
 

@@ -137,21 +137,9 @@ SKV_DEV void skv_dev_put_signal_block(const skv_dev_comm_t &c, int pe, void *dst
   }
 }
 
+/* Whether `have` compares true with `want` under `cmp` (SKV_CMP_*): SKV_CMP_HOLDS of symkv.h. */
 SKV_DEV bool skv_dev_cmp(uint64_t have, int cmp, uint64_t want) {
-  switch (cmp) {
-  case SKV_CMP_EQ:
-    return have == want;
-  case SKV_CMP_NE:
-    return have != want;
-  case SKV_CMP_GE:
-    return have >= want;
-  case SKV_CMP_GT:
-    return have > want;
-  case SKV_CMP_LT:
-    return have < want;
-  default:
-    return have <= want;
-  }
+  return SKV_CMP_HOLDS(have, cmp, want);
 }
 
 /* Wait (one thread) until this PE's slot compares true (SKV_CMP_*) with `value`, with acquire

@@ -10,8 +10,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-/* The flag protocol is described in src/comm/comm.c ("How the flag protocols work"); the host
- * backend there runs the same index math (kernels/comm_proto.h) with the CPU. */
+/* The flag protocols are described in kernels/comm_proto.h ("How the flag protocols work"); the
+ * host backend (src/comm/comm_host.c) runs the same index math from there with the CPU. */
 
 namespace {
 
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   bool failed = ld_volatile_u32(d.broken) != 0u;
   const int n = d.npes, me = d.me;
   const uint64_t nvec = skv__nvec(count, Dt<DT>::kEs);
-  const uint64_t roff = d.scratch_off + (uint64_t)ch * d.chan_bytes + (e & 1u) * d.region_bytes;
+  const uint64_t roff = skv__region_off(d.scratch_off, d.chan_bytes, d.region_bytes, ch, e);
   const char *mine = d.base + (uint64_t)me * d.stride + roff;
   const uint64_t G = (uint64_t)gridDim.x * blockDim.x,
                  t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     int bad = -1;
     if (!gather_reduce<DT, OP>(
             d, mine, [&](int p) { return skv__os_slot(nvec, p, v); }, own, acc, w, bad)) {
-      report(d, SKV__ERR_ALLREDUCE, ch, bad, 1, -1, v, e, 0, 0, w.waited());
+      report(d, SKV__ERR_ALLREDUCE, ch, bad, SKV__PHASE_ONESHOT, -1, v, e, 0, 0, w.waited());
       failed = true;
       break;
     }
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   bool failed = ld_volatile_u32(d.broken) != 0u;
   const int n = d.npes, me = d.me;
   const uint64_t nvec = skv__nvec(count, Dt<DT>::kEs), cv = skv__ts_cv(nvec, n);
-  const uint64_t roff = d.scratch_off + (uint64_t)ch * d.chan_bytes + (e & 1u) * d.region_bytes;
+  const uint64_t roff = skv__region_off(d.scratch_off, d.chan_bytes, d.region_bytes, ch, e);
   const char *mine = d.base + (uint64_t)me * d.stride + roff;
   const uint64_t G = (uint64_t)gridDim.x * blockDim.x,
                  t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     int bad = -1;
     if (!gather_reduce<DT, OP>(
             d, mine, [&](int p) { return skv__ts_rs(cv, p, v); }, own, acc, w, bad)) {
-      report(d, SKV__ERR_ALLREDUCE, ch, bad, 2, -1, gv, e, 0, 0, w.waited());
+      report(d, SKV__ERR_ALLREDUCE, ch, bad, SKV__PHASE_RS, -1, gv, e, 0, 0, w.waited());
       failed = true;
       break;
     }
@@ -405,7 +405,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
       const char *s = mine + skv__ts_ag(cv, n, j, v);
       uint4 y = ld_slot(s);
       if (!poll<DT>(s, y, w, d)) {
-        report(d, SKV__ERR_ALLREDUCE, ch, j, 3, -1, (uint64_t)j * cv + v, e, 0, 0, w.waited());
+        report(d, SKV__ERR_ALLREDUCE, ch, j, SKV__PHASE_AG, -1, (uint64_t)j * cv + v, e, 0, 0,
+               w.waited());
         failed = true;
         break;
       }
@@ -422,15 +423,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 __global__ void skv_k_barrier(skv__comm_dev_t d, int ch) {
   pdl_start();
   skv__chan_state_t *st = d.chan + ch;
-  const uint64_t e = ld_volatile_u64(&st->barrier_epoch) + 1,
-                 fbase = d.flag_off + (uint64_t)ch * d.flag_chan_bytes;
+  const uint64_t e = ld_volatile_u64(&st->barrier_epoch) + 1;
   bool failed = ld_volatile_u32(d.broken) != 0u;
   const int q = threadIdx.x;
   if (!failed && q < d.npes && q != d.me) {
-    skv_dev_store_release(
-        (uint64_t *)(d.base + (uint64_t)q * d.stride + fbase + (uint64_t)d.me * 8u), e);
-    const uint64_t *f =
-        (const uint64_t *)(d.base + (uint64_t)d.me * d.stride + fbase + (uint64_t)q * 8u);
+    skv_dev_store_release((uint64_t *)(d.base + (uint64_t)q * d.stride +
+                                       skv__flag_off(d.flag_off, d.flag_chan_bytes, ch, d.me)),
+                          e);
+    const uint64_t *f = (const uint64_t *)(d.base + (uint64_t)d.me * d.stride +
+                                           skv__flag_off(d.flag_off, d.flag_chan_bytes, ch, q));
     Waiter w;
     uint64_t have;
     while ((have = skv_dev_load_acquire(f)) < e) {

@@ -1,7 +1,7 @@
-/* Comm kernels' internal interface: the by-value descriptor every kernel gets, the layout math
- * shared by the CUDA kernels and the host backend, and the launch wrappers of kernels/comm.cu. */
-#ifndef SKV_KERNELS_COMM_H
-#define SKV_KERNELS_COMM_H
+/* Comm kernels' internal interface: how the flag protocols work, the layout math shared by the
+ * CUDA kernels and the host backend, the kernels' descriptor, and comm.cu's launch wrappers. */
+#ifndef SKV_COMM_PROTO_H
+#define SKV_COMM_PROTO_H
 
 #include <stdint.h>
 
@@ -14,6 +14,48 @@ extern "C" {
 #else
 #define SKV__HD static inline
 #endif
+
+/* ---- the flag protocols ------------------------------------------------------------------- */
+
+/* How the flag protocols work (kernels/comm.cu runs them on the GPU; the host backend,
+ * src/comm/comm_host.c, runs the same with one CPU thread per PE and 16-byte vectors written as
+ * two 8-byte atomic words; both place slots and flags with the layout math below):
+ *
+ * All-reduce (Lamport, no barrier). Each channel has two regions of Lamport slots in every
+ * PE's scratch, used by epoch parity; the epoch counts the channel's all-reduce launches and
+ * lives with the PE (device memory on the GPU, advanced by the kernel itself). Every slot
+ * holds the sentinel (all bits set in every element) unless it carries data of the current
+ * epoch.
+ *  - One-shot: PE p stores its input vector v, canonicalised (an element equal to the sentinel
+ *    gets its lowest bit flipped: still a NaN), into slot (p, v) of region e%2 of every peer.
+ *    Each PE polls its own slots (q, v) until no element is the sentinel, puts the sentinel
+ *    back (clear after read), and reduces the n vectors in PE order 0..n-1 in float32.
+ *  - Two-shot: vector range j of the message belongs to PE j. PE p pushes range j to PE j's
+ *    reduce-scatter slot (p, v); PE j polls those, reduces in PE order, canonicalises the
+ *    result, writes its own output and pushes the result to every PE's all-gather slot (j, v);
+ *    every PE polls the all-gather slots and writes them out.
+ *  Every slot a peer writes into my region is read and cleared by me in the same epoch, so a
+ *  region is clean when the epoch ends. A peer is at most one epoch ahead of me (finishing
+ *  epoch e needs my epoch-e data), so while I run epoch e peers write only regions e%2 and
+ *  (e+1)%2, and (e+1)%2 was cleared during my epoch e-1, which completed before I pushed any
+ *  data of epoch e. Hence two regions suffice and no flag ever needs resetting.
+ *  Every PE reduces the same values in the same order (two-shot: one PE reduces, everyone
+ *  copies), so the results are bitwise identical everywhere.
+ *
+ * Barrier: PE p stores the channel's barrier epoch e into flag (c, p) of every peer with
+ * release semantics, then waits (acquire) until its own flags (c, q) are >= e for every q.
+ * Flags only grow, so nothing is reset; a PE cannot reach e+1 before every PE reached e.
+ *
+ * What can go wrong:
+ *  - A peer that never arrives: every wait gives up after the context's timeout and fails
+ *    with SKV_ETIMEDOUT naming the PE and slot. Slots may then hold data that nobody clears,
+ *    so the comm is marked broken: later calls fail with SKV_ESTATE; destroy it everywhere.
+ *  - PEs that call with different counts, dtypes or channels: slots are polled that nobody
+ *    writes (timeout) or data is left behind. The collectives are not checked on the fast
+ *    path; every PE must make the same calls in the same order on a channel.
+ *  - Two threads on one channel at once: they share the epoch; use one channel per thread
+ *    (GPU: per stream).
+ *  - The sentinel changes inputs that carry exactly its pattern (a NaN stays a NaN). */
 
 /* ---- layout (identical on every PE; see docs/comm.md "Memory") ---------------------------- */
 
@@ -47,6 +89,15 @@ SKV__HD uint64_t skv__oneshot_chunk_bytes(uint64_t region, int n) {
 SKV__HD uint64_t skv__twoshot_chunk_bytes(uint64_t region, int n) {
   return region / (2ull * (uint64_t)n * SKV__VEC) * (uint64_t)n * SKV__VEC;
 }
+/* Byte offset in a segment of channel ch's region for epoch e (regions alternate by parity). */
+SKV__HD uint64_t skv__region_off(uint64_t scratch_off, uint64_t chan_bytes, uint64_t region_bytes,
+                                 int ch, uint64_t e) {
+  return scratch_off + (uint64_t)ch * chan_bytes + (e % SKV__LAMPORT_REGIONS) * region_bytes;
+}
+/* Byte offset in a segment of the barrier flag that PE pe sets on channel ch. */
+SKV__HD uint64_t skv__flag_off(uint64_t flag_off, uint64_t flag_chan_bytes, int ch, int pe) {
+  return flag_off + (uint64_t)ch * flag_chan_bytes + (uint64_t)pe * 8u;
+}
 /* Byte offsets inside one region. One-shot: slot of source PE p holds nvec vectors. Two-shot:
  * RS slot of source p (cv vectors), then AG slot of owner j (cv vectors). */
 SKV__HD uint64_t skv__os_slot(uint64_t nvec, int p, uint64_t v) {
@@ -78,6 +129,8 @@ enum {
   SKV__ERR_WAIT = 3,
   SKV__ERR_DEVAPI = 4,
 };
+/* Steps of an all-reduce that can wait for a peer (skv__phase_name in src/comm/dtype.c). */
+enum { SKV__PHASE_ONESHOT = 1, SKV__PHASE_RS = 2, SKV__PHASE_AG = 3 };
 
 /* The first device-side failure, in host-mapped memory (written once: the thread that wins
  * `broken` fills it, fences, then sets `code` last). */
@@ -86,7 +139,7 @@ typedef struct skv__comm_err {
   volatile int32_t kind;    /* SKV__ERR_* */
   volatile int32_t channel; /* channel, or -1 */
   volatile int32_t peer;    /* PE waited for, or -1 */
-  volatile int32_t phase;   /* all-reduce: 1 one-shot, 2 reduce-scatter, 3 all-gather */
+  volatile int32_t phase;   /* all-reduce: SKV__PHASE_* */
   volatile int32_t cmp;     /* wait: SKV_CMP_* */
   volatile uint64_t slot;   /* wait: slot; all-reduce: vector index */
   volatile uint64_t epoch;  /* epoch of the channel */

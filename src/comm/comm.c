@@ -1,10 +1,9 @@
-/* Tensor-parallel collectives: the public API, argument checks, the algorithm choice, and the
- * host backend, which runs the GPU's flag protocols with the CPU over a host heap. */
+/* Tensor-parallel collectives, the front end: create and destroy, argument checks, the algorithm
+ * choice and the public entry points, which dispatch to comm_host.c or comm_cuda.c. */
 #define _GNU_SOURCE
 #include "comm/comm.h"
 
 #include <inttypes.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,107 +14,6 @@
 #define CUDA_CHUNK_BYTES  (4ull << 20) /* most bytes one Lamport launch carries (two-shot) */
 #define HOST_CHUNK_BYTES  (1ull << 20)
 #define MIN_REGION_BYTES  (64ull << 10)
-
-/* ---- names -------------------------------------------------------------------------------- */
-
-const char *skv__dtype_name(int dtype) {
-  switch (dtype) {
-  case SKV_DTYPE_BF16:
-    return "bf16";
-  case SKV_DTYPE_FP16:
-    return "fp16";
-  case SKV_DTYPE_FP32:
-    return "fp32";
-  default:
-    return "?";
-  }
-}
-const char *skv__op_name(int op) {
-  switch (op) {
-  case SKV_OP_SUM:
-    return "sum";
-  case SKV_OP_MAX:
-    return "max";
-  case SKV_OP_MIN:
-    return "min";
-  default:
-    return "?";
-  }
-}
-const char *skv__algo_name(int algo) {
-  switch (algo) {
-  case SKV_ALGO_AUTO:
-    return "auto";
-  case SKV_ALGO_ONESHOT:
-    return "oneshot";
-  case SKV_ALGO_TWOSHOT:
-    return "twoshot";
-  case SKV_ALGO_NCCL:
-    return "nccl";
-  default:
-    return "?";
-  }
-}
-
-/* ---- half-precision conversions ---------------------------------------------------------- */
-
-float skv__bf16_to_float(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-uint16_t skv__float_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fffu; /* NaN: the GPU's canonical one */
-  u += 0x7fffu + ((u >> 16) & 1u);                     /* round to nearest, ties to even */
-  return (uint16_t)(u >> 16);
-}
-
-float skv__fp16_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-  if (exp == 0) {
-    if (man == 0) {
-      u = sign;
-    } else { /* subnormal: normalise */
-      uint32_t e = 127 - 15 + 1;
-      while (!(man & 0x400u)) {
-        man <<= 1;
-        e--;
-      }
-      u = sign | (e << 23) | ((man & 0x3ffu) << 13);
-    }
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  }
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-uint16_t skv__float_to_fp16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-  uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return 0x7fffu;                     /* NaN: the GPU's canonical one */
-  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and up round to infinity */
-  if (a < 0x38800000u) {                                   /* below 2^-14: subnormal or zero */
-    uint32_t exp = a >> 23;
-    if (exp < 102) return sign; /* below 2^-25 */
-    uint32_t man = (a & 0x7fffffu) | 0x800000u;
-    uint32_t shift = 126 - exp, r = man >> shift, rem = man & ((1u << shift) - 1),
-             half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1u))) r++;
-    return (uint16_t)(sign | r);
-  }
-  uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
-  return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
-}
 
 /* ---- algorithm choice --------------------------------------------------------------------- */
 
@@ -169,6 +67,19 @@ int skv__comm_choose(const skv_comm_t *c, uint64_t bytes) {
 }
 
 /* ---- create / destroy --------------------------------------------------------------------- */
+
+/* The backend's part of a comm (the heap stays). */
+static int backend_destroy(skv_comm_t *c) {
+  if (c->backend == SKV_BACKEND_HOST) {
+    skv__comm_host_destroy(c);
+    return 0;
+  }
+#ifdef SKV_WITH_CUDA
+  return skv__comm_cuda_destroy(c);
+#else
+  return 0;
+#endif
+}
 
 int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **out) {
   SKV_ARG_CHECK(ctx && out, SKV_SUBSYS_COMM, "skv_comm_create: ctx and comm must be non-NULL");
@@ -271,10 +182,7 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   c->flag_off = c->heap->info.signal_offset + (uint64_t)c->user_slots * 8u;
   c->scratch_off = c->heap->info.scratch_offset;
   if (c->backend == SKV_BACKEND_HOST) {
-    /* Every Lamport slot starts out as the sentinel; the pad starts at zero (fresh memfd). */
-    memset(skv__comm_addr(c, c->me, c->scratch_off), 0xff, c->channels * c->chan_bytes);
-    c->hchan = calloc(c->channels, sizeof *c->hchan);
-    if (!c->hchan) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_COMM, "skv_comm_create: out of memory");
+    rc = skv__comm_host_create(c);
   } else {
 #ifdef SKV_WITH_CUDA
     rc = skv__comm_cuda_create(c);
@@ -297,11 +205,8 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
                skv_err_name(all[r]));
     }
   if (rc < 0) {
-#ifdef SKV_WITH_CUDA
-    if (c->backend == SKV_BACKEND_CUDA) skv__comm_cuda_destroy(c);
-#endif
+    backend_destroy(c);
     skv_heap_destroy(c->heap);
-    free(c->hchan);
     free(c);
     return SKV_FAIL(rc, SKV_SUBSYS_COMM, "skv_comm_create failed: %s", why);
   }
@@ -319,13 +224,9 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
 
 int skv_comm_destroy(skv_comm_t *comm) {
   if (!comm) return 0;
-  int rc = 0;
-#ifdef SKV_WITH_CUDA
-  if (comm->backend == SKV_BACKEND_CUDA) rc = skv__comm_cuda_destroy(comm);
+  int rc = backend_destroy(comm);
   if (rc == SKV_ECAPTURE) return rc; /* nothing was freed: the caller may retry after the capture */
-#endif
   int rc2 = skv_heap_destroy(comm->heap);
-  free(comm->hchan);
   free(comm);
   return rc ? rc : rc2;
 }
@@ -341,339 +242,6 @@ skv_heap_t *skv_comm_heap(const skv_comm_t *comm) {
 int skv_comm_signal_slots(const skv_comm_t *comm) {
   SKV_ARG_CHECK(comm, SKV_SUBSYS_COMM, "skv_comm_signal_slots: comm is NULL");
   return (int)comm->user_slots;
-}
-
-/* ---- the host backend --------------------------------------------------------------------- */
-
-/* How the flag protocols work (the same on the GPU, kernels/comm.cu; here with one CPU thread
- * per PE and 16-byte vectors written as two 8-byte atomic words):
- *
- * All-reduce (Lamport, no barrier). Each channel has two regions of Lamport slots in every
- * PE's scratch, used by epoch parity; the epoch counts the channel's all-reduce launches and
- * lives with the PE (device memory on the GPU, advanced by the kernel itself). Every slot
- * holds the sentinel (all bits set in every element) unless it carries data of the current
- * epoch.
- *  - One-shot: PE p stores its input vector v, canonicalised (an element equal to the sentinel
- *    gets its lowest bit flipped: still a NaN), into slot (p, v) of region e%2 of every peer.
- *    Each PE polls its own slots (q, v) until no element is the sentinel, puts the sentinel
- *    back (clear after read), and reduces the n vectors in PE order 0..n-1 in float32.
- *  - Two-shot: vector range j of the message belongs to PE j. PE p pushes range j to PE j's
- *    reduce-scatter slot (p, v); PE j polls those, reduces in PE order, canonicalises the
- *    result, writes its own output and pushes the result to every PE's all-gather slot (j, v);
- *    every PE polls the all-gather slots and writes them out.
- *  Every slot a peer writes into my region is read and cleared by me in the same epoch, so a
- *  region is clean when the epoch ends. A peer is at most one epoch ahead of me (finishing
- *  epoch e needs my epoch-e data), so while I run epoch e peers write only regions e%2 and
- *  (e+1)%2, and (e+1)%2 was cleared during my epoch e-1, which completed before I pushed any
- *  data of epoch e. Hence two regions suffice and no flag ever needs resetting.
- *  Every PE reduces the same values in the same order (two-shot: one PE reduces, everyone
- *  copies), so the results are bitwise identical everywhere.
- *
- * Barrier: PE p stores the channel's barrier epoch e into flag (c, p) of every peer with
- * release semantics, then waits (acquire) until its own flags (c, q) are >= e for every q.
- * Flags only grow, so nothing is reset; a PE cannot reach e+1 before every PE reached e.
- *
- * What can go wrong:
- *  - A peer that never arrives: every wait gives up after the context's timeout and fails
- *    with SKV_ETIMEDOUT naming the PE and slot. Slots may then hold data that nobody clears,
- *    so the comm is marked broken: later calls fail with SKV_ESTATE; destroy it everywhere.
- *  - PEs that call with different counts, dtypes or channels: slots are polled that nobody
- *    writes (timeout) or data is left behind. The collectives are not checked on the fast
- *    path; every PE must make the same calls in the same order on a channel.
- *  - Two threads on one channel at once: they share the epoch; use one channel per thread
- *    (GPU: per stream).
- *  - The sentinel changes inputs that carry exactly its pattern (a NaN stays a NaN). */
-
-typedef union hvec {
-  uint64_t w[2];
-  uint32_t s[4];
-  uint16_t h[8];
-} hvec_t;
-
-typedef struct host_wait {
-  uint64_t deadline_ns;
-  uint32_t spins;
-} host_wait_t;
-
-static host_wait_t host_wait_start(const skv_comm_t *c) {
-  host_wait_t w = {skv__now_ns() + (uint64_t)c->ctx->cfg.timeout_ms * 1000000ull, 0};
-  return w;
-}
-
-/* false once the deadline passed. Spinning PEs may outnumber the cores: yield often. */
-static bool host_keep_waiting(host_wait_t *w) {
-  w->spins++;
-  if ((w->spins & 15u) == 0) sched_yield();
-  if ((w->spins & 255u) == 0 && skv__now_ns() > w->deadline_ns) return false;
-  return true;
-}
-
-static bool hvec_has_sent(const hvec_t *x, uint32_t es) {
-  if (es == 4)
-    return x->s[0] == SKV__SENT32 || x->s[1] == SKV__SENT32 || x->s[2] == SKV__SENT32 ||
-           x->s[3] == SKV__SENT32;
-  for (int i = 0; i < 8; i++)
-    if (x->h[i] == 0xffffu) return true;
-  return false;
-}
-
-static void hvec_canon(hvec_t *x, uint32_t es) {
-  if (es == 4) {
-    for (int i = 0; i < 4; i++) x->s[i] ^= (uint32_t)(x->s[i] == SKV__SENT32);
-  } else {
-    for (int i = 0; i < 8; i++) x->h[i] ^= (uint16_t)(x->h[i] == 0xffffu);
-  }
-}
-
-/* Vector v of a buffer of `count` elements; the part beyond the end reads as zero. */
-static void hvec_load(hvec_t *x, const void *buf, uint64_t v, uint64_t count, uint32_t es) {
-  uint64_t off = v * SKV__VEC, end = count * es;
-  x->w[0] = x->w[1] = 0;
-  memcpy(x, (const char *)buf + off, end - off < SKV__VEC ? end - off : SKV__VEC);
-}
-
-static void hvec_store(void *buf, const hvec_t *x, uint64_t v, uint64_t count, uint32_t es) {
-  uint64_t off = v * SKV__VEC, end = count * es;
-  memcpy((char *)buf + off, x, end - off < SKV__VEC ? end - off : SKV__VEC);
-}
-
-/* Pushes release and polls acquire: a peer that took my epoch-e data also sees every clear I
- * made before, so its epoch e+1 writes into a region come after my clears there. (The GPU gets
- * the same order from the kernel boundary between epochs.) */
-static void slot_put(char *slot, const hvec_t *x) {
-  uint64_t *w = (uint64_t *)slot;
-  __atomic_store_n(&w[0], x->w[0], __ATOMIC_RELEASE);
-  __atomic_store_n(&w[1], x->w[1], __ATOMIC_RELEASE);
-}
-
-/* Wait until slot holds no sentinel element, take it, and put the sentinel back. */
-static bool slot_take(char *slot, hvec_t *x, uint32_t es, host_wait_t *w) {
-  uint64_t *p = (uint64_t *)slot;
-  for (;;) {
-    x->w[0] = __atomic_load_n(&p[0], __ATOMIC_ACQUIRE);
-    x->w[1] = __atomic_load_n(&p[1], __ATOMIC_ACQUIRE);
-    if (!hvec_has_sent(x, es)) break;
-    if (!host_keep_waiting(w)) return false;
-  }
-  __atomic_store_n(&p[0], UINT64_MAX, __ATOMIC_RELAXED);
-  __atomic_store_n(&p[1], UINT64_MAX, __ATOMIC_RELAXED);
-  return true;
-}
-
-/* acc (lanes as float) op= x, in PE order; `first` initialises. */
-static void hvec_accumulate(float *acc, const hvec_t *x, int dtype, int op, bool first) {
-  int lanes = dtype == SKV_DTYPE_FP32 ? 4 : 8;
-  for (int i = 0; i < lanes; i++) {
-    float y;
-    if (dtype == SKV_DTYPE_FP32)
-      memcpy(&y, &x->s[i], sizeof y);
-    else if (dtype == SKV_DTYPE_BF16)
-      y = skv__bf16_to_float(x->h[i]);
-    else
-      y = skv__fp16_to_float(x->h[i]);
-    if (first)
-      acc[i] = y;
-    else if (op == SKV_OP_SUM)
-      acc[i] = acc[i] + y;
-    else if (op == SKV_OP_MAX) /* like fmaxf / fminf: a NaN operand loses */
-      acc[i] = (y > acc[i] || acc[i] != acc[i]) ? y : acc[i];
-    else
-      acc[i] = (y < acc[i] || acc[i] != acc[i]) ? y : acc[i];
-  }
-}
-
-static void hvec_from_acc(hvec_t *x, const float *acc, int dtype) {
-  if (dtype == SKV_DTYPE_FP32) {
-    memcpy(x->s, acc, 16);
-  } else {
-    for (int i = 0; i < 8; i++)
-      x->h[i] = dtype == SKV_DTYPE_BF16 ? skv__float_to_bf16(acc[i]) : skv__float_to_fp16(acc[i]);
-  }
-}
-
-static int host_timeout(skv_comm_t *c, const char *what, int channel, uint64_t epoch, int peer,
-                        uint64_t v) {
-  __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
-  return SKV_FAIL(
-      SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
-      "skv_allreduce (%s, channel %d, epoch %" PRIu64 "): PE %d did not deliver vector %" PRIu64
-      " within %d ms; is it alive and making the same calls (count, dtype, channel)? The comm is "
-      "unusable now: destroy it on every PE",
-      what, channel, epoch, peer, v, c->ctx->cfg.timeout_ms);
-}
-
-static int host_oneshot(skv_comm_t *c, const void *in, void *out, uint64_t count, int dtype, int op,
-                        int ch) {
-  uint32_t es = skv__dtype_size(dtype);
-  int n = c->npes, me = c->me;
-  uint64_t e = c->hchan[ch].epoch, nvec = skv__nvec(count, es);
-  uint64_t roff = c->scratch_off + (uint64_t)ch * c->chan_bytes + (e & 1u) * c->region_bytes;
-  char *mine = skv__comm_addr(c, me, roff);
-  hvec_t x;
-  for (uint64_t v = 0; v < nvec; v++) {
-    hvec_load(&x, in, v, count, es);
-    hvec_canon(&x, es);
-    for (int k = 1; k < n; k++) {
-      int p = (me + k) % n;
-      slot_put(skv__comm_addr(c, p, roff + skv__os_slot(nvec, me, v)), &x);
-    }
-  }
-  host_wait_t w = host_wait_start(c);
-  float acc[8];
-  for (uint64_t v = 0; v < nvec; v++) {
-    for (int j = 0; j < n; j++) {
-      if (j == me) {
-        hvec_load(&x, in, v, count, es);
-        hvec_canon(&x, es);
-      } else if (!slot_take(mine + skv__os_slot(nvec, j, v), &x, es, &w)) {
-        return host_timeout(c, "one-shot", ch, e, j, v);
-      }
-      hvec_accumulate(acc, &x, dtype, op, j == 0);
-    }
-    hvec_from_acc(&x, acc, dtype);
-    hvec_store(out, &x, v, count, es);
-  }
-  c->hchan[ch].epoch = e + 1;
-  return 0;
-}
-
-static int host_twoshot(skv_comm_t *c, const void *in, void *out, uint64_t count, int dtype, int op,
-                        int ch) {
-  uint32_t es = skv__dtype_size(dtype);
-  int n = c->npes, me = c->me;
-  uint64_t e = c->hchan[ch].epoch, nvec = skv__nvec(count, es), cv = skv__ts_cv(nvec, n);
-  uint64_t roff = c->scratch_off + (uint64_t)ch * c->chan_bytes + (e & 1u) * c->region_bytes;
-  char *mine = skv__comm_addr(c, me, roff);
-  hvec_t x;
-  /* 1: push range j to PE j's reduce-scatter slots */
-  for (int k = 1; k < n; k++) {
-    int j = (me + k) % n;
-    uint64_t valid = skv__ts_valid(nvec, cv, j);
-    for (uint64_t v = 0; v < valid; v++) {
-      hvec_load(&x, in, (uint64_t)j * cv + v, count, es);
-      hvec_canon(&x, es);
-      slot_put(skv__comm_addr(c, j, roff + skv__ts_rs(cv, me, v)), &x);
-    }
-  }
-  /* 2: reduce my range in PE order, write it out, push it to every PE's all-gather slots */
-  host_wait_t w = host_wait_start(c);
-  float acc[8];
-  uint64_t mv = skv__ts_valid(nvec, cv, me);
-  for (uint64_t v = 0; v < mv; v++) {
-    uint64_t gv = (uint64_t)me * cv + v;
-    for (int p = 0; p < n; p++) {
-      if (p == me) {
-        hvec_load(&x, in, gv, count, es);
-        hvec_canon(&x, es);
-      } else if (!slot_take(mine + skv__ts_rs(cv, p, v), &x, es, &w)) {
-        return host_timeout(c, "two-shot reduce-scatter", ch, e, p, gv);
-      }
-      hvec_accumulate(acc, &x, dtype, op, p == 0);
-    }
-    hvec_from_acc(&x, acc, dtype);
-    hvec_canon(&x, es);
-    hvec_store(out, &x, gv, count, es);
-    for (int k = 1; k < n; k++)
-      slot_put(skv__comm_addr(c, (me + k) % n, roff + skv__ts_ag(cv, n, me, v)), &x);
-  }
-  /* 3: every other range from its owner's all-gather slots */
-  for (int k = 1; k < n; k++) {
-    int j = (me + k) % n;
-    uint64_t valid = skv__ts_valid(nvec, cv, j);
-    for (uint64_t v = 0; v < valid; v++) {
-      if (!slot_take(mine + skv__ts_ag(cv, n, j, v), &x, es, &w))
-        return host_timeout(c, "two-shot all-gather", ch, e, j, (uint64_t)j * cv + v);
-      hvec_store(out, &x, (uint64_t)j * cv + v, count, es);
-    }
-  }
-  c->hchan[ch].epoch = e + 1;
-  return 0;
-}
-
-static int host_allreduce(skv_comm_t *c, const void *in, void *out, uint64_t count, int dtype,
-                          int op, int algo, int ch) {
-  uint32_t es = skv__dtype_size(dtype);
-  uint64_t chunk = algo == SKV_ALGO_ONESHOT ? skv__oneshot_chunk_bytes(c->region_bytes, c->npes)
-                                            : skv__twoshot_chunk_bytes(c->region_bytes, c->npes);
-  uint64_t per = chunk / es;
-  for (uint64_t off = 0; off < count; off += per) {
-    uint64_t m = SKV_MIN(per, count - off);
-    const char *i = (const char *)in + off * es;
-    char *o = (char *)out + off * es;
-    int rc = algo == SKV_ALGO_ONESHOT ? host_oneshot(c, i, o, m, dtype, op, ch)
-                                      : host_twoshot(c, i, o, m, dtype, op, ch);
-    if (rc < 0) return rc;
-  }
-  return 0;
-}
-
-static uint64_t *host_slot(const skv_comm_t *c, int pe, uint64_t off) {
-  return (uint64_t *)skv__comm_addr(c, pe, off);
-}
-
-static bool cmp_true(uint64_t have, int cmp, uint64_t want) {
-  switch (cmp) {
-  case SKV_CMP_EQ:
-    return have == want;
-  case SKV_CMP_NE:
-    return have != want;
-  case SKV_CMP_GE:
-    return have >= want;
-  case SKV_CMP_GT:
-    return have > want;
-  case SKV_CMP_LT:
-    return have < want;
-  default:
-    return have <= want;
-  }
-}
-
-static const char *cmp_name(int cmp) {
-  static const char *names[] = {"==", "!=", ">=", ">", "<", "<="};
-  return cmp >= 0 && cmp < 6 ? names[cmp] : "?";
-}
-
-static int host_barrier(skv_comm_t *c, int ch) {
-  uint64_t e = c->hchan[ch].barrier_epoch + 1;
-  uint64_t base = c->flag_off + (uint64_t)ch * c->flag_chan_bytes;
-  for (int k = 1; k < c->npes; k++)
-    __atomic_store_n(host_slot(c, (c->me + k) % c->npes, base + (uint64_t)c->me * 8u), e,
-                     __ATOMIC_RELEASE);
-  host_wait_t w = host_wait_start(c);
-  for (int k = 1; k < c->npes; k++) {
-    int q = (c->me + k) % c->npes;
-    uint64_t *f = host_slot(c, c->me, base + (uint64_t)q * 8u);
-    uint64_t have;
-    while ((have = __atomic_load_n(f, __ATOMIC_ACQUIRE)) < e) {
-      if (!host_keep_waiting(&w)) {
-        __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
-        return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
-                        "skv_barrier (channel %d, epoch %" PRIu64
-                        "): PE %d did not arrive within %d ms (its flag "
-                        "reads %" PRIu64
-                        "); is it alive and calling skv_barrier on the same channel? The comm is "
-                        "unusable now: destroy it on every PE",
-                        ch, e, q, c->ctx->cfg.timeout_ms, have);
-      }
-    }
-  }
-  c->hchan[ch].barrier_epoch = e;
-  return 0;
-}
-
-static int host_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value) {
-  uint64_t *s = host_slot(c, c->me, c->heap->info.signal_offset + (uint64_t)slot * 8u);
-  host_wait_t w = host_wait_start(c);
-  uint64_t have;
-  while (!cmp_true(have = __atomic_load_n(s, __ATOMIC_ACQUIRE), cmp, value)) {
-    if (!host_keep_waiting(&w))
-      return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
-                      "skv_wait: slot %u still reads %" PRIu64
-                      " after %d ms, waiting for %s %" PRIu64
-                      "; did the peer that should signal it run?",
-                      slot, have, c->ctx->cfg.timeout_ms, cmp_name(cmp), value);
-  }
-  return 0;
 }
 
 /* ---- public entry points ------------------------------------------------------------------ */
@@ -729,7 +297,7 @@ int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int
     SKV_ARG_CHECK(stream == NULL, SKV_SUBSYS_COMM,
                   "skv_allreduce: the host backend is synchronous, stream must be NULL (got %p)",
                   stream);
-    return host_allreduce(comm, in, out, count, dtype, op, algo, channel);
+    return skv__comm_host_allreduce(comm, in, out, count, dtype, op, algo, channel);
   }
 #ifdef SKV_WITH_CUDA
   return skv__comm_cuda_allreduce(comm, in, out, count, dtype, op, algo, channel, stream);
@@ -751,12 +319,7 @@ int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op, 
   if (comm->backend == SKV_BACKEND_HOST) {
     SKV_ARG_CHECK(stream == NULL, SKV_SUBSYS_COMM,
                   "skv_signal: the host backend is synchronous, stream must be NULL");
-    uint64_t *s = host_slot(comm, pe, comm->heap->info.signal_offset + (uint64_t)slot * 8u);
-    if (op == SKV_SIGNAL_SET)
-      __atomic_store_n(s, value, __ATOMIC_SEQ_CST);
-    else
-      __atomic_fetch_add(s, value, __ATOMIC_SEQ_CST);
-    return 0;
+    return skv__comm_host_signal(comm, pe, slot, value, op);
   }
 #ifdef SKV_WITH_CUDA
   return skv__comm_cuda_signal(comm, pe, slot, value, op, stream);
@@ -775,7 +338,7 @@ int skv_wait(skv_comm_t *comm, uint32_t slot, int cmp, uint64_t value, void *str
   if (comm->backend == SKV_BACKEND_HOST) {
     SKV_ARG_CHECK(stream == NULL, SKV_SUBSYS_COMM,
                   "skv_wait: the host backend is synchronous, stream must be NULL");
-    return host_wait(comm, slot, cmp, value);
+    return skv__comm_host_wait(comm, slot, cmp, value);
   }
 #ifdef SKV_WITH_CUDA
   return skv__comm_cuda_wait(comm, slot, cmp, value, stream);
@@ -792,7 +355,7 @@ int skv_barrier(skv_comm_t *comm, int channel, void *stream) {
   if (comm->backend == SKV_BACKEND_HOST) {
     SKV_ARG_CHECK(stream == NULL, SKV_SUBSYS_COMM,
                   "skv_barrier: the host backend is synchronous, stream must be NULL");
-    return host_barrier(comm, channel);
+    return skv__comm_host_barrier(comm, channel);
   }
 #ifdef SKV_WITH_CUDA
   return skv__comm_cuda_barrier(comm, channel, stream);

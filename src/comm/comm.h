@@ -1,5 +1,5 @@
-/* Internal view of a communicator (skv_comm_t): its heap layout, the algorithm crossovers, the
- * host backend's channel state, and the hooks of the CUDA backend (comm_cuda.c). */
+/* Internal view of a communicator (skv_comm_t): its heap layout, the algorithm crossovers, and
+ * the entry points of the host and CUDA backends (comm_host.c, comm_cuda.c) that comm.c calls. */
 #ifndef SKV_COMM_H
 #define SKV_COMM_H
 
@@ -12,7 +12,8 @@
 
 #define SKV_COMM_MAX_CHANNELS 64
 
-/* Host backend: per-channel state, private to the PE (the GPU keeps it in device memory). */
+/* Host backend (comm_host.c): per-channel state, private to the PE (the GPU keeps it in device
+ * memory). */
 typedef struct skv__host_chan {
   uint64_t epoch;
   uint64_t barrier_epoch;
@@ -37,7 +38,7 @@ struct skv_comm {
   uint64_t oneshot_max, twoshot_max;
   bool has_nccl;
   bool broken;             /* a wait timed out: the Lamport buffers are no longer clean */
-  skv__host_chan_t *hchan; /* host backend */
+  skv__host_chan_t *hchan; /* host backend state (comm_host.c) */
   void *cuda;              /* CUDA backend state (comm_cuda.c) */
 };
 
@@ -46,6 +47,15 @@ static inline char *skv__comm_addr(const skv_comm_t *c, int pe, uint64_t off) {
   return (char *)skv__heap_addr(c->heap, pe, off);
 }
 
+/* Elements of `es` bytes that one launch (one epoch) of `algo` (SKV_ALGO_ONESHOT or _TWOSHOT)
+ * carries; both backends split a larger message into launches of this many. */
+static inline uint64_t skv__comm_chunk_count(const skv_comm_t *c, int algo, uint32_t es) {
+  uint64_t bytes = algo == SKV_ALGO_ONESHOT ? skv__oneshot_chunk_bytes(c->region_bytes, c->npes)
+                                            : skv__twoshot_chunk_bytes(c->region_bytes, c->npes);
+  return bytes / es;
+}
+
+/* ---- dtype.c: names, and the half-precision conversions of the host backend --------------- */
 /* Bytes of one element of `dtype` (0 when invalid). */
 static inline uint32_t skv__dtype_size(int dtype) {
   return dtype == SKV_DTYPE_FP32                                ? 4u
@@ -55,15 +65,28 @@ static inline uint32_t skv__dtype_size(int dtype) {
 const char *skv__dtype_name(int dtype);
 const char *skv__op_name(int op);
 const char *skv__algo_name(int algo);
-
-/* ---- comm.c: half-precision conversions (round to nearest even, like the GPU) ------------- */
+const char *skv__cmp_name(int cmp);     /* SKV_CMP_*: "==", "!=", ... */
+const char *skv__phase_name(int phase); /* SKV__PHASE_*: "one-shot", ... */
+/* Round to nearest even, like the GPU; NaN becomes the GPU's canonical one. */
 float skv__bf16_to_float(uint16_t h);
 uint16_t skv__float_to_bf16(float f);
 float skv__fp16_to_float(uint16_t h);
 uint16_t skv__float_to_fp16(float f);
 
+/* ---- comm.c ------------------------------------------------------------------------------- */
 /* The algorithm AUTO picks for `bytes` on this comm (never SKV_ALGO_AUTO). */
 int skv__comm_choose(const skv_comm_t *c, uint64_t bytes);
+
+/* ---- comm_host.c: the CPU runs the flag protocols (arguments checked by comm.c) ----------- */
+/* After the heap exists: sentinel fill and channel state. */
+int skv__comm_host_create(skv_comm_t *c);
+/* Frees the channel state; the heap is destroyed by the caller. */
+void skv__comm_host_destroy(skv_comm_t *c);
+int skv__comm_host_allreduce(skv_comm_t *c, const void *in, void *out, size_t count, int dtype,
+                             int op, int algo, int channel);
+int skv__comm_host_signal(skv_comm_t *c, int pe, uint32_t slot, uint64_t value, int op);
+int skv__comm_host_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value);
+int skv__comm_host_barrier(skv_comm_t *c, int channel);
 
 #ifdef SKV_WITH_CUDA
 /* ---- comm_cuda.c -------------------------------------------------------------------------- */

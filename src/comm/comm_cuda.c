@@ -360,9 +360,7 @@ int skv__comm_cuda_allreduce(skv_comm_t *c, const void *in, void *out, size_t co
   const skv__comm_dev_t *d = dev_of(c);
   uint32_t es = skv__dtype_size(dtype);
   int alg = algo == SKV_ALGO_ONESHOT ? SKV__ALG_ONESHOT : SKV__ALG_TWOSHOT;
-  uint64_t chunk = alg == SKV__ALG_ONESHOT ? skv__oneshot_chunk_bytes(c->region_bytes, c->npes)
-                                           : skv__twoshot_chunk_bytes(c->region_bytes, c->npes);
-  uint64_t per = chunk / es;
+  uint64_t per = skv__comm_chunk_count(c, algo, es);
   /* One launch (one epoch) per chunk: stream-ordered, nothing allocated, capturable. */
   for (uint64_t off = 0; off < count; off += per) {
     uint64_t m = SKV_MIN(per, (uint64_t)count - off);
@@ -394,11 +392,6 @@ int skv__comm_cuda_barrier(skv_comm_t *c, int channel, void *stream) {
   return e ? launch_fail(e, "skv_k_barrier") : 0;
 }
 
-static const char *cmp_text(int cmp) {
-  static const char *names[] = {"==", "!=", ">=", ">", "<", "<="};
-  return cmp >= 0 && cmp < 6 ? names[cmp] : "?";
-}
-
 int skv__comm_cuda_check(skv_comm_t *c) {
   volatile skv__comm_err_t *e = cc_of(c)->err;
   int code = e->code;
@@ -412,10 +405,7 @@ int skv__comm_cuda_check(skv_comm_t *c) {
     snprintf(what, sizeof what,
              "skv_allreduce (%s, channel %d, epoch %" PRIu64
              "): PE %d did not deliver vector %" PRIu64 " (waited %.0f ms, timeout %d ms)",
-             e->phase == 1   ? "one-shot"
-             : e->phase == 2 ? "two-shot reduce-scatter"
-                             : "two-shot all-gather",
-             e->channel, e->epoch, e->peer, e->slot, waited, to);
+             skv__phase_name(e->phase), e->channel, e->epoch, e->peer, e->slot, waited, to);
     break;
   case SKV__ERR_BARRIER:
     snprintf(what, sizeof what,
@@ -428,7 +418,7 @@ int skv__comm_cuda_check(skv_comm_t *c) {
              "skv_wait: slot %" PRIu64 " still read %" PRIu64 ", waiting for %s %" PRIu64
              " (waited %.0f ms, "
              "timeout %d ms); did the peer that should signal it run?",
-             e->slot, e->observed, cmp_text(e->cmp), e->value, waited, to);
+             e->slot, e->observed, skv__cmp_name(e->cmp), e->value, waited, to);
     break;
   }
   e->code = 0;
