@@ -3,7 +3,7 @@
 #define _GNU_SOURCE
 #include "bench.h"
 
-#include "comm/comm.h"
+#include "comm/comm_state.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -4,7 +4,7 @@
 #define _GNU_SOURCE
 #include "skv_test.h"
 
-#include "comm/comm.h"
+#include "comm/comm_state.h"
 
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>

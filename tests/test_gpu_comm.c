@@ -3,7 +3,7 @@
 #define _GNU_SOURCE
 #include "skv_test.h"
 
-#include "comm/comm.h"
+#include "comm/comm_state.h"
 
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>

@@ -1,7 +1,7 @@
 /* Tensor-parallel collectives, the front end: create and destroy, argument checks, the algorithm
  * choice and the public entry points, which dispatch to comm_host.c or comm_cuda.c. */
 #define _GNU_SOURCE
-#include "comm/comm.h"
+#include "comm/comm_state.h"
 
 #include <inttypes.h>
 #include <stdio.h>

@@ -1,7 +1,7 @@
 /* CUDA backend of the collectives: device state and the host-mapped error record, kernel
  * launches chunk by chunk, and the NCCL communicator (libnccl.so.2 opened at run time). */
 #define _GNU_SOURCE
-#include "comm/comm.h"
+#include "comm/comm_state.h"
 #include "cuda/device.h"
 
 #include <dlfcn.h>

@@ -1,7 +1,7 @@
 /* Host backend of the collectives: the flag protocols of the GPU run by the CPU, one thread per
  * PE over a host (memfd) heap, synchronous; for tests and machines without a GPU. */
 #define _GNU_SOURCE
-#include "comm/comm.h"
+#include "comm/comm_state.h"
 
 #include <inttypes.h>
 #include <sched.h>

@@ -1,6 +1,6 @@
 /* Element types and names of the collectives: names of dtypes, ops, algorithms, comparisons and
  * all-reduce steps (logs, messages), and the host backend's fp16 / bf16 conversions. */
-#include "comm/comm.h"
+#include "comm/comm_state.h"
 
 #include <string.h>
 

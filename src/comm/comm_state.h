@@ -1,7 +1,7 @@
-/* Internal view of a communicator (skv_comm_t): its heap layout, the algorithm crossovers, and
- * the entry points of the host and CUDA backends (comm_host.c, comm_cuda.c) that comm.c calls. */
-#ifndef SKV_COMM_H
-#define SKV_COMM_H
+/* Internal view of a communicator (skv_comm_t), shared by the front end (comm.c) and both
+ * backends: its heap layout, the algorithm crossovers, and the backends' entry points. */
+#ifndef SKV_COMM_STATE_H
+#define SKV_COMM_STATE_H
 
 #include "heap/heap.h"
 
