@@ -80,22 +80,6 @@ typedef struct skv_kv_copy_cfg {
   int32_t sms;         /* multiprocessors of the device */
 } skv_kv_copy_cfg_t;
 
-/* ---- kv_copy_variant.c: the process-wide kernel variant -------------------------------------- */
-
-/* Kernel SKV_KV_KERNEL_VEC, _BULK or _CE, 16-byte loads in flight per thread (VEC: 4 or 8), CTAs
- * per multiprocessor (1..32, fewer when the kernel's occupancy allows fewer), threads per CTA
- * (VEC: 128, 256 or 512), where the arguments travel (SKV_KV_ARGS_*) and the L2 hint. Read once
- * from SKV_FETCH_KERNEL, _UNROLL, _CTAS and _THREADS; set here to compare variants in one run. */
-typedef struct skv__kv_variant {
-  int kernel, unroll, ctas_per_sm, threads, args, l2_256;
-} skv__kv_variant_t;
-int skv__kv_variant_set(const skv__kv_variant_t *v);
-void skv__kv_variant_get(skv__kv_variant_t *v);
-/* "vec_u8_c4_t256_auto", "bulk_c1_auto": `v`, or the variant in use when NULL. */
-const char *skv__kv_variant_name(const skv__kv_variant_t *v, char *buf, size_t cap);
-/* The launch configuration of the variant in use, for a device of `sms` multiprocessors. */
-skv_kv_copy_cfg_t skv__kv_variant_cfg(int sms);
-
 /* ---- kv_copy.cu: launches ------------------------------------------------------------------- */
 
 /* Will this launch carry its arguments in its parameters (no args_dev needed)? */

@@ -8,6 +8,8 @@
 #include "heap/heap.h"
 #include "kv/layout.h"
 
+#include "kernels/kv_copy.h"
+
 /* A batch of pages: page i is (pe[i * pe_step], page[i * page_step]) (a step of 0 repeats one
  * value: publish passes its own PE so). What a stream-ordered copy hands back to the protocol
  * once it completed is such a batch too. */
@@ -80,5 +82,21 @@ size_t skv__kvc_stage_pages(const skv__kvc_t *kc);
 int skv__kvc_sync(skv__kvc_t *kc);
 /* The device-side error word (tests): 4 words of pinned host memory, mapped for the device. */
 uint32_t *skv__kvc_err_word(skv__kvc_t *kc);
+
+/* ---- kv_cuda_variant.c: the copy kernels' process-wide variant ------------------------------ */
+
+/* Kernel SKV_KV_KERNEL_VEC, _BULK or _CE, 16-byte loads in flight per thread (VEC: 4 or 8), CTAs
+ * per multiprocessor (1..32, fewer when the kernel's occupancy allows fewer), threads per CTA
+ * (VEC: 128, 256 or 512), where the arguments travel (SKV_KV_ARGS_*) and the L2 hint. Read once
+ * from SKV_FETCH_KERNEL, _UNROLL, _CTAS and _THREADS; set here to compare variants in one run. */
+typedef struct skv__kv_variant {
+  int kernel, unroll, ctas_per_sm, threads, args, l2_256;
+} skv__kv_variant_t;
+int skv__kv_variant_set(const skv__kv_variant_t *v);
+void skv__kv_variant_get(skv__kv_variant_t *v);
+/* "vec_u8_c4_t256_auto", "bulk_c1_auto": `v`, or the variant in use when NULL. */
+const char *skv__kv_variant_name(const skv__kv_variant_t *v, char *buf, size_t cap);
+/* The launch configuration of the variant in use, for a device of `sms` multiprocessors. */
+skv_kv_copy_cfg_t skv__kv_variant_cfg(int sms);
 
 #endif

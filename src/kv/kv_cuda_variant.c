@@ -1,8 +1,7 @@
-/* The KV copy kernels' process-wide variant: which kernel, how many loads in flight, the grid
- * shape and where the arguments travel; read once from SKV_FETCH_*, set by tests and benches. */
-#include "kernels/kv_copy.h"
-
-#include "core/core.h"
+/* The copy kernels' process-wide variant, next to the backend that launches them: which kernel,
+ * how many loads in flight, the grid shape and where the arguments travel; read once from
+ * SKV_FETCH_*, set by tests and benches. */
+#include "kv/kv_cuda.h"
 
 #include <pthread.h>
 #include <stdio.h>
