@@ -1069,7 +1069,7 @@ static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_o
   ko.pages_per_pe = ci.pages;
   SKV_CHECK_GOTO(skv_kv_create(ctx, g, &ko, &r.kv), rc, out);
   SKV_CHECK_GOTO(skv_heap_create(ctx, 4096, SKV_BACKEND_HOST, &ctl_heap), rc, out);
-  skv_heap_info_t hi;
+  skv_heap_info_t hi = SKV_HEAP_INFO_INIT;
   SKV_CHECK_GOTO(skv_heap_get_info(ctl_heap, &hi), rc, out);
   ctl = skv_heap_ptr(ctl_heap, 0, hi.data_offset);
   r.own = wl_lru_create(ci.pages);
@@ -1134,7 +1134,7 @@ static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_o
   /* gather every request's outcome and the cache counters on rank 0 */
   all = calloc(w->nreq, sizeof *all);
   SKV_CHECK_GOTO(gather(ctx, mine, nmine, per, all), rc, out);
-  skv_kv_stats_t st, *sts = calloc((size_t)npes, sizeof *sts);
+  skv_kv_stats_t st = SKV_KV_STATS_INIT, *sts = calloc((size_t)npes, sizeof *sts);
   skv_kv_get_stats(r.kv, &st);
   uint64_t nospace_all = 0, nospace_mine = r.nospace;
   uint64_t *nsp = calloc((size_t)npes, sizeof *nsp);

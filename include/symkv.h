@@ -45,7 +45,8 @@ SKV_EXTERN const char *skv_version_string(void);
   /* errno equivalents */                                                                        \
   XX(EINVAL, -EINVAL, "invalid argument")                                                        \
   XX(ENOMEM, -ENOMEM, "out of memory")                                                           \
-  XX(ETIMEDOUT, -ETIMEDOUT, "timed out waiting for a peer (raise SKV_TIMEOUT_MS or check the peers)") \
+  XX(ETIMEDOUT, -ETIMEDOUT,                                                                    \
+     "timed out waiting for a peer (raise SKV_TIMEOUT_MS or check the peers)")                    \
   XX(EPROTO, -EPROTO, "malformed or oversized bootstrap message")                                \
   XX(ENOTSUP, -ENOTSUP, "not supported by this build, backend or device")                        \
   XX(ESTALE, -ESTALE, "stale page reference (the page was evicted or reused)")                   \
@@ -90,7 +91,12 @@ SKV_EXTERN void skv_clear_error(void);
 /* ^NAME to exclude. Lines look like "host:pid:rank [WARN BOOT] message".                     */
 /* ------------------------------------------------------------------------------------------ */
 
-enum { SKV_LOG_NONE = 0, SKV_LOG_WARN = 1, SKV_LOG_INFO = 2, SKV_LOG_TRACE = 3 };
+typedef enum skv_log_level {
+  SKV_LOG_NONE = 0,
+  SKV_LOG_WARN = 1,
+  SKV_LOG_INFO = 2,
+  SKV_LOG_TRACE = 3
+} skv_log_level_t;
 
 #define SKV_SUBSYS_MAP(XX) \
   XX(INIT, 0x01)           \
@@ -144,8 +150,23 @@ typedef struct skv_config {
   const char *bind_addr; /* NULL: SKV_BIND_ADDR, else the host of `bootstrap` (loopback) */
 } skv_config_t;
 
-#define SKV_CONFIG_INIT \
-  { sizeof(skv_config_t), SKV_CONFIG_VERSION, -1, -1, -1, -1, -1, -1, 0u, NULL, NULL, NULL }
+/* clang-format off */
+#define SKV_CONFIG_INIT                                                                            \
+  {                                                                                                \
+    sizeof(skv_config_t), /* size */                                                               \
+    SKV_CONFIG_VERSION,   /* version */                                                            \
+    -1,                   /* rank: SKV_RANK */                                                     \
+    -1,                   /* world_size: SKV_WORLD_SIZE */                                         \
+    -1,                   /* local_rank: SKV_LOCAL_RANK, else found */                             \
+    -1,                   /* local_size: SKV_LOCAL_SIZE, else found */                             \
+    -1,                   /* timeout_ms: SKV_TIMEOUT_MS, else 60000 */                             \
+    -1,                   /* device: SKV_DEVICE, else local rank modulo GPUs */                    \
+    0u,                   /* flags: none */                                                        \
+    NULL,                 /* bootstrap: SKV_BOOTSTRAP */                                           \
+    NULL,                 /* token: SKV_TOKEN */                                                   \
+    NULL                  /* bind_addr: SKV_BIND_ADDR, else the bootstrap host */                  \
+  }
+/* clang-format on */
 
 /* Same as assigning SKV_CONFIG_INIT (for bindings that cannot use the macro). */
 SKV_EXTERN int skv_config_init(skv_config_t *cfg);
@@ -207,11 +228,11 @@ SKV_EXTERN int skv_store_wait(skv_ctx_t *ctx, const char *const *keys, size_t n)
 /* 4 KiB aligned. The address of byte `off` of PE `pe` is base + pe * stride + off.           */
 /* ------------------------------------------------------------------------------------------ */
 
-enum {
+typedef enum skv_backend {
   SKV_BACKEND_HOST = 1,      /* memfd mapped by every local PE (CPU load/store) */
   SKV_BACKEND_CUDA = 2,      /* cuMemCreate device memory mapped by every local GPU */
   SKV_BACKEND_CUDA_HOST = 3, /* host memory (memfd) registered with every local GPU */
-};
+} skv_backend_t;
 
 typedef struct skv_heap skv_heap_t;
 
@@ -225,10 +246,22 @@ typedef struct skv_heap_opts {
   uint64_t scratch_bytes; /* 0: none (host) / default (cuda: 8 MiB for the collectives) */
 } skv_heap_opts_t;
 
-#define SKV_HEAP_OPTS_INIT \
-  { sizeof(skv_heap_opts_t), SKV_HEAP_OPTS_VERSION, SKV_BACKEND_HOST, 0, 0, 0 }
+/* clang-format off */
+#define SKV_HEAP_OPTS_INIT                                                                         \
+  {                                                                                                \
+    sizeof(skv_heap_opts_t), /* size */                                                            \
+    SKV_HEAP_OPTS_VERSION,   /* version */                                                         \
+    SKV_BACKEND_HOST,        /* backend */                                                         \
+    0,                       /* data_bytes: must be set */                                         \
+    0,                       /* signal_bytes: 64 KiB */                                            \
+    0                        /* scratch_bytes: none (host), 8 MiB (cuda) */                        \
+  }
+/* clang-format on */
 
+/* Filled by skv_heap_get_info. The caller sets `size` (SKV_HEAP_INFO_INIT): the library writes
+ * no byte beyond it, so a struct that grows in a later version never overruns an older caller's. */
 typedef struct skv_heap_info {
+  size_t size;            /* in: sizeof(skv_heap_info_t) as the caller knows it */
   uint64_t segment_bytes; /* bytes of one PE's segment (signal + scratch + data) */
   uint64_t stride;        /* distance between consecutive PEs' segments */
   uint64_t signal_offset, signal_bytes;
@@ -241,9 +274,30 @@ typedef struct skv_heap_info {
   void *base;     /* address of PE 0's segment */
 } skv_heap_info_t;
 
+/* clang-format off */
+#define SKV_HEAP_INFO_INIT                                                                         \
+  {                                                                                                \
+    sizeof(skv_heap_info_t), /* size: the rest is output */                                        \
+    0,                       /* segment_bytes */                                                   \
+    0,                       /* stride */                                                          \
+    0,                       /* signal_offset */                                                   \
+    0,                       /* signal_bytes */                                                    \
+    0,                       /* scratch_offset */                                                  \
+    0,                       /* scratch_bytes */                                                   \
+    0,                       /* data_offset */                                                     \
+    0,                       /* data_bytes */                                                      \
+    0,                       /* backend */                                                         \
+    0,                       /* npes */                                                            \
+    0,                       /* my_pe */                                                           \
+    0,                       /* device */                                                          \
+    NULL                     /* base */                                                            \
+  }
+/* clang-format on */
+
 /* Collective: every PE gets a segment of the same size and maps every local peer's segment.
  * All or nothing: when one PE fails, every PE fails at once with its code, naming it. */
-SKV_EXTERN int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, int backend, skv_heap_t **heap);
+SKV_EXTERN int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, skv_backend_t backend,
+                               skv_heap_t **heap);
 SKV_EXTERN int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t **heap);
 /* Address of byte `offset` of PE `pe`'s segment, or NULL (last error set) when `pe` or
  * `offset` is out of range. Pure arithmetic; never blocks. */
@@ -256,10 +310,10 @@ SKV_EXTERN int skv_heap_destroy(skv_heap_t *heap);
 /* KV geometry, engine layouts, namespaces and keys                                           */
 /* ------------------------------------------------------------------------------------------ */
 
-enum {
+typedef enum skv_kv_kind {
   SKV_KV_SPLIT = 0, /* a K and a V vector per token, layer and KV head */
   SKV_KV_MLA = 1,   /* one latent vector per token and layer (DeepSeek MLA); num_kv_heads = 1 */
-};
+} skv_kv_kind_t;
 
 #define SKV_GEOMETRY_VERSION 1
 /* The KV of `page_tokens` tokens for all layers of this PE's shard of the model. A page is
@@ -275,8 +329,19 @@ typedef struct skv_geometry {
   uint32_t page_tokens;  /* tokens per page, 1..65536 */
 } skv_geometry_t;
 
-#define SKV_GEOMETRY_INIT \
-  { sizeof(skv_geometry_t), SKV_GEOMETRY_VERSION, SKV_KV_SPLIT, 0, 0, 0, 0, 0 }
+/* clang-format off */
+#define SKV_GEOMETRY_INIT                                                                          \
+  {                                                                                                \
+    sizeof(skv_geometry_t), /* size */                                                             \
+    SKV_GEOMETRY_VERSION,   /* version */                                                          \
+    SKV_KV_SPLIT,           /* kv_kind */                                                          \
+    0,                      /* num_layers: must be set */                                          \
+    0,                      /* num_kv_heads: must be set */                                        \
+    0,                      /* head_dim: must be set */                                            \
+    0,                      /* elem_bytes: must be set */                                          \
+    0                       /* page_tokens: must be set */                                         \
+  }
+/* clang-format on */
 
 /* Validate a geometry (the error names the bad field) and give the bytes of one page. */
 SKV_EXTERN int skv_geometry_page_bytes(const skv_geometry_t *geom, uint64_t *page_bytes);
@@ -290,7 +355,7 @@ SKV_EXTERN int skv_geometry_page_bytes(const skv_geometry_t *geom, uint64_t *pag
  *   MLA             (num_blocks, block_tokens, dim)              vLLM MLA (kv_kind MLA)
  *   CONTIGUOUS      layer_ptrs[0] only: blocks stored exactly as pages, block b at
  *                   base + b * page_bytes * block_tokens / page_tokens                   */
-enum {
+typedef enum skv_layout_preset {
   SKV_LAYOUT_CUSTOM = 0,
   SKV_LAYOUT_VLLM_FLASH_NHD = 1,
   SKV_LAYOUT_VLLM_FLASH_HND = 2,
@@ -298,7 +363,7 @@ enum {
   SKV_LAYOUT_FLASHINFER_HND = 4,
   SKV_LAYOUT_MLA = 5,
   SKV_LAYOUT_CONTIGUOUS = 6,
-};
+} skv_layout_preset_t;
 
 #define SKV_LAYOUT_DESC_VERSION 1
 /* A custom description of an engine's paged KV cache. */
@@ -316,8 +381,21 @@ typedef struct skv_layout_desc {
   int32_t device;       /* -1: host memory; >= 0: memory of that CUDA device */
 } skv_layout_desc_t;
 
-#define SKV_LAYOUT_DESC_INIT \
-  { sizeof(skv_layout_desc_t), SKV_LAYOUT_DESC_VERSION, 0, 0, NULL, NULL, 0, 0, 0, -1 }
+/* clang-format off */
+#define SKV_LAYOUT_DESC_INIT                                                                       \
+  {                                                                                                \
+    sizeof(skv_layout_desc_t), /* size */                                                          \
+    SKV_LAYOUT_DESC_VERSION,   /* version */                                                       \
+    0,                         /* block_tokens: must be set */                                     \
+    0,                         /* num_blocks: must be set */                                       \
+    NULL,                      /* k_base: must be set */                                           \
+    NULL,                      /* v_base: must be set (NULL for MLA) */                            \
+    0,                         /* stride_block */                                                  \
+    0,                         /* stride_token */                                                  \
+    0,                         /* stride_head */                                                   \
+    -1                         /* device: host memory */                                           \
+  }
+/* clang-format on */
 
 typedef struct skv_layout skv_layout_t;
 
@@ -326,11 +404,11 @@ typedef struct skv_layout skv_layout_t;
  * K/V, misaligned pointers are rejected. */
 SKV_EXTERN int skv_layout_create(const skv_geometry_t *geom, const skv_layout_desc_t *desc,
                                  skv_layout_t **layout);
-SKV_EXTERN int skv_layout_create_preset(const skv_geometry_t *geom, int preset,
+SKV_EXTERN int skv_layout_create_preset(const skv_geometry_t *geom, skv_layout_preset_t preset,
                                         uint32_t block_tokens, uint64_t num_blocks,
                                         void *const *layer_ptrs, int device, skv_layout_t **layout);
 /* Bytes a preset's tensor for one layer occupies (to allocate engine caches in tests). */
-SKV_EXTERN int skv_layout_preset_layer_bytes(const skv_geometry_t *geom, int preset,
+SKV_EXTERN int skv_layout_preset_layer_bytes(const skv_geometry_t *geom, skv_layout_preset_t preset,
                                              uint32_t block_tokens, uint64_t num_blocks,
                                              uint64_t *bytes);
 SKV_EXTERN int skv_layout_destroy(skv_layout_t *layout);
@@ -376,8 +454,16 @@ typedef struct skv_kv_opts {
   uint64_t index_slots;  /* 0: 4 per page of the node (rounded up to a power of 2 per PE) */
 } skv_kv_opts_t;
 
-#define SKV_KV_OPTS_INIT \
-  { sizeof(skv_kv_opts_t), SKV_KV_OPTS_VERSION, SKV_BACKEND_HOST, 0, 0 }
+/* clang-format off */
+#define SKV_KV_OPTS_INIT                                                                           \
+  {                                                                                                \
+    sizeof(skv_kv_opts_t), /* size */                                                              \
+    SKV_KV_OPTS_VERSION,   /* version */                                                           \
+    SKV_BACKEND_HOST,      /* backend */                                                           \
+    0,                     /* pages_per_pe: must be set */                                         \
+    0                      /* index_slots: 4 per page of the node */                               \
+  }
+/* clang-format on */
 
 /* Where a page is: PE (local index), page number, generation at lookup time. */
 typedef struct skv_page_ref {
@@ -387,7 +473,9 @@ typedef struct skv_page_ref {
   uint32_t reserved;
 } skv_page_ref_t;
 
+/* Filled by skv_kv_get_stats; `size` as in skv_heap_info_t (SKV_KV_STATS_INIT). */
 typedef struct skv_kv_stats {
+  size_t size;                                      /* in: sizeof(skv_kv_stats_t) */
   uint64_t page_bytes;                              /* bytes of one page */
   uint64_t pages_per_pe;                            /* capacity of each PE */
   uint64_t pages_used;                              /* this PE's pages holding data */
@@ -398,6 +486,26 @@ typedef struct skv_kv_stats {
   uint64_t published, deduplicated, evicted, stale; /* this PE's counters */
   uint64_t index_full; /* keys this PE could not cache: no free slot near their home */
 } skv_kv_stats_t;
+
+/* clang-format off */
+#define SKV_KV_STATS_INIT                                                                          \
+  {                                                                                                \
+    sizeof(skv_kv_stats_t), /* size: the rest is output */                                         \
+    0,                      /* page_bytes */                                                       \
+    0,                      /* pages_per_pe */                                                     \
+    0,                      /* pages_used */                                                       \
+    0,                      /* pages_pinned */                                                     \
+    0,                      /* index_slots */                                                      \
+    0,                      /* index_entries */                                                    \
+    0,                      /* lookups */                                                          \
+    0,                      /* lookup_hits */                                                      \
+    0,                      /* published */                                                        \
+    0,                      /* deduplicated */                                                     \
+    0,                      /* evicted */                                                          \
+    0,                      /* stale */                                                            \
+    0                       /* index_full */                                                       \
+  }
+/* clang-format on */
 
 /* Collective: every local PE gets `pages_per_pe` pages of `geom` in a heap of `backend`; page
  * metadata and the index live in node-shared host memory. All or nothing: when one PE fails,
@@ -462,23 +570,23 @@ SKV_EXTERN int skv_kv_sync(skv_kv_t *kv);
 /* Tensor-parallel collectives, signals and barrier                                           */
 /* ------------------------------------------------------------------------------------------ */
 
-enum { SKV_DTYPE_BF16 = 1, SKV_DTYPE_FP16 = 2, SKV_DTYPE_FP32 = 3 };
-enum { SKV_OP_SUM = 0, SKV_OP_MAX = 1, SKV_OP_MIN = 2 };
-enum {
+typedef enum skv_dtype { SKV_DTYPE_BF16 = 1, SKV_DTYPE_FP16 = 2, SKV_DTYPE_FP32 = 3 } skv_dtype_t;
+typedef enum skv_op { SKV_OP_SUM = 0, SKV_OP_MAX = 1, SKV_OP_MIN = 2 } skv_op_t;
+typedef enum skv_algo {
   SKV_ALGO_AUTO = 0,    /* the fastest for this size and PE count (measured crossovers) */
   SKV_ALGO_ONESHOT = 1, /* every PE reads every peer's input and reduces */
   SKV_ALGO_TWOSHOT = 2, /* reduce-scatter, then all-gather */
   SKV_ALGO_NCCL = 3,    /* ncclAllReduce on a communicator made through the bootstrap */
-};
-enum { SKV_SIGNAL_SET = 0, SKV_SIGNAL_ADD = 1 };
-enum {
+} skv_algo_t;
+typedef enum skv_signal_op { SKV_SIGNAL_SET = 0, SKV_SIGNAL_ADD = 1 } skv_signal_op_t;
+typedef enum skv_cmp {
   SKV_CMP_EQ = 0,
   SKV_CMP_NE = 1,
   SKV_CMP_GE = 2,
   SKV_CMP_GT = 3,
   SKV_CMP_LT = 4,
   SKV_CMP_LE = 5
-};
+} skv_cmp_t;
 /* Whether `have` compares true with `want` under `cmp` (SKV_CMP_*; any other value compares as
  * SKV_CMP_LE): the one definition behind skv_wait on either backend and skv_dev_cmp. A plain
  * expression, for C and CUDA device code alike; `have` and `want` are each evaluated exactly
@@ -505,8 +613,17 @@ typedef struct skv_comm_opts {
 
 enum { SKV_COMM_NO_NCCL = 1u };
 
-#define SKV_COMM_OPTS_INIT \
-  { sizeof(skv_comm_opts_t), SKV_COMM_OPTS_VERSION, SKV_BACKEND_CUDA, 0, 0, 0 }
+/* clang-format off */
+#define SKV_COMM_OPTS_INIT                                                                         \
+  {                                                                                                \
+    sizeof(skv_comm_opts_t), /* size */                                                            \
+    SKV_COMM_OPTS_VERSION,   /* version */                                                         \
+    SKV_BACKEND_CUDA,        /* backend */                                                         \
+    0,                       /* channels: 4 */                                                     \
+    0,                       /* flags: none */                                                     \
+    0                        /* max_bytes: 64 MiB */                                               \
+  }
+/* clang-format on */
 
 /* Collective: a symmetric heap for signals and scratch, and (CUDA) an NCCL communicator. */
 SKV_EXTERN int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **comm);
@@ -520,16 +637,18 @@ SKV_EXTERN skv_heap_t *skv_comm_heap(const skv_comm_t *comm);
  * default), capturable in CUDA graphs (no host synchronisation, no allocation: SKV_ECAPTURE
  * if an allocation would be needed during capture). Two streams must use different channels.
  * Host backend: host pointers, synchronous, stream must be NULL. */
-SKV_EXTERN int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int dtype,
-                             int op, int algo, int channel, void *stream);
+SKV_EXTERN int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count,
+                             skv_dtype_t dtype, skv_op_t op, skv_algo_t algo, int channel,
+                             void *stream);
 
 /* Signals: 64-bit slots in the signal pad (slot < skv_comm_signal_slots()). Stream-ordered. */
 SKV_EXTERN int skv_comm_signal_slots(const skv_comm_t *comm);
 /* Set or add `value` to slot `slot` of PE `pe`. */
-SKV_EXTERN int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op,
-                          void *stream);
+SKV_EXTERN int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value,
+                          skv_signal_op_t op, void *stream);
 /* Wait until this PE's slot compares true with `value` (SKV_CMP_*), bounded by the timeout. */
-SKV_EXTERN int skv_wait(skv_comm_t *comm, uint32_t slot, int cmp, uint64_t value, void *stream);
+SKV_EXTERN int skv_wait(skv_comm_t *comm, uint32_t slot, skv_cmp_t cmp, uint64_t value,
+                        void *stream);
 /* All PEs, stream-ordered, bounded by the timeout. */
 SKV_EXTERN int skv_barrier(skv_comm_t *comm, int channel, void *stream);
 /* Device-side failures of earlier stream-ordered calls (a wait or barrier that timed out): 0,

@@ -24,7 +24,7 @@ typedef struct skv_dev_comm {
 
 /* Host side: describe `comm` for kernels; timeout_ms <= 0 means 60 s. */
 static inline int skv_dev_comm_init(const skv_comm_t *comm, int timeout_ms, skv_dev_comm_t *dc) {
-  skv_heap_info_t in;
+  skv_heap_info_t in = SKV_HEAP_INFO_INIT;
   int rc = skv_heap_get_info(skv_comm_heap(comm), &in);
   if (rc != 0) return rc;
   int slots = skv_comm_signal_slots(comm);

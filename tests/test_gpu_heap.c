@@ -42,7 +42,7 @@ static int pe_gpu_rw(int rank, int npes, void *arg) {
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   skv_heap_t *heap;
   PE_CHECK(skv_heap_create(ctx, p->bytes, p->backend, &heap) == 0, "create");
-  skv_heap_info_t in;
+  skv_heap_info_t in = SKV_HEAP_INFO_INIT;
   skv_heap_get_info(heap, &in);
   PE_CHECK(in.device == dev && in.npes == npes && in.data_offset % 4096 == 0, "info");
   uint8_t *mine = skv_heap_ptr(heap, rank, in.data_offset);
@@ -206,7 +206,7 @@ static int pe_dies_with_cuda_heap(int rank, int npes, void *arg) {
   skv_heap_t *heap;
   PE_CHECK(skv_heap_create(ctx, DEAD_SEG, SKV_BACKEND_CUDA, &heap) == 0, "create: %s",
            skv_last_error());
-  skv_heap_info_t in;
+  skv_heap_info_t in = SKV_HEAP_INFO_INIT;
   skv_heap_get_info(heap, &in);
   PE_CHECK(cudaMemset(skv_heap_ptr(heap, rank, in.data_offset), 0x40 + rank, DEAD_SEG) ==
                cudaSuccess,

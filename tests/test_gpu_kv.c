@@ -277,7 +277,7 @@ static int pe_round_trip(int rank, int npes, void *arg) {
   PE_CHECK(skv_publish(kv, ns, keys, NPAGES, src.lay, sblocks, st, &ins) == 0 && ins == NPAGES,
            "publish: %zu", ins);
   PE_CHECK(skv_kv_sync(kv) == 0, "sync after publish");
-  skv_kv_stats_t stats;
+  skv_kv_stats_t stats = SKV_KV_STATS_INIT;
   skv_kv_get_stats(kv, &stats);
   PE_CHECK(stats.published == NPAGES && stats.pages_used == NPAGES, "published %llu used %llu",
            (unsigned long long)stats.published, (unsigned long long)stats.pages_used);
@@ -544,7 +544,7 @@ static int pe_graph(int rank, int npes, void *arg) {
   PE_CHECK(ok == 7, "%d more captures succeeded, expected 7 (8 graph slots, 1 taken)", ok);
   PE_CHECK(skv_unpin(kv, refs, NP) == 0, "unpin");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
-  skv_kv_stats_t stats;
+  skv_kv_stats_t stats = SKV_KV_STATS_INIT;
   skv_kv_get_stats(kv, &stats);
   PE_CHECK(stats.pages_pinned == 0, "pinned %llu", (unsigned long long)stats.pages_pinned);
   CU_OK(cudaStreamDestroy(st));
@@ -649,7 +649,7 @@ static int pe_stale(int rank, int npes, void *arg) {
   PE_CHECK(skv_kv_sync(f.kv) == 0, "sync");
   PE_CHECK(de_download(&f.eng) == 0, "download");
   PE_CHECK(untouched_outside(&f.eng, NULL), "a stale fetch wrote something");
-  skv_kv_stats_t st;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.stale == 1 && st.pages_pinned == 0, "stale %llu pinned %llu",
            (unsigned long long)st.stale, (unsigned long long)st.pages_pinned);
@@ -705,7 +705,7 @@ static int pe_bad_refs(int rank, int npes, void *arg) {
   PE_CHECK(skv_kv_sync(f.kv) == 0, "sync");
   PE_CHECK(de_download(&f.eng) == 0, "download");
   PE_CHECK(untouched_outside(&f.eng, NULL), "a refused fetch wrote something");
-  skv_kv_stats_t st;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.pages_pinned == 0, "pins leaked: %llu", (unsigned long long)st.pages_pinned);
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
@@ -984,7 +984,7 @@ static int pe_large(int rank, int npes, void *arg) {
     PE_CHECK(pages_equal(&ref, &fblocks[i], &dst, &dblocks[i]), "burst page %llu differs",
              (unsigned long long)i);
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
-  skv_kv_stats_t stats;
+  skv_kv_stats_t stats = SKV_KV_STATS_INIT;
   skv_kv_get_stats(kv, &stats);
   PE_CHECK(stats.pages_pinned == 0, "pinned %llu", (unsigned long long)stats.pages_pinned);
   free(keys);
@@ -1032,7 +1032,7 @@ static int pe_wait_copy(int rank, int npes, void *arg) {
                queued == 1,
            "publish: %s", skv_last_error());
   usleep(100 * 1000);
-  skv_kv_stats_t st;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.pages_pinned == 4, "pins released before the copy ran: %llu pinned",
            (unsigned long long)st.pages_pinned);
@@ -1071,7 +1071,7 @@ static int pe_dedup(int rank, int npes, void *arg) {
   PE_CHECK(skv_publish(f.kv, f.ns, keys, 32, f.eng.lay, blocks, f.st, &queued) == 0, "publish");
   PE_CHECK(skv_kv_sync(f.kv) == 0, "sync");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
-  skv_kv_stats_t st;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
   skv_kv_get_stats(f.kv, &st);
   uint64_t pub[SKV_TEST_MAX_PES];
   PE_CHECK(skv_ctx_allgather(f.ctx, &st.published, pub, sizeof st.published) == 0, "ag");

@@ -49,7 +49,7 @@ static int pe_peer_rw(int rank, int npes, void *arg) {
   skv_heap_t *heap;
   PE_CHECK(skv_heap_create(ctx, bytes, SKV_BACKEND_HOST, &heap) == 0, "create");
   PE_CHECK(heap_maps() >= npes, "%d heap mappings for %d segments", heap_maps(), npes);
-  skv_heap_info_t in;
+  skv_heap_info_t in = SKV_HEAP_INFO_INIT;
   PE_CHECK(skv_heap_get_info(heap, &in) == 0, "info");
   PE_CHECK(in.npes == npes && in.my_pe == rank && in.data_bytes == bytes, "info fields");
   PE_CHECK(in.signal_offset == 0 && in.scratch_offset >= in.signal_bytes &&
@@ -154,7 +154,7 @@ static int pe_bad_input(int rank, int npes, void *arg) {
   o.size = 8;
   PE_CHECK(skv_heap_create_ex(ctx, &o, &heap) == SKV_EINVAL, "bad opts size");
   PE_CHECK(skv_heap_create(ctx, 4096, SKV_BACKEND_HOST, &heap) == 0, "good create");
-  skv_heap_info_t in;
+  skv_heap_info_t in = SKV_HEAP_INFO_INIT;
   skv_heap_get_info(heap, &in);
   PE_CHECK(skv_heap_ptr(heap, npes, 0) == NULL && strstr(skv_last_error(), "PE"),
            "pe out of range");
@@ -163,6 +163,13 @@ static int pe_bad_input(int rank, int npes, void *arg) {
   PE_CHECK(skv_heap_ptr(heap, 0, in.segment_bytes - 1) != NULL, "last byte in range");
   PE_CHECK(skv_heap_ptr(NULL, 0, 0) == NULL, "NULL heap");
   PE_CHECK(skv_heap_get_info(heap, NULL) == SKV_EINVAL, "NULL info");
+  /* an output struct the caller did not size is refused, and nothing is written into it */
+  skv_heap_info_t unsized;
+  memset(&unsized, 0x5a, sizeof unsized);
+  unsized.size = 8;
+  PE_CHECK(skv_heap_get_info(heap, &unsized) == SKV_EINVAL &&
+               strstr(skv_last_error(), "SKV_HEAP_INFO_INIT") && unsized.npes == 0x5a5a5a5a,
+           "unsized info: %s", skv_last_error());
   PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
   PE_CHECK(skv_heap_destroy(NULL) == 0, "destroy NULL");
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");

@@ -233,8 +233,12 @@ static int pe_round_trip(int rank, int npes, void *arg) {
     engine_free(&ref);
   }
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
-  skv_kv_stats_t st;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
   PE_CHECK(skv_kv_get_stats(kv, &st) == 0, "stats");
+  skv_kv_stats_t unsized = {0};
+  PE_CHECK(skv_kv_get_stats(kv, &unsized) == SKV_EINVAL &&
+               strstr(skv_last_error(), "SKV_KV_STATS_INIT") && unsized.page_bytes == 0,
+           "unsized stats: %s", skv_last_error());
   PE_CHECK(st.pages_pinned == 0 && st.pages_used == NPAGES, "pinned %llu used %llu",
            (unsigned long long)st.pages_pinned, (unsigned long long)st.pages_used);
   PE_CHECK(st.index_entries == (uint64_t)npes * NPAGES, "entries %llu",
@@ -360,7 +364,7 @@ static int pe_dedup(int rank, int npes, void *arg) {
   size_t total = 0;
   for (int r = 0; r < npes; r++) total += all[r];
   PE_CHECK(total == 32, "every key inserted exactly once in all: %zu", total);
-  skv_kv_stats_t st;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.pages_used == ins, "losers freed their pages: used %llu inserted %zu",
            (unsigned long long)st.pages_used, ins);
@@ -411,7 +415,7 @@ static int pe_lru_and_pins(int rank, int npes, void *arg) {
     uint64_t more[3] = {9, 10, 11};
     PE_CHECK(publish_ids(&f, more, 3, &ins) == 0 && ins == 3, "publish beyond capacity: %s",
              skv_last_error());
-    skv_kv_stats_t st;
+    skv_kv_stats_t st = SKV_KV_STATS_INIT;
     skv_kv_get_stats(f.kv, &st);
     PE_CHECK(st.evicted == 3, "evicted %llu", (unsigned long long)st.evicted);
   }
@@ -436,7 +440,7 @@ static int pe_lru_and_pins(int rank, int npes, void *arg) {
     uint64_t n;
     PE_CHECK(skv_evict(f.kv, 100, &n) == 0 && n == 8, "all pages evictable once unpinned: %llu",
              (unsigned long long)n);
-    skv_kv_stats_t st;
+    skv_kv_stats_t st = SKV_KV_STATS_INIT;
     skv_kv_get_stats(f.kv, &st);
     PE_CHECK(st.pages_used == 0 && st.index_entries == 0, "empty after evicting all");
   }
@@ -501,7 +505,7 @@ static int pe_evict_under_touches(int rank, int npes, void *arg) {
            done);
   PE_CHECK(nospace == 0 && other == 0,
            "%d of %d publishes found no page (ENOSPC), %d failed otherwise", nospace, done, other);
-  skv_kv_stats_t st;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.evicted == (uint64_t)done && st.pages_used == PAGES, "evicted %llu of %d, used %llu",
            (unsigned long long)st.evicted, done, (unsigned long long)st.pages_used);
@@ -918,7 +922,7 @@ static int pe_stress(int rank, int npes, void *arg) {
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier after %llu ops", (unsigned long long)ops);
   /* invariants: pins balanced, at most one VALID copy per key, every entry names a READY page
    * holding that key, and every READY page of ours is indexed (no lost entries) */
-  skv_kv_stats_t st;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.pages_pinned == 0, "%llu pages still pinned", (unsigned long long)st.pages_pinned);
   int64_t entries = skv__index_check(&f.kv->index);

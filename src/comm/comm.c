@@ -257,8 +257,8 @@ int skv_comm_signal_slots(const skv_comm_t *comm) {
           fn);                                                                                \
   } while (0)
 
-int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int dtype, int op,
-                  int algo, int channel, void *stream) {
+int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, skv_dtype_t dtype,
+                  skv_op_t op, skv_algo_t algo, int channel, void *stream) {
   COMM_CHECK(comm, "skv_allreduce");
   uint32_t es = skv__dtype_size(dtype);
   SKV_ARG_CHECK(es != 0, SKV_SUBSYS_COMM,
@@ -307,7 +307,8 @@ int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int
 #endif
 }
 
-int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op, void *stream) {
+int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, skv_signal_op_t op,
+               void *stream) {
   COMM_CHECK(comm, "skv_signal");
   SKV_ARG_CHECK(pe >= 0 && pe < comm->npes, SKV_SUBSYS_COMM, "skv_signal: pe %d is not in 0..%d",
                 pe, comm->npes - 1);
@@ -328,7 +329,7 @@ int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op, 
 #endif
 }
 
-int skv_wait(skv_comm_t *comm, uint32_t slot, int cmp, uint64_t value, void *stream) {
+int skv_wait(skv_comm_t *comm, uint32_t slot, skv_cmp_t cmp, uint64_t value, void *stream) {
   COMM_CHECK(comm, "skv_wait");
   SKV_ARG_CHECK(slot < comm->user_slots, SKV_SUBSYS_COMM,
                 "skv_wait: slot %u is not below skv_comm_signal_slots() = %u", slot,

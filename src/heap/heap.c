@@ -46,7 +46,7 @@ static const skv_heap_backend_t *backend_of(int backend) {
   }
 }
 
-int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, int backend, skv_heap_t **heap) {
+int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, skv_backend_t backend, skv_heap_t **heap) {
   skv_heap_opts_t o = SKV_HEAP_OPTS_INIT;
   o.backend = backend;
   o.data_bytes = data_bytes;
@@ -88,6 +88,7 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
   h->ctx = ctx;
   h->be = be;
   skv_heap_info_t *in = &h->info;
+  in->size = sizeof *in;
   in->backend = opts->backend;
   in->npes = ctx->nlocal;
   in->my_pe = ctx->local_index;
@@ -163,7 +164,13 @@ void *skv_heap_ptr(const skv_heap_t *heap, int pe, uint64_t offset) {
 
 int skv_heap_get_info(const skv_heap_t *heap, skv_heap_info_t *info) {
   SKV_ARG_CHECK(heap && info, SKV_SUBSYS_HEAP, "skv_heap_get_info: heap and info must be non-NULL");
+  SKV_ARG_CHECK(info->size >= sizeof *info, SKV_SUBSYS_HEAP,
+                "skv_heap_get_info: info.size=%zu, this library writes %zu bytes: initialise the "
+                "struct with SKV_HEAP_INFO_INIT",
+                info->size, sizeof *info);
+  const size_t size = info->size;
   *info = heap->info;
+  info->size = size;
   return 0;
 }
 

@@ -186,8 +186,14 @@ skv_heap_t *skv_kv_heap(const skv_kv_t *kv) {
 int skv_kv_get_stats(const skv_kv_t *kv, skv_kv_stats_t *st) {
   KV_CHECK_NULL(kv, "skv_kv_get_stats");
   SKV_ARG_CHECK(st, SKV_SUBSYS_KV, "skv_kv_get_stats: stats is NULL");
+  SKV_ARG_CHECK(st->size >= sizeof *st, SKV_SUBSYS_KV,
+                "skv_kv_get_stats: stats.size=%zu, this library writes %zu bytes: initialise the "
+                "struct with SKV_KV_STATS_INIT",
+                st->size, sizeof *st);
   skv_kv_t *k = (skv_kv_t *)kv;
+  const size_t size = st->size;
   memset(st, 0, sizeof *st);
+  st->size = size;
   st->page_bytes = kv->page_bytes;
   st->pages_per_pe = kv->pool.pages;
   st->pages_used = skv__pool_used(&k->pool);

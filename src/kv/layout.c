@@ -329,8 +329,8 @@ static int preset_shape(const skv_geometry_t *g, int preset, uint32_t block_toke
   return 0;
 }
 
-int skv_layout_preset_layer_bytes(const skv_geometry_t *geom, int preset, uint32_t block_tokens,
-                                  uint64_t num_blocks, uint64_t *bytes) {
+int skv_layout_preset_layer_bytes(const skv_geometry_t *geom, skv_layout_preset_t preset,
+                                  uint32_t block_tokens, uint64_t num_blocks, uint64_t *bytes) {
   const char *fn = "skv_layout_preset_layer_bytes";
   SKV_ARG_CHECK(bytes, SKV_SUBSYS_KV, "%s: bytes (the result pointer) is NULL", fn);
   *bytes = 0;
@@ -341,9 +341,9 @@ int skv_layout_preset_layer_bytes(const skv_geometry_t *geom, int preset, uint32
   return 0;
 }
 
-int skv_layout_create_preset(const skv_geometry_t *geom, int preset, uint32_t block_tokens,
-                             uint64_t num_blocks, void *const *layer_ptrs, int device,
-                             skv_layout_t **layout) {
+int skv_layout_create_preset(const skv_geometry_t *geom, skv_layout_preset_t preset,
+                             uint32_t block_tokens, uint64_t num_blocks, void *const *layer_ptrs,
+                             int device, skv_layout_t **layout) {
   const char *fn = "skv_layout_create_preset";
   SKV_ARG_CHECK(layout, SKV_SUBSYS_KV, "%s: layout (the result pointer) is NULL", fn);
   *layout = NULL;

@@ -64,7 +64,7 @@ class HeapOpts(Structure):
 
 
 class HeapInfo(Structure):
-    _fields_ = [("segment_bytes", c_uint64), ("stride", c_uint64), ("signal_offset", c_uint64),
+    _fields_ = [("size", c_size_t), ("segment_bytes", c_uint64), ("stride", c_uint64), ("signal_offset", c_uint64),
                 ("signal_bytes", c_uint64), ("scratch_offset", c_uint64),
                 ("scratch_bytes", c_uint64), ("data_offset", c_uint64), ("data_bytes", c_uint64),
                 ("backend", c_int32), ("npes", c_int32), ("my_pe", c_int32), ("device", c_int32),
@@ -98,7 +98,7 @@ class KvOpts(Structure):
 
 
 class KvStats(Structure):
-    _fields_ = [(n, c_uint64) for n in (
+    _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
         "page_bytes", "pages_per_pe", "pages_used", "pages_pinned", "index_slots",
         "index_entries", "lookups", "lookup_hits", "published", "deduplicated", "evicted",
         "stale", "index_full")]
@@ -110,8 +110,8 @@ class CommOpts(Structure):
 
 
 # Sizes on LP64 (x86-64, aarch64); checked against the library at load where it can tell.
-STRUCT_SIZES = {Config: 64, HeapOpts: 40, HeapInfo: 88, Geometry: 40, LayoutDesc: 72, Key: 16,
-                PageRef: 16, KvOpts: 32, KvStats: 104, CommOpts: 32}
+STRUCT_SIZES = {Config: 64, HeapOpts: 40, HeapInfo: 96, Geometry: 40, LayoutDesc: 72, Key: 16,
+                PageRef: 16, KvOpts: 32, KvStats: 112, CommOpts: 32}
 
 
 def geometry_init():
@@ -137,11 +137,13 @@ def comm_opts_init():
 
 
 def out_struct(cls):
-    """An instance of `cls` inside a buffer with room to spare: the C library writes its own
-    sizeof, so a struct that grew in a newer library cannot overrun ours."""
+    """An instance of `cls` to be filled by the C library, its `size` field set when it has one
+    (the library writes no further than that), inside a buffer with room to spare."""
     buf = (c_char * max(512, 2 * ctypes.sizeof(cls)))()
     obj = cls.from_buffer(buf)
     obj._symkv_buf = buf
+    if cls._fields_[0][0] == "size":
+        obj.size = ctypes.sizeof(cls)
     return obj
 
 

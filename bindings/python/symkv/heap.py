@@ -10,7 +10,7 @@ from . import _arrays, _lib, errors
 from ._lib import lib
 from ._resource import (BACKEND_NAMES, CollectiveResource, backend_id, check_int, check_uint)
 
-HeapInfo = collections.namedtuple("HeapInfo", [n for n, _ in _lib.HeapInfo._fields_])
+HeapInfo = collections.namedtuple("HeapInfo", [n for n, _ in _lib.HeapInfo._fields_[1:]])
 HeapInfo.__doc__ = "skv_heap_info_t: offsets and sizes of [signal | scratch | data], the " \
     "stride between PEs' segments, the backend, PEs mapped, this PE, device, base address."
 

@@ -589,7 +589,7 @@ def hash_tokens(namespace, tokens, parent=None):
 
 # ---- the KV cache -----------------------------------------------------------------------------
 
-KVStats = collections.namedtuple("KVStats", [n for n, _ in _lib.KvStats._fields_])
+KVStats = collections.namedtuple("KVStats", [n for n, _ in _lib.KvStats._fields_[1:]])
 
 
 def as_refs(refs, what="refs"):

@@ -19,6 +19,7 @@ def test_table_mirrors_SKV_ERRNO_MAP_of_the_header():
         pytest.skip("no include/symkv.h")
     text = open(path).read()
     block = text[text.index("#define SKV_ERRNO_MAP"):text.index("typedef enum skv_err")]
+    block = block.replace("\\\n", " ")
     rows = re.findall(r'XX\((\w+),\s*(-\w+),\s*"((?:[^"\\]|\\.)*)"\)', block)
 
     def value(v):  # -1004, or -EINVAL: the errno value negated

@@ -68,6 +68,10 @@ C_TYPES = {
     "skv_page_ref_t*": P(_lib.PageRef), "const skv_page_ref_t*": P(_lib.PageRef),
     "const skv_comm_opts_t*": P(_lib.CommOpts),
 }
+# The typed enums are passed as C int (32 bits on every ABI symkv runs on).
+C_TYPES.update({t: ctypes.c_int for t in (
+    "skv_backend_t", "skv_layout_preset_t", "skv_dtype_t", "skv_op_t", "skv_algo_t",
+    "skv_signal_op_t", "skv_cmp_t", "skv_log_level_t", "skv_kv_kind_t")})
 
 
 def test_every_header_function_is_declared():
