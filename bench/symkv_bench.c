@@ -45,7 +45,8 @@ static const command_t commands[] = {
      "      [--users 10] [--rounds 8] [--system-tokens 2048] [--message-tokens 640]\n"
      "      [--answer-tokens 320]"},
     {"allreduce", bench_allreduce,
-     "skv_allreduce latency in CUDA graphs per algorithm and AUTO vs ncclAllReduce (same run),\n"
+     "skv_comm_allreduce latency in CUDA graphs per algorithm and AUTO vs ncclAllReduce (same "
+     "run),\n"
      "      measured crossovers, barrier latency, signal ping-pong round trips\n"
      "      [--sizes 1K,4K,...|--min 1K --max 64M] [--calls 100] [--reps 7] [--dtype bf16]\n"
      "      [--no-signals] [--backend host]"},

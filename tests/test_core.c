@@ -191,7 +191,7 @@ Test(core, config_resolves_environment_and_names_bad_variables) {
   setenv("SKV_TOKEN", "0123456789abcdef", 1);
   setenv("SKV_TIMEOUT_MS", "2500", 1);
   skv__env_reload();
-  skv_cfg_resolved_t r;
+  skv__cfg_resolved_t r;
   cr_assert_eq(skv__config_resolve(NULL, &r), 0, "%s", skv_last_error());
   cr_assert_eq(r.rank, 1);
   cr_assert_eq(r.world_size, 2);
@@ -233,7 +233,7 @@ Test(core, config_local_size_unset_means_the_pes_found_on_the_node) {
   unsetenv("SKV_LOCAL_SIZE");
   unsetenv("SKV_LOCAL_RANK");
   skv__env_reload();
-  skv_cfg_resolved_t r;
+  skv__cfg_resolved_t r;
   cr_assert_eq(skv__config_resolve(NULL, &r), 0, "%s", skv_last_error());
   cr_assert_eq(r.local_size, -1, "not world_size: a multi-node job has fewer PEs per node");
   cr_assert_eq(r.local_rank, -1);
@@ -308,7 +308,7 @@ Test(core, logging_levels_subsystems_sink_and_prefix) {
   SKV_INFO(SKV_SUBSYS_BOOT, "with rank");
   snprintf(want, sizeof want, "%s:%d:5 [INFO", skv__hostname(), (int)getpid());
   cr_assert(strstr(cap.lines[2], want) != NULL, "%s", cap.lines[2]);
-  skv_log_message(SKV_LOG_WARN, SKV_SUBSYS_KV, "from a binding");
+  skv_log_write(SKV_LOG_WARN, SKV_SUBSYS_KV, "from a binding");
   cr_assert(strstr(cap.lines[3], "from a binding") != NULL);
   cr_assert_eq(skv_log_set_level(9, 0), SKV_EINVAL);
   skv_log_set_sink(NULL, NULL);
@@ -329,3 +329,36 @@ Test(core, logging_from_environment) {
             cap.lines[0]);
   skv_log_set_sink(NULL, NULL);
 }
+
+/* The names before 0.2 still link and call the functions that replaced them (one release). */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+Test(core, deprecated_names_call_their_replacements) {
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.num_layers = 2, g.num_kv_heads = 4, g.head_dim = 8, g.elem_bytes = 2, g.page_tokens = 16;
+  uint64_t a = 0, b = 0;
+  cr_assert_eq(skv_geometry_page_bytes(&g, &a), 0);
+  cr_assert_eq(skv_geometry_get_page_bytes(&g, &b), 0);
+  cr_assert_eq(a, b);
+  cr_assert_eq(a, 2ull * 2 * 16 * 4 * 8 * 2);
+  g.num_layers = 0;
+  cr_assert_eq(skv_geometry_page_bytes(&g, &a), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "num_layers") != NULL, "%s", skv_last_error());
+  skv_namespace_t *ns;
+  g.num_layers = 2;
+  cr_assert_eq(skv_namespace_create("m", &g, NULL, 0, "s", 1, &ns), 0);
+  const uint32_t tok[32] = {1, 2, 3};
+  skv_key_t k1[2], k2[2];
+  size_t n1 = 0, n2 = 0;
+  cr_assert_eq(skv_hash_tokens(ns, tok, 32, NULL, k1, 2, &n1), 0);
+  cr_assert_eq(skv_namespace_hash_tokens(ns, tok, 32, NULL, k2, 2, &n2), 0);
+  cr_assert(n1 == 2 && n2 == 2 && memcmp(k1, k2, sizeof k1) == 0);
+  cr_assert_eq(skv_key_from_bytes(ns, "abc", 3, &k1[0]), 0);
+  cr_assert_eq(skv_namespace_hash_bytes(ns, "abc", 3, &k2[0]), 0);
+  cr_assert(memcmp(&k1[0], &k2[0], sizeof k1[0]) == 0);
+  cr_assert_null(skv_heap_ptr(NULL, 0, 0));
+  cr_assert_eq(skv_lookup(NULL, ns, k1, 1, 0, NULL, &n1), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "skv_kv_lookup") != NULL, "%s", skv_last_error());
+  skv_namespace_destroy(ns);
+}
+#pragma GCC diagnostic pop

@@ -162,7 +162,8 @@ static int host_timeout(skv_comm_t *c, int phase, int channel, uint64_t epoch, i
   __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
   return SKV_FAIL(
       SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
-      "skv_allreduce (%s, channel %d, epoch %" PRIu64 "): PE %d did not deliver vector %" PRIu64
+      "skv_comm_allreduce (%s, channel %d, epoch %" PRIu64
+      "): PE %d did not deliver vector %" PRIu64
       " within %d ms; is it alive and making the same calls (count, dtype, channel)? The comm is "
       "unusable now: destroy it on every PE",
       skv__phase_name(phase), channel, epoch, peer, v, c->ctx->cfg.timeout_ms);
@@ -287,13 +288,14 @@ int skv__comm_host_barrier(skv_comm_t *c, int ch) {
     while ((have = __atomic_load_n(f, __ATOMIC_ACQUIRE)) < e) {
       if (!host_keep_waiting(&w)) {
         __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
-        return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
-                        "skv_barrier (channel %d, epoch %" PRIu64
-                        "): PE %d did not arrive within %d ms (its flag "
-                        "reads %" PRIu64
-                        "); is it alive and calling skv_barrier on the same channel? The comm is "
-                        "unusable now: destroy it on every PE",
-                        ch, e, q, c->ctx->cfg.timeout_ms, have);
+        return SKV_FAIL(
+            SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
+            "skv_comm_barrier (channel %d, epoch %" PRIu64
+            "): PE %d did not arrive within %d ms (its flag "
+            "reads %" PRIu64
+            "); is it alive and calling skv_comm_barrier on the same channel? The comm is "
+            "unusable now: destroy it on every PE",
+            ch, e, q, c->ctx->cfg.timeout_ms, have);
       }
     }
   }
@@ -308,7 +310,7 @@ int skv__comm_host_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value) {
   while (!SKV_CMP_HOLDS(have, cmp, value)) {
     if (!host_keep_waiting(&w))
       return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
-                      "skv_wait: slot %u still reads %" PRIu64
+                      "skv_comm_wait: slot %u still reads %" PRIu64
                       " after %d ms, waiting for %s %" PRIu64
                       "; did the peer that should signal it run?",
                       slot, have, c->ctx->cfg.timeout_ms, skv__cmp_name(cmp), value);

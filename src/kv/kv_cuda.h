@@ -97,6 +97,6 @@ void skv__kv_variant_get(skv__kv_variant_t *v);
 /* "vec_u8_c4_t256_auto", "bulk_c1_auto": `v`, or the variant in use when NULL. */
 const char *skv__kv_variant_name(const skv__kv_variant_t *v, char *buf, size_t cap);
 /* The launch configuration of the variant in use, for a device of `sms` multiprocessors. */
-skv_kv_copy_cfg_t skv__kv_variant_cfg(int sms);
+skv__kv_copy_cfg_t skv__kv_variant_cfg(int sms);
 
 #endif
