@@ -22,13 +22,13 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------ */
 
 #define SKV_VERSION_MAJOR 0
-#define SKV_VERSION_MINOR 1
+#define SKV_VERSION_MINOR 2
 #define SKV_VERSION_PATCH 0
 #define SKV_VERSION_HEX   ((SKV_VERSION_MAJOR << 16) | (SKV_VERSION_MINOR << 8) | SKV_VERSION_PATCH)
 
 /* SKV_VERSION_HEX of the library actually loaded (compare with the header's to detect skew). */
 SKV_EXTERN unsigned int skv_version(void);
-/* "0.1.0" plus build details, e.g. "0.1.0 (cuda 13.0, nccl 2.28.9)". */
+/* "0.2.0" plus build details, e.g. "0.2.0 (cuda 13.0, nccl 2.28.9)". */
 SKV_EXTERN const char *skv_version_string(void);
 
 /* ------------------------------------------------------------------------------------------ */

@@ -5,7 +5,7 @@ on the system library path. Every failing call raises a symkv.Error subclass (In
 Timeout, StaleReference, ...) carrying the code and symkv's detailed message. See
 docs/python.md."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from . import _lib  # noqa: E402  (loads and checks the library)
 from ._lib import lib  # noqa: E402
@@ -43,7 +43,7 @@ def version():
 
 
 def version_string():
-    """The loaded library's version string, e.g. "0.1.0 (host only)"."""
+    """The loaded library's version string, e.g. "0.2.0 (host only)"."""
     return lib.skv_version_string().decode()
 
 

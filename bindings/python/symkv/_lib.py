@@ -12,7 +12,7 @@ from . import errors
 
 # The C library version this package is written against (include/symkv.h SKV_VERSION_*).
 EXPECTED_MAJOR = 0
-MIN_MINOR = 1
+MIN_MINOR = 2
 
 # ---- constants of symkv.h ---------------------------------------------------------------------
 

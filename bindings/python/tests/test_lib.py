@@ -116,7 +116,9 @@ def test_version_mismatch_is_an_import_error():
         _lib.check_version(0x010000, "/x/libsymkv.so")
     with pytest.raises(ImportError, match=r"libsymkv 0\.0\.9"):
         _lib.check_version(0x000009, "/x/libsymkv.so")
-    _lib.check_version(0x000100, "/x/libsymkv.so")
+    _lib.check_version(0x000200, "/x/libsymkv.so")
+    with pytest.raises(ImportError, match=r"libsymkv 0\.1\.0"):  # before the 0.2 names
+        _lib.check_version(0x000100, "/x/libsymkv.so")
     _lib.check_version(0x000203, "/x/libsymkv.so")
 
 
