@@ -3,7 +3,7 @@
  * virtual range at base + pe * stride. `cuda_host`: the host backend's memfd segments,
  * registered with the PE's GPU so that kernels read them at the same addresses. */
 #define _GNU_SOURCE
-#include "cuda/device.h"
+#include "cuda/vmm.h"
 #include "heap/heap.h"
 
 #include <inttypes.h>
@@ -21,26 +21,10 @@ typedef struct cuda_impl {
   uint8_t *mapped;                       /* [npes]: segment mapped at base + pe * seg */
 } cuda_impl_t;
 
-static CUmemAllocationProp alloc_prop(int dev) {
-  CUmemAllocationProp prop;
-  memset(&prop, 0, sizeof prop);
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = dev;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  return prop;
-}
-
 static uint64_t cuda_granularity(skv_heap_t *heap) {
   /* Called after create's checks: failures here fall back to 2 MiB and surface in create. */
   if (skv__cuda_use(heap->ctx) != 0) return 2ull << 20;
-  CUmemAllocationProp prop = alloc_prop(heap->ctx->device);
-  size_t g = 0;
-  if (skv__cu.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) !=
-          CUDA_SUCCESS ||
-      g == 0)
-    g = 2ull << 20;
-  return g;
+  return skv__vmm_granularity(heap->ctx->device);
 }
 
 static void cuda_release(cuda_impl_t *im, int npes) {
@@ -60,18 +44,9 @@ static void cuda_release(cuda_impl_t *im, int npes) {
 
 /* Map PE i's segment into the range and give this PE's GPU access to it. */
 static int map_segment(cuda_impl_t *im, int i, int dev) {
-  int rc = 0;
-  CUdeviceptr at = im->base + (CUdeviceptr)i * im->seg;
-  SKV_CU_CHECK_GOTO(skv__cu.cuMemMap(at, im->seg, 0, im->handles[i], 0), SKV_SUBSYS_HEAP, rc, out);
+  SKV_CHECK(skv__vmm_map(im->base + (CUdeviceptr)i * im->seg, im->seg, im->handles[i], dev));
   im->mapped[i] = 1;
-  CUmemAccessDesc acc;
-  memset(&acc, 0, sizeof acc);
-  acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  acc.location.id = dev;
-  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  SKV_CU_CHECK_GOTO(skv__cu.cuMemSetAccess(at, im->seg, &acc, 1), SKV_SUBSYS_HEAP, rc, out);
-out:
-  return rc;
+  return 0;
 }
 
 /* Each PE's GPU by PCI address (device ordinals differ between processes that see different
@@ -134,16 +109,8 @@ static int check_peer_access(skv_heap_t *heap, const dev_rec_t *devs) {
 /* This PE's part before the exchange: its segment allocated, mapped, zeroed and exported. */
 static int prepare_segment(skv_heap_t *heap, cuda_impl_t *im, int *my_fd) {
   int me = heap->info.my_pe, dev = heap->ctx->device, rc = 0;
-  int handle_ok = 0;
-  skv__cu.cuDeviceGetAttribute(
-      &handle_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
-  if (!handle_ok)
-    return SKV_FAIL(
-        SKV_ENOTSUP, SKV_SUBSYS_HEAP,
-        "GPU %d cannot export memory as POSIX file descriptors (needed to share it between "
-        "processes); use SKV_BACKEND_CUDA_HOST",
-        dev);
-  CUmemAllocationProp prop = alloc_prop(dev);
+  SKV_CHECK(skv__vmm_check_export(dev));
+  CUmemAllocationProp prop = skv__vmm_prop(dev);
   size_t seg = heap->info.segment_bytes;
   SKV_CU_CHECK_GOTO(skv__cu.cuMemCreate(&im->handles[me], seg, &prop, 0), SKV_SUBSYS_HEAP, rc, out);
   im->seg = seg;

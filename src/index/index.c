@@ -224,7 +224,16 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) 
   if (!mine) return SKV_ENOSPC;
   /* 2. PENDING with our PE, then a ticket. Nobody else writes the slot now: its val is 0 or
    * ERASING, which no CAS of another PE expects. */
-  static uint64_t claims; /* numbers this process's claims */
+  static uint64_t claims; /* numbers this process's claims, from a random start: a claim of
+                           * another process at the same PE (an elastic domain's next
+                           * incarnation of a slot) does not repeat a dead one's numbers */
+  if (SKV_UNLIKELY(__atomic_load_n(&claims, __ATOMIC_RELAXED) == 0)) {
+    uint64_t r = 0;
+    (void)skv__random_bytes(&r, sizeof r);
+    uint64_t zero = 0;
+    __atomic_compare_exchange_n(&claims, &zero, (r >> 12) | 1, false, __ATOMIC_RELAXED,
+                                __ATOMIC_RELAXED);
+  }
   uint64_t pending =
       skv__val_pending((uint32_t)my_pe, __atomic_add_fetch(&claims, 1, __ATOMIC_RELAXED));
   __atomic_store_n(&mine->val, pending, __ATOMIC_SEQ_CST);
@@ -265,6 +274,22 @@ int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
     return 0;
   }
   return SKV_ENOTFOUND;
+}
+
+uint64_t skv__index_forget_pe(skv__index_t *ix, int pe) {
+  uint64_t cleared = 0;
+  for (int sh = 0; sh < ix->nshards; sh++)
+    for (uint64_t i = 0; i < ix->slots_per_shard; i++) {
+      skv__index_slot_t *s = &ix->slots[sh][i];
+      uint64_t hi, lo, v = ld_acq(&s->val);
+      if (read_key(s, &hi, &lo) != SLOT_KEY || (int)skv__val_pe(v) != pe) continue;
+      if (!(v & SKV_VAL_VALID) && !skv__val_is_pending(v)) continue;
+      skv_key_t k = {hi, lo};
+      if (!release_slot(s, k128(k), v)) continue; /* it moved on meanwhile */
+      if (v & SKV_VAL_VALID) __atomic_sub_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
+      cleared++;
+    }
+  return cleared;
 }
 
 uint64_t skv__index_entries(const skv__index_t *ix) {

@@ -164,6 +164,10 @@ void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, siz
 int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe);
 /* Erase key if it maps to exactly `val`; SKV_ENOTFOUND otherwise. */
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val);
+/* Remove every entry and claim of PE `pe`, whose pages are gone (an elastic domain's slot whose
+ * holder died or left): VALID entries are erased and PENDING claims cleared, each by a CAS from
+ * the value seen. Scans the whole table. Returns how many slots it cleared. */
+uint64_t skv__index_forget_pe(skv__index_t *ix, int pe);
 /* VALID entries in all shards (sum of the shard counters). */
 uint64_t skv__index_entries(const skv__index_t *ix);
 /* Expensive walker (tests, SKV_DEBUG_LEVEL=2): count VALID slots, check no key is VALID twice

@@ -116,7 +116,7 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
     pool_seg[pe] = seg;
     shard_seg[pe] = seg + meta_pool_bytes(pages);
   }
-  rc = skv__pool_init(&kv->pool, npes, ctx->local_index, pages, pool_seg);
+  rc = skv__pool_init(&kv->pool, npes, ctx->local_index, pages, pool_seg, 0);
   if (rc == 0) {
     kv->index.hdr = kv->shard_hdr;
     kv->index.slots = kv->shard_slots;

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define PE_MAGIC         0x766b6d7973ull /* "symkv" */
@@ -59,7 +60,8 @@ static uint64_t pid_namespace(void) {
   return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
-int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const *seg) {
+int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const *seg,
+                   unsigned flags) {
   memset(p, 0, sizeof *p);
   p->npes = npes;
   p->me = me;
@@ -71,8 +73,10 @@ int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const
   p->pins = calloc((size_t)npes * pages, sizeof *p->pins); /* untouched pages cost nothing */
   p->dead = calloc((size_t)npes, sizeof *p->dead);
   p->alive_checked_ms = calloc((size_t)npes, sizeof *p->alive_checked_ms);
+  p->retired = malloc(pages * sizeof *p->retired);
+  p->forgot = calloc((size_t)npes, 1);
   if (!p->hdr || !p->meta || !p->free_stack || !p->lru || !p->pins || !p->dead ||
-      !p->alive_checked_ms) {
+      !p->alive_checked_ms || !p->retired || !p->forgot) {
     skv__pool_fini(p);
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_POOL, "page pool: out of memory for %llu pages",
                     (unsigned long long)pages);
@@ -83,15 +87,32 @@ int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const
     p->hdr[i] = seg[i];
     p->meta[i] = (skv__page_meta_t *)((char *)seg[i] + sizeof(skv__pe_hdr_t));
   }
-  /* Our own records: every page FREE with generation 1 (0 never names a live page). */
+  /* Our own records: every page FREE with generation 1 (0 never names a live page), or, for a
+   * slot used before, the generation after the last one; pages a live PE still pins wait. */
   skv__pe_hdr_t *h = p->hdr[me];
-  for (uint64_t i = 0; i < pages; i++) {
+  for (uint64_t i = 0; i < pages && !(flags & SKV__POOL_NO_PAGES); i++) {
     skv__page_meta_t *m = &p->meta[me][i];
-    memset(m, 0, sizeof *m);
-    __atomic_store_n(&m->state, skv__st_make(1, SKV_PAGE_FREE), __ATOMIC_RELAXED);
-    p->free_stack[pages - 1 - i] = (uint32_t)i;
+    uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
+    uint64_t pins = (flags & SKV__POOL_REUSE) ? __atomic_load_n(&m->pinmask, __ATOMIC_ACQUIRE) : 0;
+    uint32_t gen = 1;
+    if (flags & SKV__POOL_REUSE) {
+      gen = skv__st_gen(st) ? skv__st_gen(st) : 1;
+      if (skv__st_state(st) != SKV_PAGE_FREE) gen = gen + 1 ? gen + 1 : 1;
+    }
+    m->last_use = m->key_hi = m->key_lo = 0;
+    __atomic_store_n(&m->pinmask, pins & ~(1ull << me), __ATOMIC_RELAXED);
+    __atomic_store_n(&m->state, skv__st_make(gen, SKV_PAGE_FREE), __ATOMIC_RELEASE);
+    if (pins & ~(1ull << me))
+      p->retired[p->nretired++] = (uint32_t)i;
+    else
+      p->free_stack[p->nfree++] = (uint32_t)i;
   }
-  p->nfree = pages;
+  /* lowest pages first */
+  for (uint64_t i = 0; i < p->nfree / 2; i++) {
+    uint32_t t = p->free_stack[i];
+    p->free_stack[i] = p->free_stack[p->nfree - 1 - i];
+    p->free_stack[p->nfree - 1 - i] = t;
+  }
   h->pid = getpid();
   uint64_t start = 0;
   (void)proc_start_time(h->pid, &start); /* 0 if unknown: then only the pid is compared */
@@ -100,6 +121,25 @@ int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const
   h->pages = pages;
   __atomic_store_n(&h->magic, PE_MAGIC, __ATOMIC_RELEASE);
   return 0;
+}
+
+void skv__pool_set_alive(skv__pool_t *p, bool (*fn)(void *arg, int pe), void *arg) {
+  p->alive_fn = fn;
+  p->alive_arg = arg;
+}
+
+void skv__pool_forget_pe(skv__pool_t *p, int pe) {
+  const uint64_t bit = 1ull << p->me;
+  pthread_mutex_lock(&p->pin_mu);
+  for (uint64_t i = 0; i < p->pages; i++) {
+    uint32_t *c = &p->pins[(uint64_t)pe * p->pages + i];
+    if (*c == 0) continue;
+    *c = 0;
+    __atomic_fetch_and(&p->meta[pe][i].pinmask, ~bit, __ATOMIC_RELEASE);
+    p->pinned_pages--;
+  }
+  p->forgot[pe] = 1;
+  pthread_mutex_unlock(&p->pin_mu);
 }
 
 void skv__pool_fini(skv__pool_t *p) {
@@ -111,6 +151,8 @@ void skv__pool_fini(skv__pool_t *p) {
   free(p->pins);
   free(p->dead);
   free(p->alive_checked_ms);
+  free(p->retired);
+  free(p->forgot);
   if (p->hdr) {
     pthread_mutex_destroy(&p->mu);
     pthread_mutex_destroy(&p->pin_mu);
@@ -121,6 +163,7 @@ void skv__pool_fini(skv__pool_t *p) {
 bool skv__pool_alive(skv__pool_t *p, int pe) {
   if (pe == p->me) return true;
   if (pe < 0 || pe >= p->npes) return false;
+  if (p->alive_fn) return p->alive_fn(p->alive_arg, pe);
   skv__pe_hdr_t *h = p->hdr[pe];
   int64_t pid = __atomic_load_n(&h->pid, __ATOMIC_ACQUIRE);
   if (pid <= 0) return false; /* left (finalised) */
@@ -202,6 +245,10 @@ int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
 int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page) {
   pthread_mutex_lock(&p->pin_mu);
   uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
+  if (*c == 0 && p->forgot[pe]) { /* dropped with its incarnation: nothing left to release */
+    pthread_mutex_unlock(&p->pin_mu);
+    return 0;
+  }
   if (*c == 0) {
     pthread_mutex_unlock(&p->pin_mu);
     return SKV_FAIL(
@@ -330,9 +377,31 @@ static bool evict_lru(skv__pool_t *p, skv__pool_evict_cb evict, void *arg) {
   return done;
 }
 
+/* Pages a slot's previous incarnation left pinned go free once no live PE pins them (under mu;
+ * they are FREE already, at their next generation, so no pin can succeed on them). */
+static void recycle_retired(skv__pool_t *p) {
+  for (uint64_t i = 0; i < p->nretired;) {
+    uint32_t pg = p->retired[i];
+    skv__page_meta_t *m = &p->meta[p->me][pg];
+    uint64_t pins = __atomic_load_n(&m->pinmask, __ATOMIC_ACQUIRE);
+    for (int pe = 0; pins && pe < p->npes; pe++)
+      if ((pins & (1ull << pe)) && !skv__pool_alive(p, pe)) {
+        __atomic_fetch_and(&m->pinmask, ~(1ull << pe), __ATOMIC_SEQ_CST);
+        pins &= ~(1ull << pe);
+      }
+    if (pins) {
+      i++;
+      continue;
+    }
+    p->free_stack[p->nfree++] = pg;
+    p->retired[i] = p->retired[--p->nretired];
+  }
+}
+
 int skv__pool_alloc(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
                     uint32_t *gen, uint64_t *nevicted) {
   pthread_mutex_lock(&p->mu);
+  if (p->nfree == 0 && p->nretired) recycle_retired(p);
   if (p->nfree == 0 && evict_lru(p, evict, arg)) (*nevicted)++;
   if (p->nfree == 0) {
     pthread_mutex_unlock(&p->mu);
@@ -388,6 +457,46 @@ uint64_t skv__pool_evict(skv__pool_t *p, uint64_t n, skv__pool_evict_cb evict, v
   while (done < n && evict_lru(p, evict, arg)) done++;
   pthread_mutex_unlock(&p->mu);
   return done;
+}
+
+uint64_t skv__pool_drain(skv__pool_t *p, skv__pool_evict_cb evict, void *arg,
+                         uint64_t deadline_ms) {
+  uint64_t still = 0;
+  pthread_mutex_lock(&p->mu);
+  for (uint64_t pg = 0; pg < p->pages; pg++) {
+    skv__page_meta_t *m = &p->meta[p->me][pg];
+    uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
+    uint32_t gen = skv__st_gen(st), ng = gen + 1 ? gen + 1 : 1;
+    if (skv__st_state(st) == SKV_PAGE_WRITING) {
+      __atomic_store_n(&m->state, skv__st_make(ng, SKV_PAGE_FREE), __ATOMIC_RELEASE);
+      continue;
+    }
+    if (skv__st_state(st) != SKV_PAGE_READY) continue;
+    if (!__atomic_compare_exchange_n(&m->state, &st, skv__st_make(gen, SKV_PAGE_EVICTING), false,
+                                     __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+      continue;
+    /* From here no new pin succeeds (Dekker, as in try_evict); wait for the ones held. */
+    for (;;) {
+      uint64_t pins = __atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST) & ~(1ull << p->me);
+      for (int pe = 0; pins && pe < p->npes; pe++)
+        if ((pins & (1ull << pe)) && !skv__pool_alive(p, pe)) {
+          __atomic_fetch_and(&m->pinmask, ~(1ull << pe), __ATOMIC_SEQ_CST);
+          pins &= ~(1ull << pe);
+        }
+      if (!pins) break;
+      if (skv__now_ms() >= deadline_ms) {
+        still++;
+        break;
+      }
+      struct timespec ts = {0, 200000}; /* 0.2 ms */
+      nanosleep(&ts, NULL);
+    }
+    evict(arg, (uint32_t)pg, gen, m->key_hi, m->key_lo);
+    __atomic_store_n(&m->state, skv__st_make(ng, SKV_PAGE_FREE), __ATOMIC_RELEASE);
+  }
+  p->nfree = p->nlru = p->nretired = 0; /* the pool is done with */
+  pthread_mutex_unlock(&p->mu);
+  return still;
 }
 
 uint64_t skv__pool_used(skv__pool_t *p) {

@@ -101,16 +101,35 @@ typedef struct skv__pool {
   int64_t *dead; /* [npes]: pid found dead, or 0 */
   uint64_t my_pidns;
   uint64_t *alive_checked_ms;
+  /* elastic domains (src/domain/): liveness by the domain's locks instead of pids, pages a
+   * slot's previous incarnation left pinned (owner-private, under mu), and the PEs whose pins
+   * this PE dropped when their incarnation went (their unpins are then no-ops) */
+  bool (*alive_fn)(void *arg, int pe);
+  void *alive_arg;
+  uint32_t *retired;
+  uint64_t nretired;
+  uint8_t *forgot; /* [npes] */
 } skv__pool_t;
+
+/* skv__pool_init flags (elastic domains). REUSE: the records belong to a slot that was used
+ * before: generations continue (an old reference stays stale), pages still pinned by live PEs
+ * are set aside until their pins drop. NO_PAGES: a reader's slot: its records are not touched. */
+enum { SKV__POOL_REUSE = 1u, SKV__POOL_NO_PAGES = 2u };
 
 /* Bytes of one PE's metadata (header + page records). */
 uint64_t skv__pool_meta_bytes(uint64_t pages);
 /* Bind to the shared segments (seg[i]: PE i's metadata) and initialise this PE's part. */
-int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const *seg);
+int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const *seg,
+                   unsigned flags);
 void skv__pool_fini(skv__pool_t *p);
 
 /* Is local PE `pe` alive (cached for a few ms)? */
 bool skv__pool_alive(skv__pool_t *p, int pe);
+/* Judge liveness with fn(arg, pe) instead of pids (an elastic domain's locks); no cache. */
+void skv__pool_set_alive(skv__pool_t *p, bool (*fn)(void *arg, int pe), void *arg);
+/* Drop every pin this PE holds on PE `pe`'s pages (their incarnation is gone): counts and
+ * mask bits cleared; later unpins of such pages succeed without effect. */
+void skv__pool_forget_pe(skv__pool_t *p, int pe);
 
 /* Pin / unpin a page of any PE with generation check. SKV_ESTALE when the page is no longer
  * READY with that generation. */
@@ -137,6 +156,12 @@ void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t ke
 void skv__pool_commit(skv__pool_t *p, uint32_t page);
 /* Owner: WRITING or READY-but-never-indexed -> FREE (a deduplicated or failed publish). */
 void skv__pool_release(skv__pool_t *p, uint32_t page);
+/* Owner leaving an elastic domain: take every READY page out of service: READY -> EVICTING,
+ * wait until no live PE pins it (bounded: until deadline_ms, skv__now_ms() time), erase its index
+ * entry through `evict`, FREE at the next generation; WRITING pages go FREE too. A page still
+ * pinned at the deadline goes all the same: its pinners' copies read their own mappings, which
+ * stay valid, and their later pins fail as stale. Returns how many pages were still pinned. */
+uint64_t skv__pool_drain(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint64_t deadline_ms);
 /* Owner: evict up to n LRU unpinned pages. */
 uint64_t skv__pool_evict(skv__pool_t *p, uint64_t n, skv__pool_evict_cb evict, void *arg);
 /* Record a use of a page (lookup hit). */
