@@ -1,4 +1,4 @@
-/* symkv-bench allreduce: skv_allreduce latency inside CUDA graphs per algorithm and AUTO against
+/* symkv-bench allreduce: skv_comm_allreduce latency inside CUDA graphs per algorithm and AUTO against
  * ncclAllReduce captured the same way in the same run; crossovers; barrier; signal round trips. */
 #define _GNU_SOURCE
 #include "bench.h"
@@ -60,7 +60,7 @@ static int time_one(arb_t *a, int algo, uint64_t bytes, double *us) {
       double t0 = bench_now();
       for (int i = 0; i < calls; i++)
         SKV_CHECK(
-            skv_allreduce(a->comm, a->in, a->out, count, a->dtype, SKV_OP_SUM, algo, 0, NULL));
+            skv_comm_allreduce(a->comm, a->in, a->out, count, a->dtype, SKV_OP_SUM, algo, 0, NULL));
       t[r] = (bench_now() - t0) * 1e6 / calls;
     }
     *us = bench_median(t, (size_t)reps);
@@ -71,7 +71,7 @@ static int time_one(arb_t *a, int algo, uint64_t bytes, double *us) {
   cudaGraphExec_t ge;
   BCU(cudaStreamBeginCapture(a->s, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < calls; i++) {
-    int rc = skv_allreduce(a->comm, a->in, a->out, count, a->dtype, SKV_OP_SUM, algo, 0, a->s);
+    int rc = skv_comm_allreduce(a->comm, a->in, a->out, count, a->dtype, SKV_OP_SUM, algo, 0, a->s);
     if (rc) {
       cudaStreamEndCapture(a->s, &g);
       return rc;
@@ -151,7 +151,7 @@ static int bench_barrier(arb_t *a, double *us, double *nccl_us) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
   BCU(cudaStreamBeginCapture(a->s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < calls; i++) SKV_CHECK(skv_barrier(a->comm, 0, a->s));
+  for (int i = 0; i < calls; i++) SKV_CHECK(skv_comm_barrier(a->comm, 0, a->s));
   BCU(cudaStreamEndCapture(a->s, &g));
   BCU(cudaGraphInstantiate(&ge, g, 0));
   BCU(cudaGraphLaunch(ge, a->s));
@@ -179,7 +179,7 @@ static int bench_barrier(arb_t *a, double *us, double *nccl_us) {
 }
 
 /* Signal ping-pong between PEs 0 and 1: in one kernel through the device API, and through
- * stream-ordered skv_signal / skv_wait calls in a CUDA graph (one kernel node each). Round trip
+ * stream-ordered skv_comm_signal / skv_comm_wait calls in a CUDA graph (one kernel node each). Round trip
  * in us as PE 0 measured it. */
 static int bench_pingpong(arb_t *a, double *dev_us, double *host_us) {
   double d = 0, h = 0;
@@ -209,11 +209,11 @@ static int bench_pingpong(arb_t *a, double *dev_us, double *host_us) {
         for (int i = lo; i <= hi; i++) {
           uint64_t v = hbase + (uint64_t)i;
           if (a->rank == 0) {
-            SKV_CHECK(skv_signal(a->comm, 1, 201, v, SKV_SIGNAL_SET, a->s));
-            SKV_CHECK(skv_wait(a->comm, 201, SKV_CMP_GE, v, a->s));
+            SKV_CHECK(skv_comm_signal(a->comm, 1, 201, v, SKV_SIGNAL_SET, a->s));
+            SKV_CHECK(skv_comm_wait(a->comm, 201, SKV_CMP_GE, v, a->s));
           } else {
-            SKV_CHECK(skv_wait(a->comm, 201, SKV_CMP_GE, v, a->s));
-            SKV_CHECK(skv_signal(a->comm, 0, 201, v, SKV_SIGNAL_SET, a->s));
+            SKV_CHECK(skv_comm_wait(a->comm, 201, SKV_CMP_GE, v, a->s));
+            SKV_CHECK(skv_comm_signal(a->comm, 0, 201, v, SKV_SIGNAL_SET, a->s));
           }
         }
         BCU(cudaStreamEndCapture(a->s, &g[k]));
@@ -343,8 +343,8 @@ static int bench_allreduce(bench_t *b) {
   a.max_bytes = (uint64_t)bench_opt_int(b, "--max", 64 << 20);
   if (!a.cuda) a.max_bytes = SKV_MIN(a.max_bytes, 4u << 20);
   SKV_CHECK(skv_init(NULL, &a.ctx));
-  a.rank = skv_ctx_rank(a.ctx);
-  a.npes = skv_ctx_world_size(a.ctx);
+  a.rank = skv_ctx_get_rank(a.ctx);
+  a.npes = skv_ctx_get_world_size(a.ctx);
   skv_comm_opts_t o = SKV_COMM_OPTS_INIT;
   o.backend = a.cuda ? SKV_BACKEND_CUDA : SKV_BACKEND_HOST;
   o.channels = 1;
@@ -357,8 +357,8 @@ static int bench_allreduce(bench_t *b) {
   if (a.cuda) {
 #ifdef SKV_WITH_CUDA
     /* in the comm's heap: the symmetric algorithms read nothing else, NCCL does not care */
-    skv_heap_t *h = skv_comm_heap(a.comm);
-    a.in = skv_heap_ptr(h, a.rank, h->info.data_offset);
+    skv_heap_t *h = skv_comm_get_heap(a.comm);
+    a.in = skv_heap_get_ptr(h, a.rank, h->info.data_offset);
     if (cudaMalloc(&a.out, o.max_bytes) != cudaSuccess ||
         cudaStreamCreateWithFlags(&a.s, cudaStreamNonBlocking) || cudaEventCreate(&a.e0) ||
         cudaEventCreate(&a.e1))
@@ -439,7 +439,7 @@ const bench_cmd_t bench_cmd_allreduce = {
     .name = "allreduce",
     .run = bench_allreduce,
     .summary =
-        "skv_allreduce latency in CUDA graphs per algorithm and AUTO vs ncclAllReduce (same run),\n"
+        "skv_comm_allreduce latency in CUDA graphs per algorithm and AUTO vs ncclAllReduce (same run),\n"
         "              measured crossovers, barrier latency, signal ping-pong round trips",
     .opts = allreduce_opts,
 };

@@ -1,7 +1,7 @@
-/* symkv-bench fetch: GB/s of skv_fetch of random pages of a peer into engine blocks, against the
+/* symkv-bench fetch: GB/s of skv_kv_fetch of random pages of a peer into engine blocks, against the
  * copy engine's contiguous copy of the same bytes, a per-page cudaMemcpyAsync loop and the same
  * kernel gathering local pages, all in this run; the latency of a 1 MiB batch; kernel variants;
- * skv_publish of random engine blocks into new pages, against the contiguous local copy. */
+ * skv_kv_publish of random engine blocks into new pages, against the contiguous local copy. */
 #define _GNU_SOURCE
 #include "bench.h"
 
@@ -102,7 +102,7 @@ static void shuffle_prefix(uint64_t *v, uint64_t n, uint64_t k, uint64_t *s) {
 static int fb_setup(fb_t *f, uint64_t ps, uint64_t max_batch_bytes) {
   f->g = geom_for(ps);
   uint64_t pb;
-  SKV_CHECK(skv_geometry_page_bytes(&f->g, &pb));
+  SKV_CHECK(skv_geometry_get_page_bytes(&f->g, &pb));
   if (pb != ps)
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH,
                     "page size %llu is not 16 KiB or a multiple of 64 KiB", (unsigned long long)ps);
@@ -116,7 +116,7 @@ static int fb_setup(fb_t *f, uint64_t ps, uint64_t max_batch_bytes) {
   SKV_CHECK(skv_kv_create(f->ctx, &f->g, &o, &f->kv));
   SKV_CHECK(skv_namespace_create("bench-fetch", &f->g, NULL, 0, "bench", 5, &f->ns));
   uint64_t lb;
-  SKV_CHECK(skv_layout_preset_layer_bytes(&f->g, f->preset, 16, f->nb, &lb));
+  SKV_CHECK(skv_layout_get_preset_layer_bytes(&f->g, f->preset, 16, f->nb, &lb));
   /* fresh random bytes (never zeros), repeated over the engine */
   const size_t rb = 64u << 20;
   uint8_t *rnd = malloc(rb);
@@ -148,11 +148,11 @@ static int fb_setup(fb_t *f, uint64_t ps, uint64_t max_batch_bytes) {
     uint64_t n = SKV_MIN(4096, f->pool - i);
     for (uint64_t j = 0; j < n; j++) {
       uint64_t id = ((uint64_t)f->rank << 40) | (i + j);
-      skv_key_from_bytes(f->ns, &id, sizeof id, &keys[j]);
+      skv_namespace_hash_bytes(f->ns, &id, sizeof id, &keys[j]);
       blocks[j] = (i + j) % f->nb;
     }
     size_t ins;
-    SKV_CHECK(skv_publish(f->kv, f->ns, keys, n, f->lay, blocks, f->st, &ins));
+    SKV_CHECK(skv_kv_publish(f->kv, f->ns, keys, n, f->lay, blocks, f->st, &ins));
   }
   SKV_CHECK(skv_kv_sync(f->kv));
   SKV_CHECK(skv_ctx_barrier(f->ctx));
@@ -163,10 +163,10 @@ static int fb_setup(fb_t *f, uint64_t ps, uint64_t max_batch_bytes) {
       uint64_t n = SKV_MIN(4096, f->pool - i);
       for (uint64_t j = 0; j < n; j++) {
         uint64_t id = ((uint64_t)pe << 40) | (i + j);
-        skv_key_from_bytes(f->ns, &id, sizeof id, &keys[j]);
+        skv_namespace_hash_bytes(f->ns, &id, sizeof id, &keys[j]);
       }
       size_t nhit;
-      SKV_CHECK(skv_lookup(f->kv, f->ns, keys, n, 0, refs + i, &nhit));
+      SKV_CHECK(skv_kv_lookup(f->kv, f->ns, keys, n, 0, refs + i, &nhit));
       if (nhit != n)
         return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "PE %d's pool: found %zu of %llu pages",
                         pe, nhit, (unsigned long long)n);
@@ -251,9 +251,9 @@ static int run_op(fb_t *f, int method, const batch_t *bt, int r) {
   skv_kv_t *kv = f->kv;
   switch (method) {
   case M_FETCH:
-    return skv_fetch(kv, bt->refs[r], bt->n, f->lay, bt->blocks[r], 0, f->st);
+    return skv_kv_fetch(kv, bt->refs[r], bt->n, f->lay, bt->blocks[r], 0, f->st);
   case M_LOCAL:
-    return skv_fetch(kv, bt->local[r], bt->n, f->lay, bt->blocks[r], 0, f->st);
+    return skv_kv_fetch(kv, bt->local[r], bt->n, f->lay, bt->blocks[r], 0, f->st);
   case M_CE:
   case M_CE_LOCAL: {
     const char *src =
@@ -265,10 +265,10 @@ static int run_op(fb_t *f, int method, const batch_t *bt, int r) {
   case M_PUBLISH: { /* pages never published before (ids past the pool's), LRU pages evicted */
     for (uint32_t i = 0; i < bt->n; i++) {
       const uint64_t id = ((uint64_t)f->rank << 40) | (1ull << 39) | f->pub_next++;
-      skv_key_from_bytes(f->ns, &id, sizeof id, &f->pkeys[i]);
+      skv_namespace_hash_bytes(f->ns, &id, sizeof id, &f->pkeys[i]);
     }
     size_t ins = 0;
-    SKV_CHECK(skv_publish(kv, f->ns, f->pkeys, bt->n, f->lay, bt->blocks[r], f->st, &ins));
+    SKV_CHECK(skv_kv_publish(kv, f->ns, f->pkeys, bt->n, f->lay, bt->blocks[r], f->st, &ins));
     if (ins != bt->n)
       return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "publish: %zu of %u pages queued", ins,
                       bt->n);
@@ -425,7 +425,7 @@ typedef struct cell {
   uint64_t ps;
   uint32_t n;
   double t[M_COUNT];
-  double t_pub;                        /* skv_publish of n pages (GPU time) */
+  double t_pub;                        /* skv_kv_publish of n pages (GPU time) */
   double t_local_mapped, t_pub_mapped; /* the same with arguments read over PCIe (>= 64 MiB) */
 } cell_t;
 
@@ -473,13 +473,13 @@ static int bench_fetch(bench_t *b) {
   memset(&f, 0, sizeof f);
   f.b = b;
   f.ctx = ctx;
-  f.rank = skv_ctx_rank(ctx);
-  f.npes = skv_ctx_world_size(ctx);
+  f.rank = skv_ctx_get_rank(ctx);
+  f.npes = skv_ctx_get_world_size(ctx);
   f.peer = f.npes > 1 ? (f.rank + 1) % f.npes : f.rank;
   f.preset = preset;
   f.rng = 0x5eed0000ull + (uint64_t)f.rank;
   int rc = skv_ctx_set_timeout_ms(ctx, 900000); /* PEs other than 0 wait while it measures */
-  f.dev = rc == 0 ? skv_ctx_device(ctx) : rc;
+  f.dev = rc == 0 ? skv_ctx_get_device(ctx) : rc;
   if (f.dev < 0) {
     skv_finalize(ctx);
     return f.dev;

@@ -36,7 +36,7 @@ static int bench_heap(bench_t *b) {
                     bk);
   skv_ctx_t *ctx;
   SKV_CHECK(skv_init(NULL, &ctx));
-  int rank = skv_ctx_rank(ctx), npes = skv_ctx_world_size(ctx);
+  int rank = skv_ctx_get_rank(ctx), npes = skv_ctx_get_world_size(ctx);
   skv_heap_t *heap;
   int rc = skv_heap_create(ctx, bytes, SKV_BACKEND_HOST, &heap);
   if (rc) {
@@ -56,7 +56,7 @@ static int bench_heap(bench_t *b) {
       me.local_gbps = copy_gbps(local2, local, bytes, reps);
       for (int pe = 0; pe < npes; pe++) {
         if (pe == rank && npes > 1) continue;
-        char *seg = skv_heap_ptr(heap, pe, off);
+        char *seg = skv_heap_get_ptr(heap, pe, off);
         me.write_gbps += copy_gbps(seg, local, bytes, reps);
         me.read_gbps += copy_gbps(local2, seg, bytes, reps);
       }

@@ -43,7 +43,7 @@ typedef struct idx_result {
 } idx_result_t;
 
 static int bench_index(bench_t *b, skv_ctx_t *ctx, idx_result_t *res) {
-  int rank = skv_ctx_rank(ctx), npes = skv_ctx_world_size(ctx);
+  int rank = skv_ctx_get_rank(ctx), npes = skv_ctx_get_world_size(ctx);
   uint64_t keys_per_pe = (uint64_t)bench_opt_int(b, "--keys", 1 << 20) / (uint64_t)npes;
   double seconds = bench_opt_real(b, "--seconds", 1.0);
   keys_per_pe = SKV_ALIGN_UP(SKV_MAX(keys_per_pe, CHAIN), CHAIN);
@@ -56,7 +56,7 @@ static int bench_index(bench_t *b, skv_ctx_t *ctx, idx_result_t *res) {
   skv_namespace_create("bench-micro", &g, NULL, 0, "bench", 5, &ns);
   skv_layout_t *lay;
   uint64_t lb;
-  skv_layout_preset_layer_bytes(&g, SKV_LAYOUT_CONTIGUOUS, 4, CHAIN, &lb);
+  skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_CONTIGUOUS, 4, CHAIN, &lb);
   void *eng = calloc(1, lb);
   skv_layout_create_preset(&g, SKV_LAYOUT_CONTIGUOUS, 4, CHAIN, &eng, -1, &lay);
   /* keys: one long chain per PE */
@@ -66,7 +66,7 @@ static int bench_index(bench_t *b, skv_ctx_t *ctx, idx_result_t *res) {
   for (uint64_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)bench_rand(&s);
   skv_key_t *keys = malloc(keys_per_pe * sizeof *keys);
   size_t nk;
-  skv_hash_tokens(ns, tokens, ntok, NULL, keys, keys_per_pe, &nk);
+  skv_namespace_hash_tokens(ns, tokens, ntok, NULL, keys, keys_per_pe, &nk);
   uint64_t blocks[CHAIN];
   for (int i = 0; i < CHAIN; i++) blocks[i] = (uint64_t)i;
   /* publish (index insert + a 256-byte copy + page allocation) */
@@ -74,7 +74,7 @@ static int bench_index(bench_t *b, skv_ctx_t *ctx, idx_result_t *res) {
   double t0 = bench_now();
   for (uint64_t i = 0; i < keys_per_pe; i += CHAIN) {
     size_t ins;
-    int rc = skv_publish(kv, ns, keys + i, CHAIN, lay, blocks, NULL, &ins);
+    int rc = skv_kv_publish(kv, ns, keys + i, CHAIN, lay, blocks, NULL, &ins);
     if (rc) return rc;
     if ((i / CHAIN) % 256 == 0) bench_progress(b, "publish", (double)i, (double)keys_per_pe);
   }
@@ -85,7 +85,7 @@ static int bench_index(bench_t *b, skv_ctx_t *ctx, idx_result_t *res) {
   skv_key_t *peer_keys = malloc(keys_per_pe * sizeof *peer_keys);
   s = 7 + (uint64_t)((rank + 1) % npes);
   for (uint64_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)bench_rand(&s);
-  skv_hash_tokens(ns, tokens, ntok, NULL, peer_keys, keys_per_pe, &nk);
+  skv_namespace_hash_tokens(ns, tokens, ntok, NULL, peer_keys, keys_per_pe, &nk);
   skv_page_ref_t refs[CHAIN];
   uint64_t nchains = keys_per_pe / CHAIN;
   double lookup_rate[2] = {0, 0};
@@ -99,7 +99,7 @@ static int bench_index(bench_t *b, skv_ctx_t *ctx, idx_result_t *res) {
       do {
         for (int rep = 0; rep < 64; rep++, c++) {
           size_t nhit;
-          skv_lookup(kv, ns, peer_keys + (c % nchains) * CHAIN, CHAIN, 0, refs, &nhit);
+          skv_kv_lookup(kv, ns, peer_keys + (c % nchains) * CHAIN, CHAIN, 0, refs, &nhit);
           if (nhit != CHAIN)
             return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "lookup found %zu of %d keys", nhit,
                             CHAIN);
@@ -136,7 +136,7 @@ static int bench_index(bench_t *b, skv_ctx_t *ctx, idx_result_t *res) {
   free(pt.k);
   free(pt.v);
   /* page alloc/free on the owner vs malloc/free of a page */
-  skv_evict(kv, keys_per_pe, NULL);
+  skv_kv_evict(kv, keys_per_pe, NULL);
   uint64_t nops = 0, ev = 0;
   t0 = bench_now();
   do {
@@ -175,7 +175,7 @@ typedef struct fetch_result {
 /* Fetch `batch` random pages of `page_bytes` from the next PE into random engine blocks. */
 static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int preset,
                             fetch_result_t *res) {
-  int rank = skv_ctx_rank(ctx), npes = skv_ctx_world_size(ctx);
+  int rank = skv_ctx_get_rank(ctx), npes = skv_ctx_get_world_size(ctx);
   uint64_t batch_bytes = (uint64_t)bench_opt_int(b, "--batch-bytes", 64 << 20);
   int reps = (int)bench_opt_int(b, "--reps", 5);
   /* 16 tokens, 8 heads, bf16, 2 layers: the page size sets head_dim */
@@ -185,7 +185,7 @@ static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int
   skv_geometry_t g = geom(heads, dim, pt);
   g.num_layers = layers;
   uint64_t pb;
-  skv_geometry_page_bytes(&g, &pb);
+  skv_geometry_get_page_bytes(&g, &pb);
   uint64_t batch = SKV_MAX(1, batch_bytes / pb);
   uint64_t pages = batch + 8, nb = 2 * batch;
   skv_kv_opts_t o = SKV_KV_OPTS_INIT;
@@ -195,7 +195,7 @@ static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int
   skv_namespace_t *ns;
   skv_namespace_create("bench-fetch", &g, NULL, 0, "bench", 5, &ns);
   uint64_t lb;
-  skv_layout_preset_layer_bytes(&g, preset, pt, nb, &lb);
+  skv_layout_get_preset_layer_bytes(&g, preset, pt, nb, &lb);
   uint32_t nl = preset == SKV_LAYOUT_CONTIGUOUS ? 1 : layers;
   void *eng[2];
   for (uint32_t l = 0; l < nl; l++) {
@@ -209,20 +209,20 @@ static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int
   uint64_t *blocks = malloc(batch * sizeof *blocks);
   for (uint64_t i = 0; i < batch; i++) {
     uint64_t id = ((uint64_t)rank << 40) | i;
-    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
+    skv_namespace_hash_bytes(ns, &id, sizeof id, &keys[i]);
     blocks[i] = i;
   }
   size_t ins;
-  SKV_CHECK(skv_publish(kv, ns, keys, batch, lay, blocks, NULL, &ins));
+  SKV_CHECK(skv_kv_publish(kv, ns, keys, batch, lay, blocks, NULL, &ins));
   SKV_CHECK(skv_ctx_barrier(ctx));
   int from = (rank + 1) % npes;
   for (uint64_t i = 0; i < batch; i++) {
     uint64_t id = ((uint64_t)from << 40) | i;
-    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
+    skv_namespace_hash_bytes(ns, &id, sizeof id, &keys[i]);
   }
   skv_page_ref_t *refs = malloc(batch * sizeof *refs);
   size_t nhit;
-  SKV_CHECK(skv_lookup(kv, ns, keys, batch, 0, refs, &nhit));
+  SKV_CHECK(skv_kv_lookup(kv, ns, keys, batch, 0, refs, &nhit));
   if (nhit != batch)
     return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "lookup found %zu of %llu pages", nhit,
                     (unsigned long long)batch);
@@ -242,11 +242,11 @@ static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int
   for (int turn = 0; turn < npes; turn++) { /* one PE at a time: 2 cores here */
     SKV_CHECK(skv_ctx_barrier(ctx));
     if (turn != rank) continue;
-    SKV_CHECK(skv_fetch(kv, refs, batch, lay, blocks, 0, NULL)); /* warm-up */
+    SKV_CHECK(skv_kv_fetch(kv, refs, batch, lay, blocks, 0, NULL)); /* warm-up */
     memcpy(dst, src, pb * batch);
     for (int r = 0; r < reps; r++) {
       double t0 = bench_now();
-      SKV_CHECK(skv_fetch(kv, refs, batch, lay, blocks, 0, NULL));
+      SKV_CHECK(skv_kv_fetch(kv, refs, batch, lay, blocks, 0, NULL));
       tf[r] = bench_now() - t0;
       t0 = bench_now();
       memcpy(dst, src, pb * batch);
@@ -270,7 +270,7 @@ static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int
 static int bench_micro(bench_t *b) {
   skv_ctx_t *ctx;
   SKV_CHECK(skv_init(NULL, &ctx));
-  int rank = skv_ctx_rank(ctx), npes = skv_ctx_world_size(ctx);
+  int rank = skv_ctx_get_rank(ctx), npes = skv_ctx_get_world_size(ctx);
   idx_result_t ir;
   memset(&ir, 0, sizeof ir);
   int rc = bench_index(b, ctx, &ir);

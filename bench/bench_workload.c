@@ -26,9 +26,9 @@
  * ------------
  * Every PE reads (or generates) the whole workload and computes every request's key chain;
  * request i runs on PE i mod N. Each request of the shared policy looks its chain up
- * (skv_lookup, pinned), fetches the hits from whichever PE holds them into engine blocks
- * (skv_fetch), "prefills" the misses (a modelled time, not computed) and publishes the missed
- * pages from engine blocks (skv_publish, which evicts the PE's least recently used pages at
+ * (skv_kv_lookup, pinned), fetches the hits from whichever PE holds them into engine blocks
+ * (skv_kv_fetch), "prefills" the misses (a modelled time, not computed) and publishes the missed
+ * pages from engine blocks (skv_kv_publish, which evicts the PE's least recently used pages at
  * the capacity limit). per_pe replays the same steps on a private LRU of keys of the same
  * capacity per PE (an engine's own prefix cache: its hits cost no copy); none prefills all.
  *
@@ -229,7 +229,7 @@ static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *t
 /* Wait until it is request i's turn; bounded by the context's timeout without progress. */
 static int turn_wait(skv_ctx_t *ctx, bench_t *b, wl_ctl_t *ctl, uint32_t i, size_t total,
                      bool show) {
-  double timeout = skv_ctx_timeout_ms(ctx) / 1000.0, since = bench_now();
+  double timeout = skv_ctx_get_timeout_ms(ctx) / 1000.0, since = bench_now();
   uint32_t seen = __atomic_load_n(&ctl->turn, __ATOMIC_ACQUIRE);
   while (seen != i) {
     uint32_t failed = __atomic_load_n(&ctl->failed, __ATOMIC_ACQUIRE);
@@ -248,7 +248,7 @@ static int turn_wait(skv_ctx_t *ctx, bench_t *b, wl_ctl_t *ctl, uint32_t i, size
       return SKV_FAIL(
           SKV_ETIMEDOUT, SKV_SUBSYS_BENCH,
           "request %u waited %.0f s for its turn while request %u (PE %u) made no progress", i,
-          timeout, seen, seen % (uint32_t)skv_ctx_world_size(ctx));
+          timeout, seen, seen % (uint32_t)skv_ctx_get_world_size(ctx));
   }
   return 0;
 }
@@ -304,7 +304,7 @@ static int engine_create(engine_t *e, const wl_opts_t *o, const skv_geometry_t *
   uint64_t nblocks = (uint64_t)e->ring * e->m;
   e->ntensors = o->preset == SKV_LAYOUT_CONTIGUOUS ? 1 : g->num_layers;
   SKV_CHECK(
-      skv_layout_preset_layer_bytes(g, o->preset, o->block_tokens, nblocks, &e->tensor_bytes));
+      skv_layout_get_preset_layer_bytes(g, o->preset, o->block_tokens, nblocks, &e->tensor_bytes));
   e->tensors = calloc(e->ntensors, sizeof *e->tensors);
   e->cp_bytes = (uint64_t)e->ring * page_bytes;
   if (e->device) {
@@ -414,12 +414,12 @@ static int arrive(run_t *r, size_t i, wl_res_t *res) {
   engine_t *e = &r->eng;
   double t0 = bench_now();
   size_t nhit = 0;
-  SKV_CHECK(skv_lookup(r->kv, r->ns, keys, q->npages, SKV_LOOKUP_PIN, r->refs, &nhit));
+  SKV_CHECK(skv_kv_lookup(r->kv, r->ns, keys, q->npages, SKV_LOOKUP_PIN, r->refs, &nhit));
   double t1 = bench_now();
   bool check = !e->device || r->o->verify;
   for (size_t j = 0; j < nhit; j += e->ring) {
     uint32_t c = (uint32_t)SKV_MIN((size_t)e->ring, nhit - j);
-    SKV_CHECK(skv_fetch(r->kv, r->refs + j, c, e->lay, e->blocks, SKV_FETCH_UNPIN, e->stream));
+    SKV_CHECK(skv_kv_fetch(r->kv, r->refs + j, c, e->lay, e->blocks, SKV_FETCH_UNPIN, e->stream));
     if (e->device) SKV_CHECK(wl_dev_stream_sync(e->stream));
     if (check)
       for (uint32_t x = 0; x < c; x++) SKV_CHECK(tag_check(e, x, keys[j + x].lo, i));
@@ -470,7 +470,7 @@ static int complete(run_t *r, size_t i, const wl_res_t *res) {
     if (check)
       for (uint32_t x = 0; x < c; x++) SKV_CHECK(tag_write(e, x, keys[j + x].lo));
     size_t ins;
-    int rc = skv_publish(r->kv, r->ns, keys + j, c, e->lay, e->blocks, e->stream, &ins);
+    int rc = skv_kv_publish(r->kv, r->ns, keys + j, c, e->lay, e->blocks, e->stream, &ins);
     if (rc == SKV_ENOSPC &&
         r->o->realtime) { /* every page pinned by readers right now: not cached */
       r->nospace++;
@@ -500,7 +500,7 @@ typedef struct cap_info {
 
 static int choose_capacity(run_t *r, cap_info_t *ci) {
   const wl_opts_t *o = r->o;
-  int npes = skv_ctx_world_size(r->ctx);
+  int npes = skv_ctx_get_world_size(r->ctx);
   memset(ci, 0, sizeof *ci);
   if (o->capacity)
     ci->requested = o->capacity;
@@ -760,7 +760,7 @@ static int plot(bench_t *b, const run_t *r, const wl_res_t *res, size_t n, const
 /* ---- the run -------------------------------------------------------------------------------- */
 
 static int gather(skv_ctx_t *ctx, const wl_res_t *mine, size_t nmine, size_t per, wl_res_t *all) {
-  int npes = skv_ctx_world_size(ctx);
+  int npes = skv_ctx_get_world_size(ctx);
   size_t chunk = SKV_MAX((size_t)1, (size_t)(4u << 20) / sizeof(wl_res_t) / (size_t)npes);
   wl_res_t *in = calloc(chunk, sizeof *in), *out = calloc(chunk * (size_t)npes, sizeof *out);
   int rc = 0;
@@ -785,7 +785,7 @@ static void count_done(run_t *r, wl_ctl_t *ctl, size_t i, const wl_res_t *x) {
   __atomic_add_fetch(&ctl->hits_shared, x->hits[P_SHARED], __ATOMIC_RELAXED);
   __atomic_add_fetch(&ctl->hits_per_pe, x->hits[P_PER_PE], __ATOMIC_RELAXED);
   __atomic_add_fetch(&ctl->done, 1, __ATOMIC_RELEASE);
-  if (skv_ctx_rank(r->ctx) == 0) progress_draw(r->b, ctl, r->w->nreq, false);
+  if (skv_ctx_get_rank(r->ctx) == 0) progress_draw(r->b, ctl, r->w->nreq, false);
 }
 
 static int peer_failed(bench_t *b, const wl_ctl_t *ctl) {
@@ -799,7 +799,7 @@ static int peer_failed(bench_t *b, const wl_ctl_t *ctl) {
 /* Sleep until `t` in slices of at most 0.1 s, stopping early when a PE fails; rank 0 keeps the
  * progress bar moving meanwhile. `t` is a moment of the schedule, so the wait is bounded by it. */
 static int wait_until(run_t *r, wl_ctl_t *ctl, double t) {
-  bool show = skv_ctx_rank(r->ctx) == 0;
+  bool show = skv_ctx_get_rank(r->ctx) == 0;
   for (double now = bench_now(); now < t; now = bench_now()) {
     SKV_CHECK(peer_failed(r->b, ctl));
     sleep_until(SKV_MIN(t, now + 0.1));
@@ -812,9 +812,9 @@ static int wait_until(run_t *r, wl_ctl_t *ctl, double t) {
  * time out while a PE still has requests of a later timestamp). Fails when a PE fails, or when
  * no request completes for the context's timeout after `nominal_end` (the schedule's end). */
 static int wait_all_done(run_t *r, wl_ctl_t *ctl, double nominal_end) {
-  double timeout = skv_ctx_timeout_ms(r->ctx) / 1000.0, last = bench_now();
+  double timeout = skv_ctx_get_timeout_ms(r->ctx) / 1000.0, last = bench_now();
   uint64_t seen = __atomic_load_n(&ctl->done, __ATOMIC_ACQUIRE);
-  bool show = skv_ctx_rank(r->ctx) == 0;
+  bool show = skv_ctx_get_rank(r->ctx) == 0;
   while (seen < r->w->nreq) {
     SKV_CHECK(peer_failed(r->b, ctl));
     double now = bench_now();
@@ -844,7 +844,7 @@ typedef struct pending {
 static int run_realtime(run_t *r, wl_ctl_t *ctl, wl_res_t *mine, size_t *nmine, double start,
                         double first_ms) {
   const wl_workload_t *w = r->w;
-  int rank = skv_ctx_rank(r->ctx), npes = skv_ctx_world_size(r->ctx);
+  int rank = skv_ctx_get_rank(r->ctx), npes = skv_ctx_get_world_size(r->ctx);
   size_t per = (w->nreq + (size_t)npes - 1) / (size_t)npes, nheap = 0, next = (size_t)rank;
   pending_t *heap = calloc(per ? per : 1, sizeof *heap);
   int rc = 0;
@@ -894,11 +894,11 @@ static int run_realtime(run_t *r, wl_ctl_t *ctl, wl_res_t *mine, size_t *nmine, 
 
 static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_opts_t *o,
                   const skv_geometry_t *g, const skv_namespace_t *ns) {
-  int rank = skv_ctx_rank(ctx), npes = skv_ctx_world_size(ctx);
-  if (skv_ctx_local_size(ctx) != npes)
+  int rank = skv_ctx_get_rank(ctx), npes = skv_ctx_get_world_size(ctx);
+  if (skv_ctx_get_local_size(ctx) != npes)
     return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH,
                     "%s runs on the PEs of one node (%d of %d are local)", b->cmd,
-                    skv_ctx_local_size(ctx), npes);
+                    skv_ctx_get_local_size(ctx), npes);
   if (w->nreq >= 0x40000000u)
     return SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_BENCH, "%zu requests: at most 2^30 in one run", w->nreq);
   run_t r;
@@ -908,7 +908,7 @@ static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_o
   r.w = w;
   r.o = o;
   r.ns = ns;
-  SKV_CHECK(skv_geometry_page_bytes(g, &r.page_bytes));
+  SKV_CHECK(skv_geometry_get_page_bytes(g, &r.page_bytes));
   wl_opts_t *ow = (wl_opts_t *)o;
   if (ow->tflops <= 0) { /* measure on rank 0's GPU where there is one */
     struct {
@@ -962,7 +962,7 @@ static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_o
   SKV_CHECK_GOTO(skv_heap_create(ctx, 4096, SKV_BACKEND_HOST, &ctl_heap), rc, out);
   skv_heap_info_t hi;
   SKV_CHECK_GOTO(skv_heap_get_info(ctl_heap, &hi), rc, out);
-  ctl = skv_heap_ptr(ctl_heap, 0, hi.data_offset);
+  ctl = skv_heap_get_ptr(ctl_heap, 0, hi.data_offset);
   r.own = wl_lru_create(ci.pages);
   r.refs = calloc(SKV_MAX(w->max_pages, 1u), sizeof *r.refs);
   size_t per = (w->nreq + (size_t)npes - 1) / (size_t)npes, nmine = 0;

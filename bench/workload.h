@@ -66,7 +66,7 @@ static inline uint64_t wl_hit_tokens(const wl_workload_t *w, const wl_request_t 
  * to `err`. max_requests 0: all. Keys are made later by wl_trace_keys. */
 int wl_trace_read(const char *path, uint32_t page_tokens, uint64_t max_requests, wl_workload_t *w,
                   char *err, size_t errcap);
-/* Page keys of a trace: key_i = skv_key_from_bytes(ns, key_{i-1} || id_i), key_{-1} = 0. */
+/* Page keys of a trace: key_i = skv_namespace_hash_bytes(ns, key_{i-1} || id_i), key_{-1} = 0. */
 int wl_trace_keys(wl_workload_t *w, const skv_namespace_t *ns);
 
 typedef struct wl_longdoc_opts {
@@ -112,7 +112,7 @@ wl_lru_t *wl_lru_create(uint64_t capacity);
 void wl_lru_destroy(wl_lru_t *c);
 /* Leading keys present; each hit becomes the most recently used, in chain order. */
 uint64_t wl_lru_lookup(wl_lru_t *c, const skv_key_t *keys, uint64_t n);
-/* Insert keys not present (present ones are left alone, as skv_publish does), evicting the
+/* Insert keys not present (present ones are left alone, as skv_kv_publish does), evicting the
  * least recently used when full. Returns the number inserted. */
 uint64_t wl_lru_publish(wl_lru_t *c, const skv_key_t *keys, uint64_t n);
 bool wl_lru_contains(const wl_lru_t *c, skv_key_t k);
@@ -122,7 +122,7 @@ uint64_t wl_lru_size(const wl_lru_t *c);
 
 /* A CUDA build and a GPU (no error logged when not). */
 bool wl_dev_present(void);
-/* Make this PE's device current (skv_ctx_device) and return it. */
+/* Make this PE's device current (skv_ctx_get_device) and return it. */
 int wl_dev_use(skv_ctx_t *ctx, int *device);
 int wl_dev_alloc(uint64_t bytes, void **ptr);
 void wl_dev_free(void *ptr);

@@ -24,7 +24,7 @@ bool wl_dev_present(void) {
 }
 
 int wl_dev_use(skv_ctx_t *ctx, int *device) {
-  int d = skv_ctx_device(ctx);
+  int d = skv_ctx_get_device(ctx);
   if (d < 0) return d;
   WL_CUDA(cudaSetDevice(d));
   *device = d;

@@ -177,7 +177,7 @@ uint64_t wl_lru_publish(wl_lru_t *c, const skv_key_t *keys, uint64_t n) {
   uint64_t inserted = 0;
   for (uint64_t i = 0; i < n; i++) {
     uint64_t s = slot_of(c, keys[i]);
-    if (c->map[s] != NIL) continue; /* cached already: left alone, as skv_publish does */
+    if (c->map[s] != NIL) continue; /* cached already: left alone, as skv_kv_publish does */
     uint32_t e;
     if (c->capacity && c->n == c->capacity) {
       e = c->tail; /* evict the least recently used */
@@ -380,7 +380,7 @@ int wl_trace_keys(wl_workload_t *w, const skv_namespace_t *ns) {
     for (uint32_t j = 0; j < w->req[i].npages; j++) {
       uint64_t k = w->req[i].key0 + j;
       uint64_t buf[3] = {parent.hi, parent.lo, w->ids[k]};
-      SKV_CHECK(skv_key_from_bytes(ns, buf, sizeof buf, &w->keys[k]));
+      SKV_CHECK(skv_namespace_hash_bytes(ns, buf, sizeof buf, &w->keys[k]));
       parent = w->keys[k];
     }
   }
@@ -404,7 +404,7 @@ static int append_keys(wl_workload_t *w, uint64_t *kcap, const skv_namespace_t *
     w->keys = xrealloc(w->keys, *kcap * sizeof *w->keys);
   }
   size_t got;
-  SKV_CHECK(skv_hash_tokens(ns, tokens, ntokens, NULL, w->keys + w->nkeys, n, &got));
+  SKV_CHECK(skv_namespace_hash_tokens(ns, tokens, ntokens, NULL, w->keys + w->nkeys, n, &got));
   *key0 = w->nkeys;
   *npages = (uint32_t)got;
   w->nkeys += got;

@@ -120,7 +120,7 @@ SKV_EXTERN int skv_log_set_sink(skv_log_cb cb, void *arg);
 /* Override SKV_DEBUG / SKV_DEBUG_SUBSYS at run time. */
 SKV_EXTERN int skv_log_set_level(int level, unsigned int subsys_mask);
 /* Write one line through symkv's logger (used by the tools and bindings). */
-SKV_EXTERN void skv_log_message(int level, unsigned int subsys, const char *msg);
+SKV_EXTERN void skv_log_write(int level, unsigned int subsys, const char *msg);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Configuration                                                                              */
@@ -171,14 +171,14 @@ SKV_EXTERN int skv_init(const skv_config_t *cfg, skv_ctx_t **ctx);
  * then rank 0 stops serving once every PE has left. Frees `ctx` even when it returns an error. */
 SKV_EXTERN int skv_finalize(skv_ctx_t *ctx);
 
-SKV_EXTERN int skv_ctx_rank(const skv_ctx_t *ctx);
-SKV_EXTERN int skv_ctx_world_size(const skv_ctx_t *ctx);
-SKV_EXTERN int skv_ctx_local_rank(const skv_ctx_t *ctx);
-SKV_EXTERN int skv_ctx_local_size(const skv_ctx_t *ctx);
-SKV_EXTERN int skv_ctx_timeout_ms(const skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_get_rank(const skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_get_world_size(const skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_get_local_rank(const skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_get_local_size(const skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_get_timeout_ms(const skv_ctx_t *ctx);
 /* This PE's CUDA device (chosen at the first GPU use: config.device / SKV_DEVICE, else local
  * rank modulo the device count), or SKV_ENOTSUP without CUDA or a GPU. */
-SKV_EXTERN int skv_ctx_device(skv_ctx_t *ctx);
+SKV_EXTERN int skv_ctx_get_device(skv_ctx_t *ctx);
 /* Change the timeout of this PE's later waits (collective calls assume equal values). */
 SKV_EXTERN int skv_ctx_set_timeout_ms(skv_ctx_t *ctx, int timeout_ms);
 
@@ -249,7 +249,7 @@ SKV_EXTERN int skv_heap_create(skv_ctx_t *ctx, uint64_t data_bytes, int backend,
 SKV_EXTERN int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t **heap);
 /* Address of byte `offset` of PE `pe`'s segment, or NULL (last error set) when `pe` or
  * `offset` is out of range. Pure arithmetic; never blocks. */
-SKV_EXTERN void *skv_heap_ptr(const skv_heap_t *heap, int pe, uint64_t offset);
+SKV_EXTERN void *skv_heap_get_ptr(const skv_heap_t *heap, int pe, uint64_t offset);
 SKV_EXTERN int skv_heap_get_info(const skv_heap_t *heap, skv_heap_info_t *info);
 /* Collective (bounded by the timeout): unmaps everything; nothing stays behind in /dev/shm. */
 SKV_EXTERN int skv_heap_destroy(skv_heap_t *heap);
@@ -281,7 +281,7 @@ typedef struct skv_geometry {
   { sizeof(skv_geometry_t), SKV_GEOMETRY_VERSION, SKV_KV_SPLIT, 0, 0, 0, 0, 0 }
 
 /* Validate a geometry (the error names the bad field) and give the bytes of one page. */
-SKV_EXTERN int skv_geometry_page_bytes(const skv_geometry_t *geom, uint64_t *page_bytes);
+SKV_EXTERN int skv_geometry_get_page_bytes(const skv_geometry_t *geom, uint64_t *page_bytes);
 
 /* Engine layout presets. Strides are in elements; the head_dim elements of one vector are
  * contiguous. `layer_ptrs[l]` is layer l's tensor:
@@ -332,7 +332,7 @@ SKV_EXTERN int skv_layout_create_preset(const skv_geometry_t *geom, int preset,
                                         uint32_t block_tokens, uint64_t num_blocks,
                                         void *const *layer_ptrs, int device, skv_layout_t **layout);
 /* Bytes a preset's tensor for one layer occupies (to allocate engine caches in tests). */
-SKV_EXTERN int skv_layout_preset_layer_bytes(const skv_geometry_t *geom, int preset,
+SKV_EXTERN int skv_layout_get_preset_layer_bytes(const skv_geometry_t *geom, int preset,
                                              uint32_t block_tokens, uint64_t num_blocks,
                                              uint64_t *bytes);
 SKV_EXTERN int skv_layout_destroy(skv_layout_t *layout);
@@ -351,16 +351,16 @@ typedef struct skv_namespace skv_namespace_t;
 SKV_EXTERN int skv_namespace_create(const char *model, const skv_geometry_t *geom, const void *salt,
                                     size_t salt_len, const void *secret, size_t secret_len,
                                     skv_namespace_t **ns);
-SKV_EXTERN int skv_namespace_id(const skv_namespace_t *ns, skv_key_t *id);
+SKV_EXTERN int skv_namespace_get_id(const skv_namespace_t *ns, skv_key_t *id);
 SKV_EXTERN int skv_namespace_destroy(skv_namespace_t *ns);
 
 /* One key per full page of `tokens` (a chain: key i covers page i's tokens and key i-1).
  * `parent`: the key of the page before tokens[0] when continuing a sequence, else NULL.
  * Writes min(ntokens / page_tokens, cap) keys; *nkeys gets the count of full pages. */
-SKV_EXTERN int skv_hash_tokens(const skv_namespace_t *ns, const uint32_t *tokens, size_t ntokens,
+SKV_EXTERN int skv_namespace_hash_tokens(const skv_namespace_t *ns, const uint32_t *tokens, size_t ntokens,
                                const skv_key_t *parent, skv_key_t *keys, size_t cap, size_t *nkeys);
 /* Fold an engine's own block hash (any bytes) into a key of this namespace. */
-SKV_EXTERN int skv_key_from_bytes(const skv_namespace_t *ns, const void *bytes, size_t len,
+SKV_EXTERN int skv_namespace_hash_bytes(const skv_namespace_t *ns, const void *bytes, size_t len,
                                   skv_key_t *key);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -409,16 +409,16 @@ SKV_EXTERN int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const s
 /* Collective. Pages pinned by peers are released with the heap. */
 SKV_EXTERN int skv_kv_destroy(skv_kv_t *kv);
 SKV_EXTERN int skv_kv_get_stats(const skv_kv_t *kv, skv_kv_stats_t *stats);
-SKV_EXTERN skv_heap_t *skv_kv_heap(const skv_kv_t *kv);
+SKV_EXTERN skv_heap_t *skv_kv_get_heap(const skv_kv_t *kv);
 
-enum { SKV_LOOKUP_PIN = 1u }; /* pin every hit (release with skv_unpin) */
+enum { SKV_LOOKUP_PIN = 1u }; /* pin every hit (release with skv_kv_unpin) */
 
 /* How many leading keys of the chain are cached anywhere on the node (stops at the first
  * miss); refs[0..*nhit) say where. `ns` must be the namespace the keys were made in. */
-SKV_EXTERN int skv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
+SKV_EXTERN int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
                           uint32_t flags, skv_page_ref_t *refs, size_t *nhit);
-/* Release pins taken by skv_lookup(SKV_LOOKUP_PIN). */
-SKV_EXTERN int skv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n);
+/* Release pins taken by skv_kv_lookup(SKV_LOOKUP_PIN). */
+SKV_EXTERN int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n);
 
 enum { SKV_FETCH_UNPIN = 1u }; /* also release the caller's lookup pins once copied */
 
@@ -432,12 +432,12 @@ enum { SKV_FETCH_UNPIN = 1u }; /* also release the caller's lookup pins once cop
  * released by the cache's completion thread once it completes (the stream carries only the
  * copy and an event); host layouts copy synchronously.
  * While `stream` is being captured into a CUDA graph, every reference must already be pinned
- * by this PE (skv_lookup with SKV_LOOKUP_PIN; else SKV_ECAPTURE): a captured fetch takes no
+ * by this PE (skv_kv_lookup with SKV_LOOKUP_PIN; else SKV_ECAPTURE): a captured fetch takes no
  * pins, so the caller keeps them for as long as it replays the graph, and releases them with
- * skv_unpin afterwards (SKV_FETCH_UNPIN is refused while capturing). Each captured fetch keeps
+ * skv_kv_unpin afterwards (SKV_FETCH_UNPIN is refused while capturing). Each captured fetch keeps
  * one of the cache's 8 graph argument slots for the cache's lifetime (SKV_ECAPTURE when they
  * are all taken). */
-SKV_EXTERN int skv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
+SKV_EXTERN int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
                          const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                          void *stream);
 /* Copy engine blocks into new pages of this PE and insert keys[0..n) once the copy is
@@ -448,11 +448,11 @@ SKV_EXTERN int skv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
  * *ninserted counts the pages queued (skv_kv_sync waits for the inserts; the stats count
  * what was inserted and deduplicated). Refused (SKV_ECAPTURE) while `stream` is being
  * captured: a replay would write into pages that may have been evicted and reused since. */
-SKV_EXTERN int skv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
+SKV_EXTERN int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
                            const skv_layout_t *src, const uint64_t *block_ids, void *stream,
                            size_t *ninserted);
 /* Evict up to `npages` of this PE's least recently used unpinned pages. */
-SKV_EXTERN int skv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted);
+SKV_EXTERN int skv_kv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted);
 /* Wait until this PE's stream-ordered publishes and fetches have completed their host-side
  * steps (index inserts, pin releases); bounded by the timeout. Returns the first failure of
  * those steps, or a reference or block id a copy kernel refused (SKV_ERANGE / SKV_EINVAL; only
@@ -504,25 +504,25 @@ SKV_EXTERN int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_
 /* Collective. */
 SKV_EXTERN int skv_comm_destroy(skv_comm_t *comm);
 /* The comm's heap: buffers inside its data area are used in place (zero copy). */
-SKV_EXTERN skv_heap_t *skv_comm_heap(const skv_comm_t *comm);
+SKV_EXTERN skv_heap_t *skv_comm_get_heap(const skv_comm_t *comm);
 
 /* out[i] = op over PEs of in[i], i < count; identical on every PE, bit for bit. In place when
  * in == out. CUDA: device pointers, stream-ordered on `stream` (cudaStream_t, NULL = legacy
  * default), capturable in CUDA graphs (no host synchronisation, no allocation: SKV_ECAPTURE
  * if an allocation would be needed during capture). Two streams must use different channels.
  * Host backend: host pointers, synchronous, stream must be NULL. */
-SKV_EXTERN int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int dtype,
+SKV_EXTERN int skv_comm_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int dtype,
                              int op, int algo, int channel, void *stream);
 
-/* Signals: 64-bit slots in the signal pad (slot < skv_comm_signal_slots()). Stream-ordered. */
-SKV_EXTERN int skv_comm_signal_slots(const skv_comm_t *comm);
+/* Signals: 64-bit slots in the signal pad (slot < skv_comm_get_signal_slots()). Stream-ordered. */
+SKV_EXTERN int skv_comm_get_signal_slots(const skv_comm_t *comm);
 /* Set or add `value` to slot `slot` of PE `pe`. */
-SKV_EXTERN int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op,
+SKV_EXTERN int skv_comm_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op,
                           void *stream);
 /* Wait until this PE's slot compares true with `value` (SKV_CMP_*), bounded by the timeout. */
-SKV_EXTERN int skv_wait(skv_comm_t *comm, uint32_t slot, int cmp, uint64_t value, void *stream);
+SKV_EXTERN int skv_comm_wait(skv_comm_t *comm, uint32_t slot, int cmp, uint64_t value, void *stream);
 /* All PEs, stream-ordered, bounded by the timeout. */
-SKV_EXTERN int skv_barrier(skv_comm_t *comm, int channel, void *stream);
+SKV_EXTERN int skv_comm_barrier(skv_comm_t *comm, int channel, void *stream);
 /* Device-side failures of earlier stream-ordered calls (a wait or barrier that timed out): 0,
  * or the error with its message in skv_last_error(). Clears it. */
 SKV_EXTERN int skv_comm_check(skv_comm_t *comm);

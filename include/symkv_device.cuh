@@ -10,7 +10,7 @@
 
 /* What a kernel needs to reach every PE's signal pad and heap: fill it on the host with
  * skv_dev_comm_init() and pass it to the kernel by value. Slots are the comm's user signal
- * slots (0 .. nslots-1), the same ones skv_signal() and skv_wait() use. */
+ * slots (0 .. nslots-1), the same ones skv_comm_signal() and skv_comm_wait() use. */
 typedef struct skv_dev_comm {
   char *base; /* PE 0's segment; PE p's is at base + p * stride */
   uint64_t stride;
@@ -25,9 +25,9 @@ typedef struct skv_dev_comm {
 /* Host side: describe `comm` for kernels; timeout_ms <= 0 means 60 s. */
 static inline int skv_dev_comm_init(const skv_comm_t *comm, int timeout_ms, skv_dev_comm_t *dc) {
   skv_heap_info_t in;
-  int rc = skv_heap_get_info(skv_comm_heap(comm), &in);
+  int rc = skv_heap_get_info(skv_comm_get_heap(comm), &in);
   if (rc != 0) return rc;
-  int slots = skv_comm_signal_slots(comm);
+  int slots = skv_comm_get_signal_slots(comm);
   if (slots < 0) return slots;
   dc->base = (char *)in.base;
   dc->stride = in.stride;

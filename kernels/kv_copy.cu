@@ -430,34 +430,34 @@ int vec_slot(int dir, int unroll, uint32_t w, int threads) {
 }
 const int BULK_SLOT = 60;
 
-bool valid_cfg(const skv_kv_copy_cfg_t *c) {
+bool valid_cfg(const skv__kv_copy_cfg_t *c) {
   return c->kernel >= SKV_KV_KERNEL_VEC && c->kernel <= SKV_KV_KERNEL_CE &&
          (c->unroll == 4 || c->unroll == 8) && c->ctas_per_sm >= 1 && c->ctas_per_sm <= 32 &&
          (c->threads == 128 || c->threads == 256 || c->threads == 512) && c->args >= 0 &&
          c->args <= 2 && c->sms >= 1;
 }
 
-uint64_t slab_bytes(const skv_kv_copy_desc_t *d) {
+uint64_t slab_bytes(const skv__kv_copy_desc_t *d) {
   return (uint64_t)d->page_tokens * d->heads * d->row_bytes;
 }
 
-bool use_bulk(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg) {
+bool use_bulk(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
   return cfg->kernel == SKV_KV_KERNEL_BULK && d->dir == SKV_KV_COPY_FETCH && d->width == 16 &&
          d->run_bytes >= 128 && d->run_bytes % d->row_bytes == 0;
 }
 
-uint64_t chunk_bytes(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg) {
+uint64_t chunk_bytes(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
   return use_bulk(d, cfg) ? BK_CHUNK : 32ull * (uint64_t)cfg->unroll * (d->width ? d->width : 1);
 }
 
 } // namespace
 
-extern "C" int skv__kv_copy_args_inline(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg) {
+extern "C" int skv__kv_copy_args_inline(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
   return cfg->args == SKV_KV_ARGS_AUTO && d->args_host && d->args_bytes <= SKV_KV_COPY_INLINE_BYTES;
 }
 
-extern "C" uint64_t skv__kv_copy_max_pages(const skv_kv_copy_desc_t *d,
-                                           const skv_kv_copy_cfg_t *cfg) {
+extern "C" uint64_t skv__kv_copy_max_pages(const skv__kv_copy_desc_t *d,
+                                           const skv__kv_copy_cfg_t *cfg) {
   const uint64_t slab = slab_bytes(d);
   const uint64_t chunk = chunk_bytes(d, cfg);
   if (slab == 0 || slab >= (1ull << 31) - chunk || d->ntensors == 0) return 0;
@@ -465,7 +465,7 @@ extern "C" uint64_t skv__kv_copy_max_pages(const skv_kv_copy_desc_t *d,
   return ((1ull << 31) - 1) / per_page;
 }
 
-extern "C" int skv__kv_copy_launch(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg,
+extern "C" int skv__kv_copy_launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg,
                                    void *stream) {
   if (!d || !cfg || !valid_cfg(cfg)) return (int)cudaErrorInvalidValue;
   if (d->n == 0) return 0;
@@ -557,8 +557,8 @@ extern "C" int skv__kv_copy_preload(void) {
   return (int)cudaFuncGetAttributes(&fa, (const void *)skv_k_stream_gate);
 }
 
-extern "C" const char *skv__kv_copy_kernel_name(const skv_kv_copy_desc_t *d,
-                                                const skv_kv_copy_cfg_t *cfg) {
+extern "C" const char *skv__kv_copy_kernel_name(const skv__kv_copy_desc_t *d,
+                                                const skv__kv_copy_cfg_t *cfg) {
   static const char *const names[2][2][5] = {
       {{"skv_k_fetch_vec16<u4>", "skv_k_fetch_vec8<u4>", "skv_k_fetch_vec4<u4>",
         "skv_k_fetch_vec2<u4>", "skv_k_fetch_vec1<u4>"},

@@ -29,7 +29,7 @@ enum { SKV_KV_DEVERR_PE = 1, SKV_KV_DEVERR_PAGE = 2, SKV_KV_DEVERR_BLOCK = 3 };
  * aligned). The kernels read it from args_dev (device-readable: device memory, or pinned host
  * memory mapped for the device), or from their parameters when the variant allows it and it
  * fits (copied from args_host at launch). */
-typedef struct skv_kv_copy_desc {
+typedef struct skv__kv_copy_desc {
   int32_t dir;    /* SKV_KV_COPY_FETCH (page -> blocks) or SKV_KV_COPY_PUBLISH */
   uint32_t width; /* vector bytes: 16, 8, 4, 2 or 1; divides every address and stride */
   /* the heap */
@@ -55,7 +55,7 @@ typedef struct skv_kv_copy_desc {
   const void *args_dev;  /* device-readable argument block, or NULL */
   const void *args_host; /* host-readable copy of it, or NULL */
   uint32_t *err;         /* [4], device-writable (host-mapped), 0 when clean */
-} skv_kv_copy_desc_t;
+} skv__kv_copy_desc_t;
 
 enum {
   SKV_KV_ARGS_AUTO =
@@ -69,7 +69,7 @@ enum {
 enum { SKV_KV_KERNEL_VEC = 0, SKV_KV_KERNEL_BULK = 1, SKV_KV_KERNEL_CE = 2 };
 
 /* Kernel variant and grid shape. */
-typedef struct skv_kv_copy_cfg {
+typedef struct skv__kv_copy_cfg {
   int32_t kernel;      /* SKV_KV_KERNEL_*: BULK fetches 16-byte aligned runs of 128 bytes and more
                           through TMA bulk copies; other batches, and CE, run VEC */
   int32_t unroll;      /* VEC: 16-byte loads in flight per thread, 4 or 8 */
@@ -78,7 +78,7 @@ typedef struct skv_kv_copy_cfg {
   int32_t args;        /* SKV_KV_ARGS_* */
   int32_t l2_256;      /* VEC: 16-byte page loads hint the L2 to fetch 256-byte sectors */
   int32_t sms;         /* multiprocessors of the device */
-} skv_kv_copy_cfg_t;
+} skv__kv_copy_cfg_t;
 
 /* ---- kv_copy_variant.c: the process-wide kernel variant -------------------------------------- */
 
@@ -94,24 +94,24 @@ void skv__kv_variant_get(skv__kv_variant_t *v);
 /* "vec_u8_c4_t256_auto", "bulk_c1_auto": `v`, or the variant in use when NULL. */
 const char *skv__kv_variant_name(const skv__kv_variant_t *v, char *buf, size_t cap);
 /* The launch configuration of the variant in use, for a device of `sms` multiprocessors. */
-skv_kv_copy_cfg_t skv__kv_variant_cfg(int sms);
+skv__kv_copy_cfg_t skv__kv_variant_cfg(int sms);
 
 /* ---- kv_copy.cu: launches ------------------------------------------------------------------- */
 
 /* Will this launch carry its arguments in its parameters (no args_dev needed)? */
-int skv__kv_copy_args_inline(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg);
+int skv__kv_copy_args_inline(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg);
 /* The largest number of pages one launch may carry (work items stay below 2^31); 0 when the
  * geometry does not fit the kernels (a slab of 2 GiB or more). */
-uint64_t skv__kv_copy_max_pages(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg);
+uint64_t skv__kv_copy_max_pages(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg);
 /* Launch one batch on `stream` (a cudaStream_t). Returns a cudaError_t: 0, or
  * cudaErrorInvalidValue for a descriptor the kernels cannot take (bad width, too many pages,
  * no argument block), or the launch error. */
-int skv__kv_copy_launch(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg, void *stream);
+int skv__kv_copy_launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg, void *stream);
 /* Load every kernel variant now and cache its occupancy (modules load lazily; doing it up
  * front keeps the first launch out of a graph capture). Returns a cudaError_t. */
 int skv__kv_copy_preload(void);
 /* Name of the kernel a descriptor and variant run ("skv_k_fetch_vec16<u8>"), for logs. */
-const char *skv__kv_copy_kernel_name(const skv_kv_copy_desc_t *d, const skv_kv_copy_cfg_t *cfg);
+const char *skv__kv_copy_kernel_name(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg);
 
 /* Hold `stream` until *flag (host-mapped) is non-zero and at least min_ns passed, at most
  * max_ns (benchmarks: the GPU stays busy, so its clocks are up, while the host enqueues work

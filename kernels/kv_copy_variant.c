@@ -81,9 +81,9 @@ const char *skv__kv_variant_name(const skv__kv_variant_t *v, char *buf, size_t c
   return buf;
 }
 
-skv_kv_copy_cfg_t skv__kv_variant_cfg(int sms) {
+skv__kv_copy_cfg_t skv__kv_variant_cfg(int sms) {
   skv__kv_variant_t v;
   skv__kv_variant_get(&v);
-  skv_kv_copy_cfg_t c = {v.kernel, v.unroll, v.ctas_per_sm, v.threads, v.args, v.l2_256, sms};
+  skv__kv_copy_cfg_t c = {v.kernel, v.unroll, v.ctas_per_sm, v.threads, v.args, v.l2_256, sms};
   return c;
 }

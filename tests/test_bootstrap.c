@@ -47,8 +47,8 @@ static int count_fds(void) {
 /* One PE of a forked job: rank 0 serves the store, every PE connects (from the environment the
  * harness set: SKV_BOOTSTRAP, SKV_TOKEN). */
 typedef struct pe {
-  skv_store_server_t *srv;
-  skv_store_t *st;
+  skv__store_server_t *srv;
+  skv__store_t *st;
 } pe_t;
 
 static int pe_join(pe_t *pe, int rank, int npes, int timeout_ms) {
@@ -88,23 +88,23 @@ static int pe_leave(pe_t *pe, bool barrier) {
   } while (0)
 
 /* A server on an ephemeral loopback port and clients of it, in this process. */
-static skv_store_server_t *serve(const char *token, int nranks) {
-  skv_store_server_t *srv = NULL;
+static skv__store_server_t *serve(const char *token, int nranks) {
+  skv__store_server_t *srv = NULL;
   int rc = skv__store_server_start("127.0.0.1", 0, token, nranks, &srv);
   cr_assert_eq(rc, 0, "server start: %s", skv_last_error());
   cr_assert_gt(skv__store_server_port(srv), 0);
   return srv;
 }
 
-static skv_store_t *join(skv_store_server_t *srv, const char *token, int rank, int nranks) {
-  skv_store_t *st = NULL;
+static skv__store_t *join(skv__store_server_t *srv, const char *token, int rank, int nranks) {
+  skv__store_t *st = NULL;
   int rc =
       skv__store_connect("127.0.0.1", skv__store_server_port(srv), token, rank, nranks, 5000, &st);
   cr_assert_eq(rc, 0, "connect rank %d: %s", rank, skv_last_error());
   return st;
 }
 
-static void expect_value(skv_store_t *st, const char *key, const void *want, size_t n) {
+static void expect_value(skv__store_t *st, const char *key, const void *want, size_t n) {
   void *v = NULL;
   size_t len = 0;
   int rc = skv__store_get(st, key, &v, &len, 2000);
@@ -260,8 +260,8 @@ static bool cap_wait(const char *needle, int timeout_ms) {
 /* ---- single process: the operations --------------------------------------------------------- */
 
 Test(store, set_get_roundtrip) {
-  skv_store_server_t *srv = serve("tok-roundtrip", 1);
-  skv_store_t *st = join(srv, "tok-roundtrip", 0, 1);
+  skv__store_server_t *srv = serve("tok-roundtrip", 1);
+  skv__store_t *st = join(srv, "tok-roundtrip", 0, 1);
   cr_assert_eq(skv__store_rank(st), 0);
   cr_assert_eq(skv__store_nranks(st), 1);
 
@@ -317,8 +317,8 @@ Test(store, set_get_roundtrip) {
 }
 
 Test(store, oversized_keys_and_values) {
-  skv_store_server_t *srv = serve("tok-oversized", 1);
-  skv_store_t *st = join(srv, "tok-oversized", 0, 1);
+  skv__store_server_t *srv = serve("tok-oversized", 1);
+  skv__store_t *st = join(srv, "tok-oversized", 0, 1);
   char key[SKV_BOOT_MAX_KEY + 2];
   memset(key, 'k', sizeof key);
   key[SKV_BOOT_MAX_KEY + 1] = '\0';
@@ -384,8 +384,8 @@ Test(store, oversized_keys_and_values) {
 }
 
 Test(store, get_timeout) {
-  skv_store_server_t *srv = serve("tok-timeout", 1);
-  skv_store_t *st = join(srv, "tok-timeout", 0, 1);
+  skv__store_server_t *srv = serve("tok-timeout", 1);
+  skv__store_t *st = join(srv, "tok-timeout", 0, 1);
   void *v = NULL;
   size_t len = 0;
   uint64_t t0 = skv__now_ms();
@@ -411,7 +411,7 @@ Test(store, get_timeout) {
 }
 
 typedef struct adder {
-  skv_store_t *st;
+  skv__store_t *st;
   int n, id, bad;
 } adder_t;
 
@@ -436,8 +436,8 @@ static void *adder_main(void *arg) {
 }
 
 Test(store, threads_share_one_client) {
-  skv_store_server_t *srv = serve("tok-threads", 1);
-  skv_store_t *st = join(srv, "tok-threads", 0, 1);
+  skv__store_server_t *srv = serve("tok-threads", 1);
+  skv__store_t *st = join(srv, "tok-threads", 0, 1);
   pthread_t th[4];
   adder_t a[4];
   for (int i = 0; i < 4; i++) {
@@ -458,9 +458,9 @@ Test(store, threads_share_one_client) {
  */
 
 Test(store, wrong_token_and_bad_ranks_rejected) {
-  skv_store_server_t *srv = serve("good-token-123", 3);
+  skv__store_server_t *srv = serve("good-token-123", 3);
   int port = skv__store_server_port(srv);
-  skv_store_t *a = join(srv, "good-token-123", 0, 3), *bad = NULL;
+  skv__store_t *a = join(srv, "good-token-123", 0, 3), *bad = NULL;
   cr_assert_eq(skv__store_set(a, "k", "v", 1), 0);
   uint64_t t0 = skv__now_ms();
   cr_assert_eq(skv__store_connect("127.0.0.1", port, "bad-token-123", 1, 3, 5000, &bad), SKV_EAUTH);
@@ -490,7 +490,7 @@ Test(store, wrong_token_and_bad_ranks_rejected) {
   cr_assert(raw_closed(fd, 3000), "connection kept after a rejected HELLO");
   close(fd);
   /* the correct clients are still served */
-  skv_store_t *b = join(srv, "good-token-123", 1, 3);
+  skv__store_t *b = join(srv, "good-token-123", 1, 3);
   expect_value(b, "k", "v", 1);
   cr_assert_eq(skv__store_set(a, "k2", "w", 1), 0);
   expect_value(b, "k2", "w", 1);
@@ -500,7 +500,7 @@ Test(store, wrong_token_and_bad_ranks_rejected) {
 }
 
 typedef struct getter {
-  skv_store_t *st;
+  skv__store_t *st;
   const char *key;
   int timeout_ms, rc;
   uint64_t ms;
@@ -520,8 +520,8 @@ static void *getter_main(void *arg) {
 }
 
 Test(store, dead_rank_fails_waiting_and_later_requests) {
-  skv_store_server_t *srv = serve("tok-dead", 3);
-  skv_store_t *a = join(srv, "tok-dead", 0, 3), *b = join(srv, "tok-dead", 1, 3),
+  skv__store_server_t *srv = serve("tok-dead", 3);
+  skv__store_t *a = join(srv, "tok-dead", 0, 3), *b = join(srv, "tok-dead", 1, 3),
               *c = join(srv, "tok-dead", 2, 3);
   cr_assert_eq(skv__store_set(b, "there", "1", 1), 0);
   getter_t g = {a, "never", 10000, 0, 0, ""};
@@ -551,8 +551,8 @@ Test(store, dead_rank_fails_waiting_and_later_requests) {
 }
 
 Test(store, rank_that_left_is_not_dead) {
-  skv_store_server_t *srv = serve("tok-left", 2);
-  skv_store_t *a = join(srv, "tok-left", 0, 2), *b = join(srv, "tok-left", 1, 2);
+  skv__store_server_t *srv = serve("tok-left", 2);
+  skv__store_t *a = join(srv, "tok-left", 0, 2), *b = join(srv, "tok-left", 1, 2);
   cr_assert_eq(skv__store_close(b), 0);
   void *v = NULL;
   size_t len = 0;
@@ -570,7 +570,7 @@ Test(store, rank_that_left_is_not_dead) {
 
 typedef struct late_server {
   int port, delay_ms;
-  skv_store_server_t *srv;
+  skv__store_server_t *srv;
   int rc;
 } late_server_t;
 
@@ -586,7 +586,7 @@ Test(store, connect_retries_until_server_listens) {
   cr_assert_gt(l.port, 0);
   pthread_t th;
   cr_assert_eq(pthread_create(&th, NULL, late_server_main, &l), 0);
-  skv_store_t *st = NULL;
+  skv__store_t *st = NULL;
   uint64_t t0 = skv__now_ms();
   int rc = skv__store_connect("127.0.0.1", l.port, "tok-late", 0, 1, 5000, &st);
   uint64_t dt = skv__now_ms() - t0;
@@ -610,8 +610,8 @@ Test(store, connect_retries_until_server_listens) {
 }
 
 Test(store, ipv6_and_hostname) {
-  skv_store_server_t *srv = NULL;
-  skv_store_t *st = NULL;
+  skv__store_server_t *srv = NULL;
+  skv__store_t *st = NULL;
   cr_assert_eq(skv__store_server_start("localhost", 0, "tok-host", 1, &srv), 0, "%s",
                skv_last_error());
   cr_assert_eq(
@@ -632,7 +632,7 @@ Test(store, ipv6_and_hostname) {
 }
 
 typedef struct closer {
-  skv_store_t *st;
+  skv__store_t *st;
   int delay_ms;
 } closer_t;
 
@@ -644,8 +644,8 @@ static void *closer_main(void *arg) {
 }
 
 Test(store, stop_waits_for_ranks_to_leave) {
-  skv_store_server_t *srv = serve("tok-stop", 2);
-  skv_store_t *a = join(srv, "tok-stop", 0, 2);
+  skv__store_server_t *srv = serve("tok-stop", 2);
+  skv__store_t *a = join(srv, "tok-stop", 0, 2);
   closer_t c = {a, 300};
   pthread_t th;
   cr_assert_eq(pthread_create(&th, NULL, closer_main, &c), 0);
@@ -657,7 +657,7 @@ Test(store, stop_waits_for_ranks_to_leave) {
 
   /* a rank that never leaves: stop gives up at its timeout and says who */
   srv = serve("tok-stop", 2);
-  skv_store_t *b = join(srv, "tok-stop", 1, 2);
+  skv__store_t *b = join(srv, "tok-stop", 1, 2);
   t0 = skv__now_ms();
   cr_assert_eq(skv__store_server_stop(srv, 300), SKV_ETIMEDOUT);
   dt = skv__now_ms() - t0;
@@ -670,7 +670,7 @@ Test(store, stop_waits_for_ranks_to_leave) {
 
 /* ---- single process: hostile input ----------------------------------------------------------- */
 
-static void still_serving(skv_store_t *st, int i) {
+static void still_serving(skv__store_t *st, int i) {
   char key[32], val[32];
   snprintf(key, sizeof key, "alive/%d", i);
   snprintf(val, sizeof val, "value %d", i);
@@ -690,9 +690,9 @@ static void expect_closed_and_logged(int fd, const char *what) {
 Test(store, malformed_input_closes_only_that_connection) {
   skv_log_set_sink(cap_sink, NULL);
   const char *tok = "tok-malformed";
-  skv_store_server_t *srv = serve(tok, 8);
+  skv__store_server_t *srv = serve(tok, 8);
   int port = skv__store_server_port(srv);
-  skv_store_t *st = join(srv, tok, 0, 8);
+  skv__store_t *st = join(srv, tok, 0, 8);
   frame_t f;
   uint64_t seed = skv_test_seed();
   int step = 0;
@@ -859,10 +859,10 @@ Test(store, malformed_input_closes_only_that_connection) {
 
 Test(store, silent_connection_closed_after_hello_timeout, .timeout = 40) {
   skv_log_set_sink(cap_sink, NULL);
-  skv_store_server_t *srv = serve("tok-silent", 1);
+  skv__store_server_t *srv = serve("tok-silent", 1);
   int fd = raw_connect(skv__store_server_port(srv));
   uint64_t t0 = skv__now_ms();
-  skv_store_t *st = join(srv, "tok-silent", 0, 1); /* served while the silent one waits */
+  skv__store_t *st = join(srv, "tok-silent", 0, 1); /* served while the silent one waits */
   still_serving(st, 0);
   char peer[64];
   snprintf(peer, sizeof peer, "127.0.0.1:%d", raw_local_port(fd));
@@ -1289,7 +1289,7 @@ Test(fdpass, two_groups_same_tag) {
 
 /* An intruder that knows the socket name but not the nonce is dropped; the exchange goes on. */
 typedef struct intruder {
-  skv_store_t *st;
+  skv__store_t *st;
   int ok;
 } intruder_t;
 
@@ -1422,7 +1422,7 @@ Test(fdpass, dead_peer_fails_the_others_promptly) {
 
 /* Connect to local PE 0 of exchange `tag` as a stranger that knows the nonce (read from the
  * store): a connected unix socket, or -1. */
-static int connect_to_pe0(skv_store_t *st, const char *tag, uint8_t nonce[16]) {
+static int connect_to_pe0(skv__store_t *st, const char *tag, uint8_t nonce[16]) {
   char key[64];
   snprintf(key, sizeof key, "%s/nonce/0", tag);
   void *v = NULL;

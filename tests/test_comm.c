@@ -103,7 +103,7 @@ static int check_identical(skv_ctx_t *ctx, const void *out, size_t bytes, char *
     snprintf(why, cap, "allgather failed: %s", skv_last_error());
     return 1;
   }
-  for (int r = 1; r < skv_ctx_world_size(ctx); r++)
+  for (int r = 1; r < skv_ctx_get_world_size(ctx); r++)
     if (all[r] != all[0]) {
       snprintf(why, cap, "PE %d's output differs from PE 0's", r);
       return 1;
@@ -122,11 +122,11 @@ static int run_case(skv_ctx_t *ctx, skv_comm_t *comm, const ar_case_t *k, uint64
                     int npes, char *why, size_t cap) {
   uint32_t es = esize(k->dtype);
   size_t bytes = k->count * es, shift = k->misalign ? es : 0;
-  skv_heap_t *heap = skv_comm_heap(comm);
+  skv_heap_t *heap = skv_comm_get_heap(comm);
   char *a, *b, *ma = NULL, *mb = NULL;
   if (k->in_heap) {
-    a = (char *)skv_heap_ptr(heap, rank, heap->info.data_offset) + shift;
-    b = (char *)skv_heap_ptr(heap, rank, heap->info.data_offset + heap->info.data_bytes / 2) +
+    a = (char *)skv_heap_get_ptr(heap, rank, heap->info.data_offset) + shift;
+    b = (char *)skv_heap_get_ptr(heap, rank, heap->info.data_offset + heap->info.data_bytes / 2) +
         shift;
   } else {
     a = (ma = malloc(bytes + 16)) + shift;
@@ -135,10 +135,10 @@ static int run_case(skv_ctx_t *ctx, skv_comm_t *comm, const ar_case_t *k, uint64
   gen_input(a, k->count, k->dtype, seed, rank);
   char *out = k->in_place ? a : b;
   if (!k->in_place) memset(out, 0x7f, bytes); /* NaN in every dtype: an unwritten element fails */
-  int rc = skv_allreduce(comm, a, out, k->count, k->dtype, k->op, k->algo, k->channel, NULL);
+  int rc = skv_comm_allreduce(comm, a, out, k->count, k->dtype, k->op, k->algo, k->channel, NULL);
   int bad = 0;
   if (rc != 0) {
-    snprintf(why, cap, "skv_allreduce: %s: %s", skv_err_name(rc), skv_last_error());
+    snprintf(why, cap, "skv_comm_allreduce: %s: %s", skv_err_name(rc), skv_last_error());
     bad = 1;
   }
   if (!bad) bad = check_output(out, k->count, k->dtype, k->op, npes, seed, why, cap);
@@ -289,7 +289,7 @@ static void *thr_main(void *p) {
     size_t count = t->channel ? (size_t)(1 + i * 37) : (size_t)(50000 - i * 11);
     float *buf = malloc(count * es);
     gen_input(buf, count, SKV_DTYPE_FP32, t->seed + (uint64_t)i, t->rank);
-    int rc = skv_allreduce(t->comm, buf, buf, count, SKV_DTYPE_FP32, SKV_OP_SUM,
+    int rc = skv_comm_allreduce(t->comm, buf, buf, count, SKV_DTYPE_FP32, SKV_OP_SUM,
                            i % 2 ? SKV_ALGO_ONESHOT : SKV_ALGO_TWOSHOT, t->channel, NULL);
     if (rc) {
       snprintf(t->why, sizeof t->why, "call %d: %s", i, skv_last_error());
@@ -351,7 +351,7 @@ static int pe_sentinel(int rank, int npes, void *arg) {
       if (rank == 0) memset(buf + 3 * es, 0xff, es);
       encode(buf, 5, dt, -0.0f);
       encode(buf, 7, dt, INFINITY);
-      PE_CHECK(skv_allreduce(comm, buf, buf, count, dt, SKV_OP_SUM, algo, 0, NULL) == 0,
+      PE_CHECK(skv_comm_allreduce(comm, buf, buf, count, dt, SKV_OP_SUM, algo, 0, NULL) == 0,
                "allreduce");
       for (size_t i = 0; i < count; i++) {
         double v = decode(buf, i, dt);
@@ -386,42 +386,42 @@ static int pe_signals(int rank, int npes, void *arg) {
   PE_CHECK(skv_test_init(&ctx, 30000) == 0, "init");
   skv_comm_t *comm;
   PE_CHECK(make_comm(ctx, 2, 1u << 16, &comm) == 0, "comm create");
-  PE_CHECK(skv_comm_signal_slots(comm) >= 1024, "slots %d", skv_comm_signal_slots(comm));
+  PE_CHECK(skv_comm_get_signal_slots(comm) >= 1024, "slots %d", skv_comm_get_signal_slots(comm));
   /* ping-pong between PEs 0 and 1 through slot 1 */
   if (rank < 2) {
     int peer = 1 - rank;
     for (uint64_t i = 1; i <= 1000; i++) {
       if (rank == 0) {
-        PE_CHECK(skv_signal(comm, peer, 1, i, SKV_SIGNAL_SET, NULL) == 0, "signal");
-        PE_CHECK(skv_wait(comm, 1, SKV_CMP_GE, i, NULL) == 0, "wait %llu", (unsigned long long)i);
+        PE_CHECK(skv_comm_signal(comm, peer, 1, i, SKV_SIGNAL_SET, NULL) == 0, "signal");
+        PE_CHECK(skv_comm_wait(comm, 1, SKV_CMP_GE, i, NULL) == 0, "wait %llu", (unsigned long long)i);
       } else {
-        PE_CHECK(skv_wait(comm, 1, SKV_CMP_EQ, i, NULL) == 0, "wait %llu", (unsigned long long)i);
-        PE_CHECK(skv_signal(comm, peer, 1, i, SKV_SIGNAL_SET, NULL) == 0, "signal");
+        PE_CHECK(skv_comm_wait(comm, 1, SKV_CMP_EQ, i, NULL) == 0, "wait %llu", (unsigned long long)i);
+        PE_CHECK(skv_comm_signal(comm, peer, 1, i, SKV_SIGNAL_SET, NULL) == 0, "signal");
       }
     }
   }
   /* barriers: nobody passes round r before every PE added to PE 0's slot 2 in round r */
-  skv_heap_t *heap = skv_comm_heap(comm);
+  skv_heap_t *heap = skv_comm_get_heap(comm);
   volatile uint64_t *ctr =
-      (volatile uint64_t *)skv_heap_ptr(heap, 0, heap->info.signal_offset + 2 * 8);
+      (volatile uint64_t *)skv_heap_get_ptr(heap, 0, heap->info.signal_offset + 2 * 8);
   for (int r = 1; r <= 200; r++) {
-    PE_CHECK(skv_signal(comm, 0, 2, 1, SKV_SIGNAL_ADD, NULL) == 0, "add");
-    PE_CHECK(skv_barrier(comm, r % 2, NULL) == 0, "barrier %d", r);
+    PE_CHECK(skv_comm_signal(comm, 0, 2, 1, SKV_SIGNAL_ADD, NULL) == 0, "add");
+    PE_CHECK(skv_comm_barrier(comm, r % 2, NULL) == 0, "barrier %d", r);
     PE_CHECK(*ctr >= (uint64_t)(npes * r), "round %d: passed the barrier with the counter at %llu",
              r, (unsigned long long)*ctr);
-    PE_CHECK(skv_barrier(comm, r % 2, NULL) == 0, "barrier %d", r);
+    PE_CHECK(skv_comm_barrier(comm, r % 2, NULL) == 0, "barrier %d", r);
   }
   /* comparisons */
-  PE_CHECK(skv_signal(comm, rank, 3, 10, SKV_SIGNAL_SET, NULL) == 0, "set");
-  PE_CHECK(skv_signal(comm, rank, 3, 5, SKV_SIGNAL_ADD, NULL) == 0, "add");
-  PE_CHECK(skv_wait(comm, 3, SKV_CMP_EQ, 15, NULL) == 0, "==");
-  PE_CHECK(skv_wait(comm, 3, SKV_CMP_NE, 14, NULL) == 0, "!=");
-  PE_CHECK(skv_wait(comm, 3, SKV_CMP_GT, 14, NULL) == 0, ">");
-  PE_CHECK(skv_wait(comm, 3, SKV_CMP_LT, 16, NULL) == 0, "<");
-  PE_CHECK(skv_wait(comm, 3, SKV_CMP_LE, 15, NULL) == 0, "<=");
+  PE_CHECK(skv_comm_signal(comm, rank, 3, 10, SKV_SIGNAL_SET, NULL) == 0, "set");
+  PE_CHECK(skv_comm_signal(comm, rank, 3, 5, SKV_SIGNAL_ADD, NULL) == 0, "add");
+  PE_CHECK(skv_comm_wait(comm, 3, SKV_CMP_EQ, 15, NULL) == 0, "==");
+  PE_CHECK(skv_comm_wait(comm, 3, SKV_CMP_NE, 14, NULL) == 0, "!=");
+  PE_CHECK(skv_comm_wait(comm, 3, SKV_CMP_GT, 14, NULL) == 0, ">");
+  PE_CHECK(skv_comm_wait(comm, 3, SKV_CMP_LT, 16, NULL) == 0, "<");
+  PE_CHECK(skv_comm_wait(comm, 3, SKV_CMP_LE, 15, NULL) == 0, "<=");
   PE_CHECK(skv_ctx_set_timeout_ms(ctx, 300) == 0, "timeout");
   uint64_t t0 = skv__now_ms();
-  int rc = skv_wait(comm, 3, SKV_CMP_GT, 15, NULL);
+  int rc = skv_comm_wait(comm, 3, SKV_CMP_GT, 15, NULL);
   uint64_t dt = skv__now_ms() - t0;
   PE_CHECK(rc == SKV_ETIMEDOUT && strstr(skv_last_error(), "slot 3"),
            "wait nobody answers: %s / %s", skv_err_name(rc), skv_last_error());
@@ -459,16 +459,16 @@ static int pe_missing(int rank, int npes, void *arg) {
   if (rank == 0) {
     float buf[1000] = {0};
     uint64_t t0 = skv__now_ms();
-    int rc = what == 0 ? skv_allreduce(comm, buf, buf, 1000, SKV_DTYPE_FP32, SKV_OP_SUM,
+    int rc = what == 0 ? skv_comm_allreduce(comm, buf, buf, 1000, SKV_DTYPE_FP32, SKV_OP_SUM,
                                        SKV_ALGO_TWOSHOT, 0, NULL)
-                       : skv_barrier(comm, 0, NULL);
+                       : skv_comm_barrier(comm, 0, NULL);
     uint64_t dt = skv__now_ms() - t0;
     PE_CHECK(rc == SKV_ETIMEDOUT, "got %s: %s", skv_err_name(rc), skv_last_error());
     PE_CHECK(strstr(skv_last_error(), "PE 1"), "the message does not name the missing PE: %s",
              skv_last_error());
     PE_CHECK(dt >= MISSING_TIMEOUT_MS && dt < 4 * MISSING_TIMEOUT_MS, "gave up after %llu ms",
              (unsigned long long)dt);
-    rc = skv_allreduce(comm, buf, buf, 1000, SKV_DTYPE_FP32, SKV_OP_SUM, SKV_ALGO_ONESHOT, 0, NULL);
+    rc = skv_comm_allreduce(comm, buf, buf, 1000, SKV_DTYPE_FP32, SKV_OP_SUM, SKV_ALGO_ONESHOT, 0, NULL);
     PE_CHECK(rc == SKV_ESTATE && strstr(skv_last_error(), "destroy"), "after a timeout: %s / %s",
              skv_err_name(rc), skv_last_error());
   } else {
@@ -525,43 +525,43 @@ static int pe_bad(int rank, int npes, void *arg) {
   PE_CHECK(comm == NULL, "comm set on failure");
   PE_CHECK(make_comm(ctx, 2, 1u << 20, &comm) == 0, "comm create");
   float buf[64] = {0};
-  EXPECT_EINVAL(skv_allreduce(NULL, buf, buf, 4, SKV_DTYPE_FP32, 0, 0, 0, NULL), "comm is NULL");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, 0, SKV_DTYPE_FP32, 0, 0, 0, NULL), "count is 0");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, SIZE_MAX, SKV_DTYPE_FP32, 0, 0, 0, NULL),
+  EXPECT_EINVAL(skv_comm_allreduce(NULL, buf, buf, 4, SKV_DTYPE_FP32, 0, 0, 0, NULL), "comm is NULL");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, 0, SKV_DTYPE_FP32, 0, 0, 0, NULL), "count is 0");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, SIZE_MAX, SKV_DTYPE_FP32, 0, 0, 0, NULL),
                 "overflows");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, SIZE_MAX / 2 + 7, SKV_DTYPE_BF16, 0, 0, 0, NULL),
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, SIZE_MAX / 2 + 7, SKV_DTYPE_BF16, 0, 0, 0, NULL),
                 "overflows");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, 4, 0, 0, 0, 0, NULL), "dtype 0");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, 4, 7, 0, 0, 0, NULL), "dtype 7");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 3, 0, 0, NULL), "op 3");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, -1, 0, 0, NULL), "op -1");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, 4, 0, NULL), "algo 4");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, 0, 2, NULL), "channel 2");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, 0, -1, NULL), "channel -1");
-  EXPECT_EINVAL(skv_allreduce(comm, NULL, buf, 4, SKV_DTYPE_FP32, 0, 0, 0, NULL), "non-NULL");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, NULL, 4, SKV_DTYPE_FP32, 0, 0, 0, NULL), "non-NULL");
-  EXPECT_EINVAL(skv_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, 0, 0, (void *)buf),
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, 4, 0, 0, 0, 0, NULL), "dtype 0");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, 4, 7, 0, 0, 0, NULL), "dtype 7");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 3, 0, 0, NULL), "op 3");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, -1, 0, 0, NULL), "op -1");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, 4, 0, NULL), "algo 4");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, 0, 2, NULL), "channel 2");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, 0, -1, NULL), "channel -1");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, NULL, buf, 4, SKV_DTYPE_FP32, 0, 0, 0, NULL), "non-NULL");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, NULL, 4, SKV_DTYPE_FP32, 0, 0, 0, NULL), "non-NULL");
+  EXPECT_EINVAL(skv_comm_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, 0, 0, (void *)buf),
                 "stream must be NULL");
-  int rc = skv_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, SKV_ALGO_NCCL, 0, NULL);
+  int rc = skv_comm_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, 0, SKV_ALGO_NCCL, 0, NULL);
   PE_CHECK(rc == SKV_ENOTSUP && strstr(skv_last_error(), "NCCL"), "nccl on host: %s",
            skv_err_name(rc));
-  rc = skv_allreduce(comm, buf, buf, (2u << 20) / 4, SKV_DTYPE_FP32, 0, SKV_ALGO_ONESHOT, 0, NULL);
+  rc = skv_comm_allreduce(comm, buf, buf, (2u << 20) / 4, SKV_DTYPE_FP32, 0, SKV_ALGO_ONESHOT, 0, NULL);
   PE_CHECK(rc == SKV_ERANGE && strstr(skv_last_error(), "max_bytes"), "beyond max_bytes: %s",
            skv_err_name(rc));
-  EXPECT_EINVAL(skv_signal(comm, npes, 0, 1, SKV_SIGNAL_SET, NULL), "pe");
-  EXPECT_EINVAL(skv_signal(comm, 0, SKV__USER_SLOTS, 1, SKV_SIGNAL_SET, NULL), "slot");
-  EXPECT_EINVAL(skv_signal(comm, 0, 0, 1, 2, NULL), "op 2");
-  EXPECT_EINVAL(skv_signal(comm, 0, 0, 1, SKV_SIGNAL_SET, (void *)buf), "stream must be NULL");
-  EXPECT_EINVAL(skv_wait(comm, SKV__USER_SLOTS, SKV_CMP_EQ, 0, NULL), "slot");
-  EXPECT_EINVAL(skv_wait(comm, 0, 6, 0, NULL), "cmp 6");
-  EXPECT_EINVAL(skv_barrier(comm, 2, NULL), "channel 2");
-  EXPECT_EINVAL(skv_barrier(NULL, 0, NULL), "comm is NULL");
+  EXPECT_EINVAL(skv_comm_signal(comm, npes, 0, 1, SKV_SIGNAL_SET, NULL), "pe");
+  EXPECT_EINVAL(skv_comm_signal(comm, 0, SKV__USER_SLOTS, 1, SKV_SIGNAL_SET, NULL), "slot");
+  EXPECT_EINVAL(skv_comm_signal(comm, 0, 0, 1, 2, NULL), "op 2");
+  EXPECT_EINVAL(skv_comm_signal(comm, 0, 0, 1, SKV_SIGNAL_SET, (void *)buf), "stream must be NULL");
+  EXPECT_EINVAL(skv_comm_wait(comm, SKV__USER_SLOTS, SKV_CMP_EQ, 0, NULL), "slot");
+  EXPECT_EINVAL(skv_comm_wait(comm, 0, 6, 0, NULL), "cmp 6");
+  EXPECT_EINVAL(skv_comm_barrier(comm, 2, NULL), "channel 2");
+  EXPECT_EINVAL(skv_comm_barrier(NULL, 0, NULL), "comm is NULL");
   EXPECT_EINVAL(skv_comm_check(NULL), "comm is NULL");
-  EXPECT_EINVAL(skv_comm_signal_slots(NULL), "comm is NULL");
-  PE_CHECK(skv_comm_heap(NULL) == NULL, "heap of NULL");
+  EXPECT_EINVAL(skv_comm_get_signal_slots(NULL), "comm is NULL");
+  PE_CHECK(skv_comm_get_heap(NULL) == NULL, "heap of NULL");
   /* the comm still works after all that */
   for (int i = 0; i < 4; i++) buf[i] = (float)rank;
-  PE_CHECK(skv_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, SKV_OP_MAX, SKV_ALGO_AUTO, 1, NULL) ==
+  PE_CHECK(skv_comm_allreduce(comm, buf, buf, 4, SKV_DTYPE_FP32, SKV_OP_MAX, SKV_ALGO_AUTO, 1, NULL) ==
                0,
            "allreduce");
   PE_CHECK(buf[0] == (float)(npes - 1), "max %g", buf[0]);

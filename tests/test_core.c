@@ -191,7 +191,7 @@ Test(core, config_resolves_environment_and_names_bad_variables) {
   setenv("SKV_TOKEN", "0123456789abcdef", 1);
   setenv("SKV_TIMEOUT_MS", "2500", 1);
   skv__env_reload();
-  skv_cfg_resolved_t r;
+  skv__cfg_resolved_t r;
   cr_assert_eq(skv__config_resolve(NULL, &r), 0, "%s", skv_last_error());
   cr_assert_eq(r.rank, 1);
   cr_assert_eq(r.world_size, 2);
@@ -233,7 +233,7 @@ Test(core, config_local_size_unset_means_the_pes_found_on_the_node) {
   unsetenv("SKV_LOCAL_SIZE");
   unsetenv("SKV_LOCAL_RANK");
   skv__env_reload();
-  skv_cfg_resolved_t r;
+  skv__cfg_resolved_t r;
   cr_assert_eq(skv__config_resolve(NULL, &r), 0, "%s", skv_last_error());
   cr_assert_eq(r.local_size, -1, "not world_size: a multi-node job has fewer PEs per node");
   cr_assert_eq(r.local_rank, -1);
@@ -308,7 +308,7 @@ Test(core, logging_levels_subsystems_sink_and_prefix) {
   SKV_INFO(SKV_SUBSYS_BOOT, "with rank");
   snprintf(want, sizeof want, "%s:%d:5 [INFO", skv__hostname(), (int)getpid());
   cr_assert(strstr(cap.lines[2], want) != NULL, "%s", cap.lines[2]);
-  skv_log_message(SKV_LOG_WARN, SKV_SUBSYS_KV, "from a binding");
+  skv_log_write(SKV_LOG_WARN, SKV_SUBSYS_KV, "from a binding");
   cr_assert(strstr(cap.lines[3], "from a binding") != NULL);
   cr_assert_eq(skv_log_set_level(9, 0), SKV_EINVAL);
   skv_log_set_sink(NULL, NULL);
@@ -327,7 +327,7 @@ Test(core, failures_are_logged_at_info_not_printed_by_default) {
   dup2(fd, 2);
   skv_geometry_t g = SKV_GEOMETRY_INIT;
   uint64_t pb;
-  int rc = skv_geometry_page_bytes(&g, &pb);
+  int rc = skv_geometry_get_page_bytes(&g, &pb);
   dup2(saved, 2);
   close(saved);
   off_t len = lseek(fd, 0, SEEK_END);
@@ -340,7 +340,7 @@ Test(core, failures_are_logged_at_info_not_printed_by_default) {
   captured_t cap = {0};
   skv_log_set_sink(capture_sink, &cap);
   skv_log_set_level(SKV_LOG_INFO, SKV_SUBSYS_ALL);
-  cr_assert_eq(skv_geometry_page_bytes(&g, &pb), SKV_EINVAL);
+  cr_assert_eq(skv_geometry_get_page_bytes(&g, &pb), SKV_EINVAL);
   skv_log_set_sink(NULL, NULL);
   skv_log_set_level(SKV_LOG_WARN, SKV_SUBSYS_ALL);
   cr_assert(cap.n >= 1 && cap.n <= 16, "got %d lines", cap.n); /* the failure, its breadcrumbs */

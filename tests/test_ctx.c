@@ -21,9 +21,9 @@ TestSuite(ctx, .timeout = 120);
 static int pe_basic(int rank, int npes, void *arg) {
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
-  PE_CHECK(skv_ctx_rank(ctx) == rank, "rank %d", skv_ctx_rank(ctx));
-  PE_CHECK(skv_ctx_world_size(ctx) == npes, "world");
-  PE_CHECK(skv_ctx_local_size(ctx) == npes && skv_ctx_local_rank(ctx) == rank, "local");
+  PE_CHECK(skv_ctx_get_rank(ctx) == rank, "rank %d", skv_ctx_get_rank(ctx));
+  PE_CHECK(skv_ctx_get_world_size(ctx) == npes, "world");
+  PE_CHECK(skv_ctx_get_local_size(ctx) == npes && skv_ctx_get_local_rank(ctx) == rank, "local");
   const uint64_t seq0 = ctx->coll_seq; /* the round 0 allgather is check seq0 + 1 */
   /* allgather of distinct values, several rounds */
   for (int round = 0; round < 20; round++) {
@@ -294,8 +294,8 @@ static int pe_two_nodes(int rank, int npes, void *arg) {
            "host name %s", skv__hostname());
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 10000) == 0, "init");
-  PE_CHECK(skv_ctx_local_size(ctx) == 2, "local size %d", skv_ctx_local_size(ctx));
-  PE_CHECK(skv_ctx_local_rank(ctx) == rank % 2, "local rank %d", skv_ctx_local_rank(ctx));
+  PE_CHECK(skv_ctx_get_local_size(ctx) == 2, "local size %d", skv_ctx_get_local_size(ctx));
+  PE_CHECK(skv_ctx_get_local_rank(ctx) == rank % 2, "local rank %d", skv_ctx_get_local_rank(ctx));
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
   return 0;
@@ -361,13 +361,13 @@ static int pe_bad_args(int rank, int npes, void *arg) {
   longkey[sizeof longkey - 1] = '\0';
   PE_CHECK(skv_store_set(ctx, longkey, b, 1) == SKV_EINVAL, "long key");
   PE_CHECK(skv_ctx_set_timeout_ms(ctx, 0) == SKV_EINVAL, "timeout 0");
-  PE_CHECK(skv_ctx_set_timeout_ms(ctx, 500) == 0 && skv_ctx_timeout_ms(ctx) == 500, "timeout set");
+  PE_CHECK(skv_ctx_set_timeout_ms(ctx, 500) == 0 && skv_ctx_get_timeout_ms(ctx) == 500, "timeout set");
   size_t len;
   uint64_t t0 = skv__now_ms();
   PE_CHECK(skv_store_get(ctx, "never/set", b, sizeof b, &len) == SKV_ETIMEDOUT, "get times out");
   PE_CHECK(skv__now_ms() - t0 < 3500, "get waited too long");
   PE_CHECK(skv_ctx_set_timeout_ms(ctx, 10000) == 0, "timeout back");
-  PE_CHECK(skv_ctx_rank(NULL) == SKV_EINVAL, "NULL ctx");
+  PE_CHECK(skv_ctx_get_rank(NULL) == SKV_EINVAL, "NULL ctx");
   PE_CHECK(skv_finalize(ctx) == 0, "finalize");
   return 0;
 }

@@ -99,7 +99,7 @@ static int agree(skv_ctx_t *ctx, int bad, const void *out, size_t bytes, char *w
   if (skv_ctx_allgather(ctx, &me, all, sizeof me) != 0)
     return snprintf(why, cap, "allgather failed"), 1;
   if (bad) return 1;
-  for (int r = 0; r < skv_ctx_world_size(ctx); r++) {
+  for (int r = 0; r < skv_ctx_get_world_size(ctx); r++) {
     if (all[r].bad) return 0; /* that PE reports its own failure */
     if (all[r].hash != me.hash)
       return snprintf(why, cap, "PE %d's output differs from mine, bit for bit", r), 2;
@@ -124,7 +124,7 @@ static int env_open(pe_env_t *e, int rank, int npes, int timeout_ms) {
   e->rank = rank;
   e->npes = npes;
   PE_CHECK(skv_test_init(&e->ctx, timeout_ms) == 0, "init");
-  PE_CHECK(skv_ctx_device(e->ctx) >= 0, "device: %s", skv_last_error());
+  PE_CHECK(skv_ctx_get_device(e->ctx) >= 0, "device: %s", skv_last_error());
   CU(cudaGetDeviceCount(&e->ngpus));
   skv_comm_opts_t o = SKV_COMM_OPTS_INIT;
   o.channels = 2;
@@ -133,8 +133,8 @@ static int env_open(pe_env_t *e, int rank, int npes, int timeout_ms) {
   CU(cudaStreamCreate(&e->s));
   CU(cudaMalloc((void **)&e->dev_a, MAX_BYTES + 64));
   CU(cudaMalloc((void **)&e->dev_b, MAX_BYTES + 64));
-  skv_heap_t *h = skv_comm_heap(e->comm);
-  e->heap_a = skv_heap_ptr(h, rank, h->info.data_offset);
+  skv_heap_t *h = skv_comm_get_heap(e->comm);
+  e->heap_a = skv_heap_get_ptr(h, rank, h->info.data_offset);
   e->host_in = malloc(MAX_BYTES + 64);
   e->host_out = malloc(MAX_BYTES + 64);
   PE_CHECK(e->host_in && e->host_out, "malloc");
@@ -180,9 +180,9 @@ static int run_case(pe_env_t *e, const ar_case_t *k, uint64_t seed, char *why, s
   }
   int rc =
       bad ? 0
-          : skv_allreduce(e->comm, a, out, k->count, k->dtype, k->op, k->algo, k->channel, e->s);
+          : skv_comm_allreduce(e->comm, a, out, k->count, k->dtype, k->op, k->algo, k->channel, e->s);
   if (rc != 0) {
-    snprintf(why, cap, "skv_allreduce: %s: %s", skv_err_name(rc), skv_last_error());
+    snprintf(why, cap, "skv_comm_allreduce: %s: %s", skv_err_name(rc), skv_last_error());
     bad = 1;
   }
   if (!bad &&
@@ -221,7 +221,7 @@ static int pe_sweep(int rank, int npes, void *arg) {
       for (size_t a = 0; a < 4; a++) {
         if (algos[a] == SKV_ALGO_NCCL && !e.comm->has_nccl) {
           float x = 0;
-          int rc = skv_allreduce(e.comm, &x, &x, 1, dt, op, SKV_ALGO_NCCL, 0, e.s);
+          int rc = skv_comm_allreduce(e.comm, &x, &x, 1, dt, op, SKV_ALGO_NCCL, 0, e.s);
           PE_CHECK(rc == SKV_ENOTSUP, "NCCL without a communicator: %s", skv_err_name(rc));
           continue;
         }
@@ -286,10 +286,10 @@ static int pe_graph(int rank, int npes, void *arg) {
   /* thread-local: a background thread's CUDA call (NCCL's proxy) must not void the capture */
   CU(cudaStreamBeginCapture(e.s, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < 3; i++)
-    PE_CHECK(skv_allreduce(e.comm, ins[i], outs[i], ks[i].count, ks[i].dtype, ks[i].op, ks[i].algo,
+    PE_CHECK(skv_comm_allreduce(e.comm, ins[i], outs[i], ks[i].count, ks[i].dtype, ks[i].op, ks[i].algo,
                            0, e.s) == 0,
              "capture %d: %s", i, skv_last_error());
-  PE_CHECK(skv_barrier(e.comm, 0, e.s) == 0, "capture barrier");
+  PE_CHECK(skv_comm_barrier(e.comm, 0, e.s) == 0, "capture barrier");
   PE_CHECK(skv_comm_check(e.comm) == 0, "check during capture");
   CU(cudaStreamEndCapture(e.s, &g));
   CU(cudaGraphInstantiate(&ge, g, 0));
@@ -363,9 +363,9 @@ static int pe_streams(int rank, int npes, void *arg) {
     /* odd PEs enqueue channel 1 first: the kernels must run side by side, not in one order */
     for (int j = 0; j < 2; j++) {
       int which = (j + rank) % 2;
-      int rc = which == 0 ? skv_allreduce(e.comm, e.dev_a, e.dev_b, ca, SKV_DTYPE_FP32, SKV_OP_SUM,
+      int rc = which == 0 ? skv_comm_allreduce(e.comm, e.dev_a, e.dev_b, ca, SKV_DTYPE_FP32, SKV_OP_SUM,
                                           SKV_ALGO_ONESHOT, 0, e.s)
-                          : skv_allreduce(e.comm, e.dev_a + (8u << 20), e.dev_b + (8u << 20), cb,
+                          : skv_comm_allreduce(e.comm, e.dev_a + (8u << 20), e.dev_b + (8u << 20), cb,
                                           SKV_DTYPE_FP32, SKV_OP_SUM, SKV_ALGO_TWOSHOT, 1, s2);
       PE_CHECK(rc == 0, "iteration %d: %s", i, skv_last_error());
     }
@@ -416,10 +416,10 @@ static int pe_missing(int rank, int npes, void *arg) {
     PE_CHECK(skv_ctx_set_timeout_ms(e.ctx, 1500) == 0, "timeout");
     for (int w = 0; w < 3; w++) {
       uint64_t t0 = skv__now_ms();
-      int rc = w == 0 ? skv_allreduce(comms[w], e.dev_a, e.dev_a, 4096, SKV_DTYPE_BF16, SKV_OP_SUM,
+      int rc = w == 0 ? skv_comm_allreduce(comms[w], e.dev_a, e.dev_a, 4096, SKV_DTYPE_BF16, SKV_OP_SUM,
                                       SKV_ALGO_ONESHOT, 0, e.s)
-               : w == 1 ? skv_barrier(comms[w], 0, e.s)
-                        : skv_wait(comms[w], 7, SKV_CMP_GE, 1, e.s);
+               : w == 1 ? skv_comm_barrier(comms[w], 0, e.s)
+                        : skv_comm_wait(comms[w], 7, SKV_CMP_GE, 1, e.s);
       PE_CHECK(rc == 0, "launch %d: %s", w, skv_last_error());
       CU(cudaStreamSynchronize(e.s)); /* the kernel gives up by itself */
       uint64_t dt = skv__now_ms() - t0;
@@ -429,7 +429,7 @@ static int pe_missing(int rank, int npes, void *arg) {
       PE_CHECK(dt >= 1500 && dt < 10000, "case %d gave up after %llu ms (timeout 1500)", w,
                (unsigned long long)dt);
       PE_CHECK(skv_comm_check(comms[w]) == 0, "check clears the error");
-      rc = skv_allreduce(comms[w], e.dev_a, e.dev_a, 16, SKV_DTYPE_BF16, SKV_OP_SUM,
+      rc = skv_comm_allreduce(comms[w], e.dev_a, e.dev_a, 16, SKV_DTYPE_BF16, SKV_OP_SUM,
                          SKV_ALGO_ONESHOT, 0, e.s);
       PE_CHECK(rc == SKV_ESTATE, "after the timeout: %s", skv_err_name(rc));
     }
@@ -456,18 +456,18 @@ static int pe_signals(int rank, int npes, void *arg) {
   if (rank < 2) {
     for (uint64_t i = 1; i <= 200; i++) {
       if (rank == 0) {
-        PE_CHECK(skv_signal(e.comm, 1, 5, i, SKV_SIGNAL_SET, e.s) == 0, "signal");
-        PE_CHECK(skv_wait(e.comm, 5, SKV_CMP_GE, i, e.s) == 0, "wait");
+        PE_CHECK(skv_comm_signal(e.comm, 1, 5, i, SKV_SIGNAL_SET, e.s) == 0, "signal");
+        PE_CHECK(skv_comm_wait(e.comm, 5, SKV_CMP_GE, i, e.s) == 0, "wait");
       } else {
-        PE_CHECK(skv_wait(e.comm, 5, SKV_CMP_EQ, i, e.s) == 0, "wait");
-        PE_CHECK(skv_signal(e.comm, 0, 5, i, SKV_SIGNAL_SET, e.s) == 0, "signal");
+        PE_CHECK(skv_comm_wait(e.comm, 5, SKV_CMP_EQ, i, e.s) == 0, "wait");
+        PE_CHECK(skv_comm_signal(e.comm, 0, 5, i, SKV_SIGNAL_SET, e.s) == 0, "signal");
       }
     }
   }
-  for (int i = 0; i < 200; i++) PE_CHECK(skv_barrier(e.comm, i % 2, e.s) == 0, "barrier");
-  PE_CHECK(skv_signal(e.comm, 0, 6, 1, SKV_SIGNAL_ADD, e.s) == 0, "add");
-  PE_CHECK(skv_barrier(e.comm, 0, e.s) == 0, "barrier");
-  if (rank == 0) PE_CHECK(skv_wait(e.comm, 6, SKV_CMP_EQ, (uint64_t)npes, e.s) == 0, "wait adds");
+  for (int i = 0; i < 200; i++) PE_CHECK(skv_comm_barrier(e.comm, i % 2, e.s) == 0, "barrier");
+  PE_CHECK(skv_comm_signal(e.comm, 0, 6, 1, SKV_SIGNAL_ADD, e.s) == 0, "add");
+  PE_CHECK(skv_comm_barrier(e.comm, 0, e.s) == 0, "barrier");
+  if (rank == 0) PE_CHECK(skv_comm_wait(e.comm, 6, SKV_CMP_EQ, (uint64_t)npes, e.s) == 0, "wait adds");
   CU(cudaStreamSynchronize(e.s));
   PE_CHECK(skv_comm_check(e.comm) == 0, "check: %s", skv_last_error());
   /* the device API from a test kernel: put-with-signal ring, block and grid barriers */
@@ -489,7 +489,7 @@ static int pe_signals(int rank, int npes, void *arg) {
   CU(cudaStreamBeginCapture(cs, cudaStreamCaptureModeGlobal));
   int rc = skv_comm_destroy(e.comm);
   int rc2 = skv_comm_check(e.comm);
-  int rc3 = skv_allreduce(e.comm, e.dev_a, e.dev_a, MAX_BYTES / 2 + 1, SKV_DTYPE_BF16, SKV_OP_SUM,
+  int rc3 = skv_comm_allreduce(e.comm, e.dev_a, e.dev_a, MAX_BYTES / 2 + 1, SKV_DTYPE_BF16, SKV_OP_SUM,
                           SKV_ALGO_ONESHOT, 0, cs);
   cudaGraph_t g;
   CU(cudaStreamEndCapture(cs, &g));

@@ -31,7 +31,7 @@ static int pe_gpu_rw(int rank, int npes, void *arg) {
   gh_param_t *p = arg;
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
-  int dev = skv_ctx_device(ctx);
+  int dev = skv_ctx_get_device(ctx);
   PE_CHECK(dev >= 0, "device: %s", skv_err_name(dev));
   /* Device memory is compared before and after at points where every PE is in step: a PE's
    * segment stays allocated until its peers unmapped it too, and PEs may share a device. */
@@ -45,7 +45,7 @@ static int pe_gpu_rw(int rank, int npes, void *arg) {
   skv_heap_info_t in;
   skv_heap_get_info(heap, &in);
   PE_CHECK(in.device == dev && in.npes == npes && in.data_offset % 4096 == 0, "info");
-  uint8_t *mine = skv_heap_ptr(heap, rank, in.data_offset);
+  uint8_t *mine = skv_heap_get_ptr(heap, rank, in.data_offset);
   /* fresh segments are zero */
   uint8_t *host = malloc(p->bytes), *want = malloc(p->bytes);
   PE_CHECK(cudaMemcpy(host, mine, p->bytes, cudaMemcpyDefault) == cudaSuccess, "read own");
@@ -57,7 +57,7 @@ static int pe_gpu_rw(int rank, int npes, void *arg) {
   uint64_t s = seed;
   skv_test_fill_random(host, p->bytes, &s);
   /* write through the symmetric address of the next PE's segment */
-  PE_CHECK(cudaMemcpy(skv_heap_ptr(heap, to, in.data_offset), host, p->bytes, cudaMemcpyDefault) ==
+  PE_CHECK(cudaMemcpy(skv_heap_get_ptr(heap, to, in.data_offset), host, p->bytes, cudaMemcpyDefault) ==
                cudaSuccess,
            "write to peer %d", to);
   PE_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
@@ -129,7 +129,7 @@ static int pe_one_fails_alone(int rank, int npes, void *arg) {
   (void)npes, (void)arg;
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
-  int dev = skv_ctx_device(ctx);
+  int dev = skv_ctx_get_device(ctx);
   PE_CHECK(dev >= 0, "device: %s", skv_err_name(dev));
   size_t free0, total;
   PE_CHECK(cudaMemGetInfo(&free0, &total) == cudaSuccess, "meminfo"); /* creates the context */
@@ -192,7 +192,7 @@ static int pe_dies_with_cuda_heap(int rank, int npes, void *arg) {
   (void)npes, (void)arg;
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 5000) == 0, "init");
-  int devs[2], dev = skv_ctx_device(ctx);
+  int devs[2], dev = skv_ctx_get_device(ctx);
   PE_CHECK(skv_ctx_allgather(ctx, &dev, devs, sizeof dev) == 0, "devices");
   int32_t pid = (int32_t)getpid(), pids[2];
   PE_CHECK(skv_ctx_allgather(ctx, &pid, pids, sizeof pid) == 0, "pids");
@@ -208,7 +208,7 @@ static int pe_dies_with_cuda_heap(int rank, int npes, void *arg) {
            skv_last_error());
   skv_heap_info_t in;
   skv_heap_get_info(heap, &in);
-  PE_CHECK(cudaMemset(skv_heap_ptr(heap, rank, in.data_offset), 0x40 + rank, DEAD_SEG) ==
+  PE_CHECK(cudaMemset(skv_heap_get_ptr(heap, rank, in.data_offset), 0x40 + rank, DEAD_SEG) ==
                cudaSuccess,
            "fill");
   PE_CHECK(cudaDeviceSynchronize() == cudaSuccess, "sync");
@@ -219,7 +219,7 @@ static int pe_dies_with_cuda_heap(int rank, int npes, void *arg) {
   PE_CHECK(kill((pid_t)pids[1], 0) != 0 && errno == ESRCH, "PE 1 (pid %d) is still there", pids[1]);
   /* the dead PE's segment is still mapped here and holds what it wrote */
   uint8_t head[4096], tail[4096];
-  const uint8_t *dead = skv_heap_ptr(heap, 1, in.data_offset);
+  const uint8_t *dead = skv_heap_get_ptr(heap, 1, in.data_offset);
   PE_CHECK(cudaMemcpy(head, dead, sizeof head, cudaMemcpyDefault) == cudaSuccess &&
                cudaMemcpy(tail, dead + DEAD_SEG - sizeof tail, sizeof tail, cudaMemcpyDefault) ==
                    cudaSuccess,

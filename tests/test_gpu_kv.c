@@ -54,7 +54,7 @@ static int de_new(dengine_t *e, const skv_geometry_t *g, int preset, uint32_t bt
   e->device = device;
   e->bt = bt;
   e->nb = nb;
-  if (skv_layout_preset_layer_bytes(g, preset, bt, nb, &e->layer_bytes) != 0) return -1;
+  if (skv_layout_get_preset_layer_bytes(g, preset, bt, nb, &e->layer_bytes) != 0) return -1;
   e->nl = preset == SKV_LAYOUT_CONTIGUOUS ? 1 : g->num_layers;
   e->host = calloc(g->num_layers, sizeof *e->host);
   e->dev = calloc(g->num_layers, sizeof *e->dev);
@@ -239,7 +239,7 @@ static int pe_round_trip(int rank, int npes, void *arg) {
   rt_param_t *p = arg;
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
-  int dev = skv_ctx_device(ctx);
+  int dev = skv_ctx_get_device(ctx);
   PE_CHECK(dev >= 0, "device: %s", skv_err_name(dev));
   PE_CHECK(set_variant(p->variant) == 0, "variant");
   skv_geometry_t g = geom_make(p->kind, p->layers, p->heads, p->dim, p->eb, p->pt);
@@ -267,14 +267,14 @@ static int pe_round_trip(int rank, int npes, void *arg) {
   for (uint32_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)(rank * 100000 + i);
   skv_key_t keys[NPAGES];
   size_t nk;
-  PE_CHECK(skv_hash_tokens(ns, tokens, ntok, NULL, keys, NPAGES, &nk) == 0 && nk == NPAGES, "hash");
+  PE_CHECK(skv_namespace_hash_tokens(ns, tokens, ntok, NULL, keys, NPAGES, &nk) == 0 && nk == NPAGES, "hash");
   uint64_t sblocks[NPAGES * 64];
   uint64_t s = seed ^ 0x55;
   pick_blocks(nb, NPAGES * m, sblocks, &s);
   cudaStream_t st;
   CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   size_t ins = 0;
-  PE_CHECK(skv_publish(kv, ns, keys, NPAGES, src.lay, sblocks, st, &ins) == 0 && ins == NPAGES,
+  PE_CHECK(skv_kv_publish(kv, ns, keys, NPAGES, src.lay, sblocks, st, &ins) == 0 && ins == NPAGES,
            "publish: %zu", ins);
   PE_CHECK(skv_kv_sync(kv) == 0, "sync after publish");
   skv_kv_stats_t stats;
@@ -284,7 +284,7 @@ static int pe_round_trip(int rank, int npes, void *arg) {
   /* the pages hold exactly what the host path would have written */
   skv_page_ref_t refs[NPAGES + 1];
   size_t nhit;
-  PE_CHECK(skv_lookup(kv, ns, keys, NPAGES, 0, refs, &nhit) == 0 && nhit == NPAGES,
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, NPAGES, 0, refs, &nhit) == 0 && nhit == NPAGES,
            "own lookup %zu", nhit);
   PE_CHECK(pages_hold(kv, refs, NPAGES, &src, sblocks),
            "a published page differs from the host reference");
@@ -295,10 +295,10 @@ static int pe_round_trip(int rank, int npes, void *arg) {
     int from = (rank + k) % npes; /* every PE reads every PE, peers first at different times */
     for (uint32_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)(from * 100000 + i);
     skv_key_t fk[NPAGES + 1];
-    PE_CHECK(skv_hash_tokens(ns, tokens, ntok, NULL, fk, NPAGES, &nk) == 0, "hash");
+    PE_CHECK(skv_namespace_hash_tokens(ns, tokens, ntok, NULL, fk, NPAGES, &nk) == 0, "hash");
     fk[NPAGES] = fk[0];
     fk[NPAGES].lo ^= 1;
-    PE_CHECK(skv_lookup(kv, ns, fk, NPAGES + 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NPAGES,
+    PE_CHECK(skv_kv_lookup(kv, ns, fk, NPAGES + 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NPAGES,
              "lookup %zu", nhit);
     for (int i = 0; i < NPAGES; i++)
       PE_CHECK(refs[i].pe == (uint32_t)from, "page %d is on PE %u", i, refs[i].pe);
@@ -306,7 +306,7 @@ static int pe_round_trip(int rank, int npes, void *arg) {
     uint64_t dblocks[NPAGES * 64];
     s = skv_test_seed();
     pick_blocks(nb, NPAGES * m, dblocks, &s);
-    PE_CHECK(skv_fetch(kv, refs, NPAGES, dst.lay, dblocks, SKV_FETCH_UNPIN, st) == 0,
+    PE_CHECK(skv_kv_fetch(kv, refs, NPAGES, dst.lay, dblocks, SKV_FETCH_UNPIN, st) == 0,
              "fetch from %d", from);
     CU_OK(cudaStreamSynchronize(st));
     PE_CHECK(skv_kv_sync(kv) == 0, "sync after fetch");
@@ -435,7 +435,7 @@ typedef struct graph_param {
 static void pe_keys(const skv_namespace_t *ns, int pe, uint64_t n, skv_key_t *keys) {
   for (uint64_t i = 0; i < n; i++) {
     uint64_t id = ((uint64_t)pe << 32) | i;
-    skv_key_from_bytes(ns, &id, sizeof id, &keys[i]);
+    skv_namespace_hash_bytes(ns, &id, sizeof id, &keys[i]);
   }
 }
 
@@ -443,7 +443,7 @@ static int pe_graph(int rank, int npes, void *arg) {
   const graph_param_t *gp = arg;
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
-  int dev = skv_ctx_device(ctx);
+  int dev = skv_ctx_get_device(ctx);
   PE_CHECK(dev >= 0, "device");
   PE_CHECK(set_variant(gp->variant) == 0, "variant");
   skv_geometry_t g = geom_make(SKV_KV_SPLIT, 2, 4, 64, 2, 32); /* 64 KiB pages */
@@ -469,17 +469,17 @@ static int pe_graph(int rank, int npes, void *arg) {
   cudaStream_t st;
   CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   size_t ins;
-  PE_CHECK(skv_publish(kv, ns, keys, NP, src.lay, sblocks, st, &ins) == 0 && ins == NP, "publish");
+  PE_CHECK(skv_kv_publish(kv, ns, keys, NP, src.lay, sblocks, st, &ins) == 0 && ins == NP, "publish");
   PE_CHECK(skv_kv_sync(kv) == 0, "sync");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   int from = (rank + 1) % npes;
   pe_keys(ns, from, NP, keys);
   skv_page_ref_t refs[NP], own[NP];
   size_t nhit;
-  PE_CHECK(skv_lookup(kv, ns, keys, NP, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NP,
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, NP, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NP,
            "pinned lookup");
   pe_keys(ns, rank, NP, keys);
-  PE_CHECK(skv_lookup(kv, ns, keys, NP, 0, own, &nhit) == 0 && nhit == NP, "unpinned lookup");
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, NP, 0, own, &nhit) == 0 && nhit == NP, "unpinned lookup");
   uint64_t dblocks[NP * 2];
   uint64_t s = skv_test_seed();
   pick_blocks(nb, NP * m, dblocks, &s);
@@ -487,15 +487,15 @@ static int pe_graph(int rank, int npes, void *arg) {
   /* what a capture refuses, each leaving the capture usable */
   cudaGraph_t graph;
   CU_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-  int rc = skv_fetch(kv, own, NP, dst.lay, dblocks, 0, st);
+  int rc = skv_kv_fetch(kv, own, NP, dst.lay, dblocks, 0, st);
   PE_CHECK(rc == SKV_ECAPTURE && strstr(skv_last_error(), "SKV_LOOKUP_PIN"),
            "unpinned refs: %s / %s", skv_err_name(rc), skv_last_error());
-  rc = skv_fetch(kv, refs, NP, dst.lay, dblocks, SKV_FETCH_UNPIN, st);
+  rc = skv_kv_fetch(kv, refs, NP, dst.lay, dblocks, SKV_FETCH_UNPIN, st);
   PE_CHECK(rc == SKV_ECAPTURE, "SKV_FETCH_UNPIN: %s", skv_err_name(rc));
-  rc = skv_publish(kv, ns, keys, NP, src.lay, sblocks, st, &ins);
+  rc = skv_kv_publish(kv, ns, keys, NP, src.lay, sblocks, st, &ins);
   PE_CHECK(rc == SKV_ECAPTURE && strstr(skv_last_error(), "evicted"), "publish: %s",
            skv_err_name(rc));
-  PE_CHECK(skv_fetch(kv, refs, NP, dst.lay, dblocks, 0, st) == 0, "captured fetch: %s",
+  PE_CHECK(skv_kv_fetch(kv, refs, NP, dst.lay, dblocks, 0, st) == 0, "captured fetch: %s",
            skv_last_error());
   CU_OK(cudaStreamEndCapture(st, &graph));
   cudaGraphExec_t exec;
@@ -532,7 +532,7 @@ static int pe_graph(int rank, int npes, void *arg) {
   int ok = 0;
   for (int c = 0; c < 9; c++) {
     CU_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    rc = skv_fetch(kv, refs, NP, dst.lay, dblocks, 0, st);
+    rc = skv_kv_fetch(kv, refs, NP, dst.lay, dblocks, 0, st);
     CU_OK(cudaStreamEndCapture(st, &graph));
     CU_OK(cudaGraphDestroy(graph));
     if (rc == 0)
@@ -542,7 +542,7 @@ static int pe_graph(int rank, int npes, void *arg) {
                skv_last_error());
   }
   PE_CHECK(ok == 7, "%d more captures succeeded, expected 7 (8 graph slots, 1 taken)", ok);
-  PE_CHECK(skv_unpin(kv, refs, NP) == 0, "unpin");
+  PE_CHECK(skv_kv_unpin(kv, refs, NP) == 0, "unpin");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   skv_kv_stats_t stats;
   skv_kv_get_stats(kv, &stats);
@@ -585,7 +585,7 @@ typedef struct fix {
 static int fix_init(fix_t *f, uint64_t pages, uint64_t nb) {
   memset(f, 0, sizeof *f);
   if (skv_test_init(&f->ctx, 60000)) return -1;
-  f->dev = skv_ctx_device(f->ctx);
+  f->dev = skv_ctx_get_device(f->ctx);
   if (f->dev < 0) return -2;
   f->g = geom_make(SKV_KV_SPLIT, 2, 2, 64, 2, 16); /* 8 KiB pages */
   skv_kv_opts_t o = SKV_KV_OPTS_INIT;
@@ -607,7 +607,7 @@ static void fix_fini(fix_t *f) {
 
 static skv_key_t key_of(const fix_t *f, uint64_t id) {
   skv_key_t k;
-  skv_key_from_bytes(f->ns, &id, sizeof id, &k);
+  skv_namespace_hash_bytes(f->ns, &id, sizeof id, &k);
   return k;
 }
 
@@ -619,7 +619,7 @@ static int publish_ids(fix_t *f, const uint64_t *ids, size_t n) {
   uint64_t s = skv_test_seed();
   if (de_fill(&f->eng, s)) return -1;
   size_t ins;
-  int rc = skv_publish(f->kv, f->ns, keys, n, f->eng.lay, blocks, f->st, &ins);
+  int rc = skv_kv_publish(f->kv, f->ns, keys, n, f->eng.lay, blocks, f->st, &ins);
   if (rc) return rc;
   return skv_kv_sync(f->kv);
 }
@@ -632,17 +632,17 @@ static int pe_stale(int rank, int npes, void *arg) {
   skv_key_t k = key_of(&f, 77);
   if (rank == 0) PE_CHECK(publish_ids(&f, (uint64_t[]){77}, 1) == 0, "publish");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
-  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
     uint64_t n;
-    PE_CHECK(skv_evict(f.kv, 1, &n) == 0 && n == 1, "evict");
+    PE_CHECK(skv_kv_evict(f.kv, 1, &n) == 0 && n == 1, "evict");
     PE_CHECK(publish_ids(&f, (uint64_t[]){78}, 1) == 0,
              "reuse"); /* the same page, next generation */
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   PE_CHECK(de_poison(&f.eng) == 0, "poison");
-  int rc = skv_fetch(f.kv, &ref, 1, f.eng.lay, (uint64_t[]){9}, 0, f.st);
+  int rc = skv_kv_fetch(f.kv, &ref, 1, f.eng.lay, (uint64_t[]){9}, 0, f.st);
   PE_CHECK(rc == SKV_ESTALE, "stale reference gives %s", skv_err_name(rc));
   PE_CHECK(strstr(skv_last_error(), "stale") != NULL, "message: %s", skv_last_error());
   CU_OK(cudaStreamSynchronize(f.st));
@@ -672,21 +672,21 @@ static int pe_bad_refs(int rank, int npes, void *arg) {
   skv_key_t k = key_of(&f, 100 + (uint64_t)rank);
   skv_page_ref_t ref;
   size_t nhit;
-  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
   PE_CHECK(de_poison(&f.eng) == 0, "poison");
   uint64_t blk = 3, big = 16;
   skv_page_ref_t bad_page = ref, bad_pe = ref, bad_gen = ref;
   bad_page.page = 8;
   bad_pe.pe = (uint32_t)npes;
   bad_gen.gen = 0;
-  int rc = skv_fetch(f.kv, &bad_page, 1, f.eng.lay, &blk, 0, f.st);
+  int rc = skv_kv_fetch(f.kv, &bad_page, 1, f.eng.lay, &blk, 0, f.st);
   PE_CHECK(rc == SKV_ERANGE && strstr(skv_last_error(), "page 8"), "page out of range: %s / %s",
            skv_err_name(rc), skv_last_error());
-  PE_CHECK(skv_fetch(f.kv, &bad_pe, 1, f.eng.lay, &blk, 0, f.st) == SKV_ERANGE, "PE out of range");
-  PE_CHECK(skv_fetch(f.kv, &bad_gen, 1, f.eng.lay, &blk, 0, f.st) == SKV_EINVAL, "generation 0");
-  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &big, 0, f.st) == SKV_EINVAL,
+  PE_CHECK(skv_kv_fetch(f.kv, &bad_pe, 1, f.eng.lay, &blk, 0, f.st) == SKV_ERANGE, "PE out of range");
+  PE_CHECK(skv_kv_fetch(f.kv, &bad_gen, 1, f.eng.lay, &blk, 0, f.st) == SKV_EINVAL, "generation 0");
+  PE_CHECK(skv_kv_fetch(f.kv, &ref, 1, f.eng.lay, &big, 0, f.st) == SKV_EINVAL,
            "block id out of range");
-  PE_CHECK(skv_publish(f.kv, f.ns, &k, 1, f.eng.lay, &big, f.st, NULL) == SKV_EINVAL,
+  PE_CHECK(skv_kv_publish(f.kv, f.ns, &k, 1, f.eng.lay, &big, f.st, NULL) == SKV_EINVAL,
            "publish bad block");
   int ndev = 0;
   CU_OK(cudaGetDeviceCount(&ndev));
@@ -696,7 +696,7 @@ static int pe_bad_refs(int rank, int npes, void *arg) {
     PE_CHECK(skv_layout_create_preset(&f.g, SKV_LAYOUT_CONTIGUOUS, 16, 16, ptrs, (f.dev + 1) % ndev,
                                       &other) == 0,
              "layout");
-    rc = skv_fetch(f.kv, &ref, 1, other, &blk, 0, f.st);
+    rc = skv_kv_fetch(f.kv, &ref, 1, other, &blk, 0, f.st);
     PE_CHECK(rc == SKV_EINVAL && strstr(skv_last_error(), "GPU"), "layout of another GPU: %s",
              skv_last_error());
     skv_layout_destroy(other);
@@ -730,8 +730,8 @@ typedef struct dcheck {
   uint8_t host[32];    /* its host copy */
   uint32_t *err;       /* host-mapped */
   size_t heap_bytes, eng_bytes;
-  skv_kv_copy_desc_t d;
-  skv_kv_copy_cfg_t cfg;
+  skv__kv_copy_desc_t d;
+  skv__kv_copy_cfg_t cfg;
 } dcheck_t;
 
 /* Pages of 2 tensors x 4 tokens x 1 head x 64 bytes, blocks of 2 tokens (CONTIGUOUS-like:
@@ -749,7 +749,7 @@ static int dc_setup(dcheck_t *c) {
                        (uint64_t)(uintptr_t)(c->eng + (uint64_t)bt * row)};
   memcpy(c->host, bases, sizeof bases);
   memset(&c->d, 0, sizeof c->d);
-  skv_kv_copy_desc_t *d = &c->d;
+  skv__kv_copy_desc_t *d = &c->d;
   d->width = 16;
   d->heap = (uint64_t)(uintptr_t)c->heap;
   d->pe_stride = c->heap_bytes;
@@ -822,7 +822,7 @@ static size_t dc_count_not(const uint8_t *p, size_t n, uint8_t v) {
 static int pe_device_checks(int rank, int npes, void *arg) {
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
-  PE_CHECK(skv_ctx_device(ctx) >= 0, "device");
+  PE_CHECK(skv_ctx_get_device(ctx) >= 0, "device");
   dcheck_t c;
   memset(&c, 0, sizeof c);
   PE_CHECK(dc_setup(&c) == 0, "setup");
@@ -908,7 +908,7 @@ Test(gpu_kv, device_side_checks_touch_nothing_outside, .timeout = 120) {
 static int pe_large(int rank, int npes, void *arg) {
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
-  int dev = skv_ctx_device(ctx);
+  int dev = skv_ctx_get_device(ctx);
   PE_CHECK(dev >= 0, "device");
   skv_geometry_t g = geom_make(SKV_KV_SPLIT, 1, 1, 16, 2, 4); /* 256-byte pages */
   enum { N = 5000, BURST = 40, PER = 16 };
@@ -934,7 +934,7 @@ static int pe_large(int rank, int npes, void *arg) {
   cudaStream_t st;
   CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   size_t ins;
-  PE_CHECK(skv_publish(kv, ns, keys, N, src.lay, blocks, st, &ins) == 0 && ins == N, "publish %zu",
+  PE_CHECK(skv_kv_publish(kv, ns, keys, N, src.lay, blocks, st, &ins) == 0 && ins == N, "publish %zu",
            ins);
   PE_CHECK(skv_kv_sync(kv) == 0, "sync");
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
@@ -942,13 +942,13 @@ static int pe_large(int rank, int npes, void *arg) {
   pe_keys(ns, from, N, keys);
   for (uint64_t i = 0; i < N; i++) dblocks[i] = (i * 104729 + 13) % N;
   size_t nhit;
-  PE_CHECK(skv_lookup(kv, ns, keys, N, 0, refs, &nhit) == 0 && nhit == N, "lookup %zu", nhit);
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, N, 0, refs, &nhit) == 0 && nhit == N, "lookup %zu", nhit);
   PE_CHECK(de_fill(&ref, seeds[from]) == 0, "ref");
   uint64_t fblocks[N];
   for (uint64_t i = 0; i < N; i++) fblocks[i] = (i * 7919) % N; /* the publisher's blocks */
   /* one call of 5000 pages: more than one launch */
   PE_CHECK(de_poison(&dst) == 0, "poison");
-  PE_CHECK(skv_fetch(kv, refs, N, dst.lay, dblocks, 0, st) == 0, "large fetch");
+  PE_CHECK(skv_kv_fetch(kv, refs, N, dst.lay, dblocks, 0, st) == 0, "large fetch");
   CU_OK(cudaStreamSynchronize(st));
   PE_CHECK(skv_kv_sync(kv) == 0, "sync");
   PE_CHECK(de_download(&dst) == 0, "download");
@@ -958,12 +958,12 @@ static int pe_large(int rank, int npes, void *arg) {
   /* the same of this PE's own pages: a local batch, its arguments copied to the GPU first */
   skv_page_ref_t *own = malloc(N * sizeof *own);
   pe_keys(ns, rank, N, keys);
-  PE_CHECK(skv_lookup(kv, ns, keys, N, 0, own, &nhit) == 0 && nhit == N, "own lookup %zu", nhit);
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, N, 0, own, &nhit) == 0 && nhit == N, "own lookup %zu", nhit);
   for (uint64_t i = 0; i < N; i++)
     PE_CHECK(own[i].pe == (uint32_t)rank, "own page on PE %u", own[i].pe);
   PE_CHECK(de_fill(&ref, seed) == 0, "ref");
   PE_CHECK(de_poison(&dst) == 0, "poison");
-  PE_CHECK(skv_fetch(kv, own, N, dst.lay, dblocks, 0, st) == 0, "large local fetch");
+  PE_CHECK(skv_kv_fetch(kv, own, N, dst.lay, dblocks, 0, st) == 0, "large local fetch");
   CU_OK(cudaStreamSynchronize(st));
   PE_CHECK(skv_kv_sync(kv) == 0, "sync");
   PE_CHECK(de_download(&dst) == 0, "download");
@@ -975,7 +975,7 @@ static int pe_large(int rank, int npes, void *arg) {
   /* many small fetches back to back: more than the argument slots, nothing synchronised */
   PE_CHECK(de_poison(&dst) == 0, "poison");
   for (int b = 0; b < BURST; b++)
-    PE_CHECK(skv_fetch(kv, refs + b * PER, PER, dst.lay, dblocks + b * PER, 0, st) == 0, "burst %d",
+    PE_CHECK(skv_kv_fetch(kv, refs + b * PER, PER, dst.lay, dblocks + b * PER, 0, st) == 0, "burst %d",
              b);
   CU_OK(cudaStreamSynchronize(st));
   PE_CHECK(skv_kv_sync(kv) == 0, "sync");
@@ -1020,15 +1020,15 @@ static int pe_wait_copy(int rank, int npes, void *arg) {
   skv_page_ref_t refs[4], nref;
   size_t nhit, queued;
   for (int i = 0; i < 4; i++) keys[i] = key_of(&f, ids[i]);
-  PE_CHECK(skv_lookup(f.kv, f.ns, keys, 4, 0, refs, &nhit) == 0 && nhit == 4, "lookup");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 4, 0, refs, &nhit) == 0 && nhit == 4, "lookup");
   uint32_t *flag;
   CU_OK(cudaHostAlloc((void **)&flag, 64, cudaHostAllocMapped));
   __atomic_store_n(flag, 0, __ATOMIC_SEQ_CST);
   /* the stream waits for the flag (20 s at most) */
   CU_OK((cudaError_t)skv__kv_gate_launch(f.st, flag, 0, 20ull * 1000 * 1000 * 1000));
-  PE_CHECK(skv_fetch(f.kv, refs, 4, f.eng.lay, (uint64_t[]){8, 9, 10, 11}, 0, f.st) == 0,
+  PE_CHECK(skv_kv_fetch(f.kv, refs, 4, f.eng.lay, (uint64_t[]){8, 9, 10, 11}, 0, f.st) == 0,
            "fetch: %s", skv_last_error());
-  PE_CHECK(skv_publish(f.kv, f.ns, &nk, 1, f.eng.lay, (uint64_t[]){12}, f.st, &queued) == 0 &&
+  PE_CHECK(skv_kv_publish(f.kv, f.ns, &nk, 1, f.eng.lay, (uint64_t[]){12}, f.st, &queued) == 0 &&
                queued == 1,
            "publish: %s", skv_last_error());
   usleep(100 * 1000);
@@ -1036,14 +1036,14 @@ static int pe_wait_copy(int rank, int npes, void *arg) {
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.pages_pinned == 4, "pins released before the copy ran: %llu pinned",
            (unsigned long long)st.pages_pinned);
-  PE_CHECK(skv_lookup(f.kv, f.ns, &nk, 1, 0, &nref, &nhit) == 0 && nhit == 0,
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &nk, 1, 0, &nref, &nhit) == 0 && nhit == 0,
            "a key was inserted before its page was written");
   __atomic_store_n(flag, 1, __ATOMIC_SEQ_CST);
   PE_CHECK(skv_kv_sync(f.kv) == 0, "sync: %s", skv_last_error());
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.pages_pinned == 0, "pins left after the copy: %llu",
            (unsigned long long)st.pages_pinned);
-  PE_CHECK(skv_lookup(f.kv, f.ns, &nk, 1, 0, &nref, &nhit) == 0 && nhit == 1,
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &nk, 1, 0, &nref, &nhit) == 0 && nhit == 1,
            "the published key is missing after the copy");
   cudaFreeHost(flag);
   fix_fini(&f);
@@ -1068,7 +1068,7 @@ static int pe_dedup(int rank, int npes, void *arg) {
   PE_CHECK(de_fill(&f.eng, 4242) == 0, "fill"); /* the same data everywhere */
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   size_t queued;
-  PE_CHECK(skv_publish(f.kv, f.ns, keys, 32, f.eng.lay, blocks, f.st, &queued) == 0, "publish");
+  PE_CHECK(skv_kv_publish(f.kv, f.ns, keys, 32, f.eng.lay, blocks, f.st, &queued) == 0, "publish");
   PE_CHECK(skv_kv_sync(f.kv) == 0, "sync");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   skv_kv_stats_t st;

@@ -175,8 +175,8 @@ static skv_namespace_t *make_ns(const char *model, const skv_geometry_t *g, cons
 
 static void hash_all(const skv_namespace_t *ns, const uint32_t *tok, size_t n,
                      const skv_key_t *parent, skv_key_t *keys, size_t cap, size_t *nkeys) {
-  int rc = skv_hash_tokens(ns, tok, n, parent, keys, cap, nkeys);
-  cr_assert_eq(rc, 0, "skv_hash_tokens: %s", skv_last_error());
+  int rc = skv_namespace_hash_tokens(ns, tok, n, parent, keys, cap, nkeys);
+  cr_assert_eq(rc, 0, "skv_namespace_hash_tokens: %s", skv_last_error());
 }
 
 /* ---- the independent reference: the byte format of docs/hashing.md, written from scratch --- */
@@ -264,7 +264,7 @@ Test(hash, pinned_vectors, .timeout = 10) {
         "%s: %s", v->name, skv_last_error());
     char h[33];
     skv_key_t id;
-    cr_assert_eq(skv_namespace_id(ns, &id), 0);
+    cr_assert_eq(skv_namespace_get_id(ns, &id), 0);
     cr_expect_str_eq(hex(id, h), v->ns_id, "%s: namespace id", v->name);
 
     uint32_t *tok = vec_tokens(v);
@@ -277,7 +277,7 @@ Test(hash, pinned_vectors, .timeout = 10) {
 
     uint8_t *b = vec_bytes(v);
     skv_key_t fb;
-    cr_assert_eq(skv_key_from_bytes(ns, b, v->fb_len, &fb), 0, "%s", skv_last_error());
+    cr_assert_eq(skv_namespace_hash_bytes(ns, b, v->fb_len, &fb), 0, "%s", skv_last_error());
     cr_expect_str_eq(hex(fb, h), v->from_bytes, "%s: key_from_bytes", v->name);
     free(b);
     free(tok);
@@ -330,7 +330,7 @@ Test(hash, random_inputs_match_reference, .timeout = 20) {
     cr_assert_eq(skv_namespace_create(model, &geom, salt, v.salt_len, secret, v.secret_len, &ns), 0,
                  "seed %" PRIu64 ": %s", seed, skv_last_error());
     skv_key_t id, rid = ref_namespace_id(&v);
-    skv_namespace_id(ns, &id);
+    skv_namespace_get_id(ns, &id);
     cr_assert(key_eq(id, rid), "seed %" PRIu64 ": namespace id", seed);
 
     size_t ntok = skv_test_rand(&s) % (5 * (size_t)pt + 1);
@@ -348,7 +348,7 @@ Test(hash, random_inputs_match_reference, .timeout = 20) {
     uint8_t *b = malloc(blen + 1);
     skv_test_fill_random(b, blen, &s);
     skv_key_t fb;
-    cr_assert_eq(skv_key_from_bytes(ns, b, blen, &fb), 0);
+    cr_assert_eq(skv_namespace_hash_bytes(ns, b, blen, &fb), 0);
     cr_assert(key_eq(fb, ref_from_bytes(id, b, blen)), "seed %" PRIu64 ": %zu bytes", seed, blen);
     free(b);
     free(tok);
@@ -453,15 +453,15 @@ static void keys_of(const skv_namespace_t *ns, const uint32_t *tok, skv_key_t ou
 static void expect_all_differ(skv_namespace_t *a, skv_namespace_t *b, const uint32_t *tok,
                               const char *what) {
   skv_key_t ka[4], kb[4], ia, ib;
-  skv_namespace_id(a, &ia);
-  skv_namespace_id(b, &ib);
+  skv_namespace_get_id(a, &ia);
+  skv_namespace_get_id(b, &ib);
   cr_expect(!key_eq(ia, ib), "%s: same namespace id", what);
   keys_of(a, tok, ka);
   keys_of(b, tok, kb);
   for (int i = 0; i < 4; i++) cr_expect(!key_eq(ka[i], kb[i]), "%s: key %d equal", what, i);
   skv_key_t fa, fb;
-  skv_key_from_bytes(a, "block", 5, &fa);
-  skv_key_from_bytes(b, "block", 5, &fb);
+  skv_namespace_hash_bytes(a, "block", 5, &fa);
+  skv_namespace_hash_bytes(b, "block", 5, &fb);
   cr_expect(!key_eq(fa, fb), "%s: key_from_bytes equal", what);
   skv_namespace_destroy(a);
   skv_namespace_destroy(b);
@@ -470,8 +470,8 @@ static void expect_all_differ(skv_namespace_t *a, skv_namespace_t *b, const uint
 static void expect_same(skv_namespace_t *a, skv_namespace_t *b, const uint32_t *tok,
                         const char *what) {
   skv_key_t ka[4], kb[4], ia, ib;
-  skv_namespace_id(a, &ia);
-  skv_namespace_id(b, &ib);
+  skv_namespace_get_id(a, &ia);
+  skv_namespace_get_id(b, &ib);
   cr_expect(key_eq(ia, ib), "%s: namespace ids differ", what);
   keys_of(a, tok, ka);
   keys_of(b, tok, kb);
@@ -526,8 +526,8 @@ Test(hash, namespaces_separate, .timeout = 10) {
     if (f == 5) { /* 8 pages then: compare the keys the two have in common by position */
       skv_key_t ia, ib;
       skv_namespace_t *a = make_ns("llama", &ga, NULL, NULL);
-      skv_namespace_id(a, &ia);
-      skv_namespace_id(b, &ib);
+      skv_namespace_get_id(a, &ia);
+      skv_namespace_get_id(b, &ib);
       cr_expect(!key_eq(ia, ib), "page_tokens: same namespace id");
       skv_namespace_destroy(a);
       skv_namespace_destroy(b);
@@ -595,22 +595,22 @@ Test(hash, key_from_bytes_separates, .timeout = 10) {
   skv_namespace_t *a = make_ns("m", &g, "tenant-a", "k"), *b = make_ns("m", &g, "tenant-b", "k");
   const uint8_t block[32] = {1, 2, 3};
   skv_key_t ka, kb, ka2, k0, k1;
-  cr_assert_eq(skv_key_from_bytes(a, block, sizeof block, &ka), 0);
-  cr_assert_eq(skv_key_from_bytes(b, block, sizeof block, &kb), 0);
-  cr_assert_eq(skv_key_from_bytes(a, block, sizeof block, &ka2), 0);
+  cr_assert_eq(skv_namespace_hash_bytes(a, block, sizeof block, &ka), 0);
+  cr_assert_eq(skv_namespace_hash_bytes(b, block, sizeof block, &kb), 0);
+  cr_assert_eq(skv_namespace_hash_bytes(a, block, sizeof block, &ka2), 0);
   cr_expect(!key_eq(ka, kb), "the same engine hash in two namespaces gave the same key");
   cr_expect(key_eq(ka, ka2), "key_from_bytes is not deterministic");
-  cr_assert_eq(skv_key_from_bytes(a, block, 31, &k0), 0);
+  cr_assert_eq(skv_namespace_hash_bytes(a, block, 31, &k0), 0);
   cr_expect(!key_eq(ka, k0), "length is not covered");
-  cr_assert_eq(skv_key_from_bytes(a, NULL, 0, &k0), 0);
-  cr_assert_eq(skv_key_from_bytes(a, "", 0, &k1), 0);
+  cr_assert_eq(skv_namespace_hash_bytes(a, NULL, 0, &k0), 0);
+  cr_assert_eq(skv_namespace_hash_bytes(a, "", 0, &k1), 0);
   cr_expect(key_eq(k0, k1), "NULL/0 and \"\"/0 differ");
   /* A page key and a key_from_bytes of the same serialised tokens never coincide (tag). */
   uint32_t tok[16] = {0};
   skv_key_t pk;
   size_t n;
   hash_all(a, tok, 16, NULL, &pk, 1, &n);
-  cr_assert_eq(skv_key_from_bytes(a, tok, sizeof tok, &k0), 0);
+  cr_assert_eq(skv_namespace_hash_bytes(a, tok, sizeof tok, &k0), 0);
   cr_expect(!key_eq(pk, k0));
   skv_namespace_destroy(a);
   skv_namespace_destroy(b);
@@ -671,7 +671,7 @@ Test(hash, bad_namespace_arguments, .timeout = 10) {
   skv__env_reload();
   EXPECT_EINVAL(skv_namespace_create("m", &g, NULL, 0, NULL, 0, &ns), "SKV_HASH_SECRET");
   no_env_secret();
-  EXPECT_EINVAL(skv_namespace_id(NULL, &(skv_key_t){0, 0}), "skv_namespace_id");
+  EXPECT_EINVAL(skv_namespace_get_id(NULL, &(skv_key_t){0, 0}), "skv_namespace_get_id");
   cr_expect_eq(skv_namespace_destroy(NULL), 0);
 }
 
@@ -681,21 +681,21 @@ Test(hash, bad_hash_arguments, .timeout = 10) {
   uint32_t tok[8] = {0};
   skv_key_t keys[2], zero = {0, 5};
   size_t n = 77;
-  EXPECT_EINVAL(skv_hash_tokens(NULL, tok, 8, NULL, keys, 2, &n), "ns is NULL");
+  EXPECT_EINVAL(skv_namespace_hash_tokens(NULL, tok, 8, NULL, keys, 2, &n), "ns is NULL");
   cr_expect_eq(n, 0, "a failed call must set *nkeys to 0");
-  EXPECT_EINVAL(skv_hash_tokens(ns, NULL, 8, NULL, keys, 2, &n), "tokens is NULL");
-  EXPECT_EINVAL(skv_hash_tokens(ns, tok, 8, NULL, NULL, 2, &n), "keys is NULL");
-  EXPECT_EINVAL(skv_hash_tokens(ns, tok, 8, NULL, keys, 2, NULL), "nkeys");
-  EXPECT_EINVAL(skv_hash_tokens(ns, tok, 8, &zero, keys, 2, &n), "parent");
-  EXPECT_EINVAL(skv_hash_tokens(ns, tok, SIZE_MAX, NULL, keys, 2, &n), "ntokens");
-  EXPECT_EINVAL(skv_hash_tokens(ns, tok, SIZE_MAX / 2, NULL, keys, 2, &n), "ntokens");
-  EXPECT_EINVAL(skv_key_from_bytes(NULL, "x", 1, &keys[0]), "skv_key_from_bytes");
-  EXPECT_EINVAL(skv_key_from_bytes(ns, "x", 1, NULL), "skv_key_from_bytes");
-  EXPECT_EINVAL(skv_key_from_bytes(ns, NULL, 4, &keys[0]), "bytes is NULL");
+  EXPECT_EINVAL(skv_namespace_hash_tokens(ns, NULL, 8, NULL, keys, 2, &n), "tokens is NULL");
+  EXPECT_EINVAL(skv_namespace_hash_tokens(ns, tok, 8, NULL, NULL, 2, &n), "keys is NULL");
+  EXPECT_EINVAL(skv_namespace_hash_tokens(ns, tok, 8, NULL, keys, 2, NULL), "nkeys");
+  EXPECT_EINVAL(skv_namespace_hash_tokens(ns, tok, 8, &zero, keys, 2, &n), "parent");
+  EXPECT_EINVAL(skv_namespace_hash_tokens(ns, tok, SIZE_MAX, NULL, keys, 2, &n), "ntokens");
+  EXPECT_EINVAL(skv_namespace_hash_tokens(ns, tok, SIZE_MAX / 2, NULL, keys, 2, &n), "ntokens");
+  EXPECT_EINVAL(skv_namespace_hash_bytes(NULL, "x", 1, &keys[0]), "skv_namespace_hash_bytes");
+  EXPECT_EINVAL(skv_namespace_hash_bytes(ns, "x", 1, NULL), "skv_namespace_hash_bytes");
+  EXPECT_EINVAL(skv_namespace_hash_bytes(ns, NULL, 4, &keys[0]), "bytes is NULL");
   /* The allowed corner cases. */
-  cr_expect_eq(skv_hash_tokens(ns, NULL, 0, NULL, NULL, 0, &n), 0);
+  cr_expect_eq(skv_namespace_hash_tokens(ns, NULL, 0, NULL, NULL, 0, &n), 0);
   cr_expect_eq(n, 0);
-  cr_expect_eq(skv_hash_tokens(ns, tok, 8, NULL, NULL, 0, &n), 0);
+  cr_expect_eq(skv_namespace_hash_tokens(ns, tok, 8, NULL, NULL, 0, &n), 0);
   cr_expect_eq(n, 2);
   skv_namespace_destroy(ns);
 }

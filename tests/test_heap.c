@@ -58,7 +58,7 @@ static int pe_peer_rw(int rank, int npes, void *arg) {
                in.segment_bytes >= in.data_offset + bytes,
            "layout");
   for (int pe = 0; pe < npes; pe++)
-    PE_CHECK(skv_heap_ptr(heap, pe, 0) == (char *)in.base + (uint64_t)pe * in.stride,
+    PE_CHECK(skv_heap_get_ptr(heap, pe, 0) == (char *)in.base + (uint64_t)pe * in.stride,
              "symmetric address of %d", pe);
   /* identical layout everywhere */
   skv_heap_info_t all[SKV_TEST_MAX_PES];
@@ -68,14 +68,14 @@ static int pe_peer_rw(int rank, int npes, void *arg) {
                  all[r].signal_bytes == in.signal_bytes,
              "layout of rank %d differs", r);
   /* freshly created memory is zero */
-  const uint8_t *mine = skv_heap_ptr(heap, rank, in.data_offset);
+  const uint8_t *mine = skv_heap_get_ptr(heap, rank, in.data_offset);
   for (uint64_t i = 0; i < bytes; i += 4093)
     PE_CHECK(mine[i] == 0, "byte %llu not zero", (unsigned long long)i);
   /* each PE writes a random pattern into the next PE's data area */
   uint64_t seed = skv_test_seed(), all_seeds[SKV_TEST_MAX_PES];
   PE_CHECK(skv_ctx_allgather(ctx, &seed, all_seeds, sizeof seed) == 0, "seeds");
   int to = (rank + 1) % npes, from = (rank + npes - 1) % npes;
-  uint8_t *dst = skv_heap_ptr(heap, to, in.data_offset);
+  uint8_t *dst = skv_heap_get_ptr(heap, to, in.data_offset);
   uint64_t s = seed;
   skv_test_fill_random(dst, bytes, &s);
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
@@ -86,7 +86,7 @@ static int pe_peer_rw(int rank, int npes, void *arg) {
   /* and every PE sees every segment the same way */
   s = all_seeds[(rank + 2 * npes - 2) % npes];
   skv_test_fill_random(want, bytes, &s);
-  PE_CHECK(memcmp(skv_heap_ptr(heap, from, in.data_offset), want, bytes) == 0,
+  PE_CHECK(memcmp(skv_heap_get_ptr(heap, from, in.data_offset), want, bytes) == 0,
            "peer segment content");
   free(want);
   PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
@@ -156,12 +156,12 @@ static int pe_bad_input(int rank, int npes, void *arg) {
   PE_CHECK(skv_heap_create(ctx, 4096, SKV_BACKEND_HOST, &heap) == 0, "good create");
   skv_heap_info_t in;
   skv_heap_get_info(heap, &in);
-  PE_CHECK(skv_heap_ptr(heap, npes, 0) == NULL && strstr(skv_last_error(), "PE"),
+  PE_CHECK(skv_heap_get_ptr(heap, npes, 0) == NULL && strstr(skv_last_error(), "PE"),
            "pe out of range");
-  PE_CHECK(skv_heap_ptr(heap, -1, 0) == NULL, "negative pe");
-  PE_CHECK(skv_heap_ptr(heap, 0, in.segment_bytes) == NULL, "offset out of range");
-  PE_CHECK(skv_heap_ptr(heap, 0, in.segment_bytes - 1) != NULL, "last byte in range");
-  PE_CHECK(skv_heap_ptr(NULL, 0, 0) == NULL, "NULL heap");
+  PE_CHECK(skv_heap_get_ptr(heap, -1, 0) == NULL, "negative pe");
+  PE_CHECK(skv_heap_get_ptr(heap, 0, in.segment_bytes) == NULL, "offset out of range");
+  PE_CHECK(skv_heap_get_ptr(heap, 0, in.segment_bytes - 1) != NULL, "last byte in range");
+  PE_CHECK(skv_heap_get_ptr(NULL, 0, 0) == NULL, "NULL heap");
   PE_CHECK(skv_heap_get_info(heap, NULL) == SKV_EINVAL, "NULL info");
   PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
   PE_CHECK(skv_heap_destroy(NULL) == 0, "destroy NULL");
@@ -303,7 +303,7 @@ static int pe_agree_out_of_memory(int rank, int npes, void *arg) {
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   if (rank == 2) {
     fail_calloc_n = (size_t)npes;
-    fail_calloc_size = sizeof(skv_step_result_t); /* the records of skv__coll_agree */
+    fail_calloc_size = sizeof(skv__step_result_t); /* the records of skv__coll_agree */
   }
   skv_heap_t *heap = (skv_heap_t *)1;
   double t0 = now_s();
@@ -338,11 +338,11 @@ static int pe_dies_with_heap(int rank, int npes, void *arg) {
   PE_CHECK(skv_test_init(&ctx, 3000) == 0, "init");
   skv_heap_t *heap;
   PE_CHECK(skv_heap_create(ctx, 1 << 20, SKV_BACKEND_HOST, &heap) == 0, "create");
-  memset(skv_heap_ptr(heap, rank, heap->info.data_offset), 0x40 + rank, 1 << 20);
+  memset(skv_heap_get_ptr(heap, rank, heap->info.data_offset), 0x40 + rank, 1 << 20);
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   if (rank == 1) raise(SIGKILL);
   /* The dead PE's segment stays readable for the survivors until they unmap it. */
-  const uint8_t *dead = skv_heap_ptr(heap, 1, heap->info.data_offset);
+  const uint8_t *dead = skv_heap_get_ptr(heap, 1, heap->info.data_offset);
   PE_CHECK(dead[0] == 0x41 && dead[(1 << 20) - 1] == 0x41, "dead PE's data");
   int rc = skv_heap_destroy(heap);
   PE_CHECK(rc == SKV_EPEERDEAD || rc == SKV_ETIMEDOUT, "destroy with a dead peer: %s",

@@ -25,9 +25,9 @@ TestSuite(index, .timeout = 120);
   } while (0)
 
 typedef struct table {
-  skv_index_t ix;
-  skv_index_shard_hdr_t *hdr[8];
-  skv_index_slot_t *slots[8];
+  skv__index_t ix;
+  skv__index_shard_hdr_t *hdr[8];
+  skv__index_slot_t *slots[8];
   void *mem;
   size_t bytes;
   bool dead[64];
@@ -178,7 +178,7 @@ Test(index, pending_claim_of_a_dead_pe_is_cleared) {
   skv_key_t k = rand_key(&s);
   /* Forge what a PE that died between claim and publish leaves: key set, PENDING, ticket. */
   uint64_t home = k.lo & 63;
-  skv_index_slot_t *slot = &t->slots[0][home];
+  skv__index_slot_t *slot = &t->slots[0][home];
   slot->key.p.hi = k.hi;
   slot->key.p.lo = k.lo;
   slot->val = skv__val_pending(5, 1);
@@ -195,8 +195,8 @@ Test(index, pending_claim_of_a_dead_pe_is_cleared) {
 }
 
 /* Forge, at k's home slot, a claim of another inserter in one of its states. */
-static skv_index_slot_t *forge_claim(table_t *t, skv_key_t k, uint64_t val, uint64_t ticket) {
-  skv_index_slot_t *slot = &t->slots[0][k.lo & 63];
+static skv__index_slot_t *forge_claim(table_t *t, skv_key_t k, uint64_t val, uint64_t ticket) {
+  skv__index_slot_t *slot = &t->slots[0][k.lo & 63];
   slot->key.p.hi = k.hi;
   slot->key.p.lo = k.lo;
   slot->val = val;
@@ -239,7 +239,7 @@ Test(index, a_claim_without_its_pending_value_does_not_hold_up_inserts) {
   uint64_t before[] = {0, SKV_VAL_ERASING};
   for (int i = 0; i < 2; i++) {
     skv_key_t k = rand_key(&s);
-    skv_index_slot_t *slot = forge_claim(t, k, before[i], 0);
+    skv__index_slot_t *slot = forge_claim(t, k, before[i], 0);
     uint64_t val = skv__val_pack(2, 9, (uint32_t)i + 1);
     cr_assert_eq(insert_within(t, k, val, 2, 5000), 0, "val %llx", (unsigned long long)before[i]);
     cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
@@ -360,7 +360,7 @@ Test(index, clearing_live_claims_never_mixes_up_keys) {
     }
     memset(t->dead, 0, sizeof t->dead);
     for (uint64_t j = 0; j < t->ix.slots_per_shard; j++) {
-      skv_index_slot_t *sl = &t->slots[0][j];
+      skv__index_slot_t *sl = &t->slots[0][j];
       if (!(sl->val & SKV_VAL_VALID)) continue;
       skv_key_t want = keys[skv__val_page(sl->val)];
       cr_assert(sl->key.p.hi == want.hi && sl->key.p.lo == want.lo,
@@ -407,7 +407,7 @@ Test(index, a_claim_in_flight_is_not_the_end_of_the_chain) {
   cr_assert_eq(skv__index_insert(&t->ix, other, skv__val_pack(0, 1, 1), 0), 0);
   uint64_t val = skv__val_pack(1, 2, 3);
   cr_assert_eq(skv__index_insert(&t->ix, k, val, 1), 0);
-  skv_index_slot_t *h = &t->slots[0][home];
+  skv__index_slot_t *h = &t->slots[0][home];
   h->key.p.hi = 0;
   h->key.p.lo = 0x1234567;
   h->val = SKV_VAL_ERASING;

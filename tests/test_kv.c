@@ -52,7 +52,7 @@ static int engine_new(engine_t *e, const skv_geometry_t *g, int preset, uint32_t
   e->preset = preset;
   e->bt = bt;
   e->nb = nb;
-  if (skv_layout_preset_layer_bytes(g, preset, bt, nb, &e->layer_bytes) != 0) return -1;
+  if (skv_layout_get_preset_layer_bytes(g, preset, bt, nb, &e->layer_bytes) != 0) return -1;
   uint32_t nl = preset == SKV_LAYOUT_CONTIGUOUS ? 1 : g->num_layers;
   e->layers = calloc(g->num_layers, sizeof *e->layers);
   for (uint32_t l = 0; l < nl; l++)
@@ -193,12 +193,12 @@ static int pe_round_trip(int rank, int npes, void *arg) {
   for (uint32_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)(rank * 100000 + i);
   skv_key_t keys[NPAGES];
   size_t nk;
-  PE_CHECK(skv_hash_tokens(ns, tokens, ntok, NULL, keys, NPAGES, &nk) == 0 && nk == NPAGES, "hash");
+  PE_CHECK(skv_namespace_hash_tokens(ns, tokens, ntok, NULL, keys, NPAGES, &nk) == 0 && nk == NPAGES, "hash");
   uint64_t sblocks[NPAGES * 8];
   uint64_t s = seed ^ 0x55;
   pick_blocks(nb, NPAGES * m, sblocks, &s);
   size_t ins;
-  PE_CHECK(skv_publish(kv, ns, keys, NPAGES, src.lay, sblocks, NULL, &ins) == 0 && ins == NPAGES,
+  PE_CHECK(skv_kv_publish(kv, ns, keys, NPAGES, src.lay, sblocks, NULL, &ins) == 0 && ins == NPAGES,
            "publish");
   uint64_t all_blocks[SKV_TEST_MAX_PES][NPAGES * 8];
   PE_CHECK(skv_ctx_allgather(ctx, sblocks, all_blocks, sizeof sblocks) == 0, "blocks");
@@ -206,12 +206,12 @@ static int pe_round_trip(int rank, int npes, void *arg) {
   for (int from = 0; from < npes; from++) {
     for (uint32_t i = 0; i < ntok; i++) tokens[i] = (uint32_t)(from * 100000 + i);
     skv_key_t fk[NPAGES + 1];
-    PE_CHECK(skv_hash_tokens(ns, tokens, ntok, NULL, fk, NPAGES, &nk) == 0, "hash");
+    PE_CHECK(skv_namespace_hash_tokens(ns, tokens, ntok, NULL, fk, NPAGES, &nk) == 0, "hash");
     fk[NPAGES] = fk[0];
     fk[NPAGES].lo ^= 1; /* a key nobody published ends the prefix */
     skv_page_ref_t refs[NPAGES + 1];
     size_t nhit;
-    PE_CHECK(skv_lookup(kv, ns, fk, NPAGES + 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NPAGES,
+    PE_CHECK(skv_kv_lookup(kv, ns, fk, NPAGES + 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == NPAGES,
              "lookup hit %zu", nhit);
     for (int i = 0; i < NPAGES; i++)
       PE_CHECK(refs[i].pe == (uint32_t)from, "page %d is on PE %u", i, refs[i].pe);
@@ -219,7 +219,7 @@ static int pe_round_trip(int rank, int npes, void *arg) {
     uint64_t dblocks[NPAGES * 8];
     s = skv_test_seed();
     pick_blocks(nb, NPAGES * m, dblocks, &s);
-    PE_CHECK(skv_fetch(kv, refs, NPAGES, dst.lay, dblocks, SKV_FETCH_UNPIN, NULL) == 0, "fetch");
+    PE_CHECK(skv_kv_fetch(kv, refs, NPAGES, dst.lay, dblocks, SKV_FETCH_UNPIN, NULL) == 0, "fetch");
     engine_t ref;
     PE_CHECK(engine_new(&ref, &g, p->preset, p->bt, nb) == 0, "ref engine");
     engine_fill(&ref, seeds[from]);
@@ -303,7 +303,7 @@ static int fix_init(fix_t *f, uint64_t pages, uint64_t nb, int timeout_ms) {
   memset(f, 0, sizeof *f);
   if (skv_test_init(&f->ctx, timeout_ms)) return -1;
   f->g = geom_make(SKV_KV_SPLIT, 2, 2, 64, 2, 16); /* 8 KiB pages */
-  skv_geometry_page_bytes(&f->g, &f->page_bytes);
+  skv_geometry_get_page_bytes(&f->g, &f->page_bytes);
   skv_kv_opts_t o = SKV_KV_OPTS_INIT;
   o.pages_per_pe = pages;
   if (skv_kv_create(f->ctx, &f->g, &o, &f->kv)) return -2;
@@ -320,7 +320,7 @@ static void fix_fini(fix_t *f) {
 
 static skv_key_t key_of(const fix_t *f, uint64_t id) {
   skv_key_t k;
-  skv_key_from_bytes(f->ns, &id, sizeof id, &k);
+  skv_namespace_hash_bytes(f->ns, &id, sizeof id, &k);
   return k;
 }
 
@@ -344,7 +344,7 @@ static int publish_ids(fix_t *f, const uint64_t *ids, size_t n, size_t *ins) {
     blocks[i] = i;
     fill_block(f, i, ids[i]);
   }
-  return skv_publish(f->kv, f->ns, keys, n, f->eng.lay, blocks, NULL, ins);
+  return skv_kv_publish(f->kv, f->ns, keys, n, f->eng.lay, blocks, NULL, ins);
 }
 
 static int pe_dedup(int rank, int npes, void *arg) {
@@ -371,10 +371,10 @@ static int pe_dedup(int rank, int npes, void *arg) {
   for (int i = 0; i < 32; i++) keys[i] = key_of(&f, ids[i]);
   skv_page_ref_t refs[32];
   size_t nhit;
-  PE_CHECK(skv_lookup(f.kv, f.ns, keys, 32, 0, refs, &nhit) == 0 && nhit == 32, "lookup");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 32, 0, refs, &nhit) == 0 && nhit == 32, "lookup");
   uint64_t blocks[32];
   for (int i = 0; i < 32; i++) blocks[i] = 32 + (uint64_t)i;
-  PE_CHECK(skv_fetch(f.kv, refs, 32, f.eng.lay, blocks, 0, NULL) == 0, "fetch");
+  PE_CHECK(skv_kv_fetch(f.kv, refs, 32, f.eng.lay, blocks, 0, NULL) == 0, "fetch");
   for (int i = 0; i < 32; i++) PE_CHECK(block_holds(&f, blocks[i], ids[i]), "key %d content", i);
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   fix_fini(&f);
@@ -401,8 +401,8 @@ static int pe_lru_and_pins(int rank, int npes, void *arg) {
   if (rank == 1) {
     /* touch key 1 (so 2 becomes the LRU) and pin key 3 */
     skv_key_t k1 = key_of(&f, 1), k3 = key_of(&f, 3);
-    PE_CHECK(skv_lookup(f.kv, f.ns, &k1, 1, 0, refs, &nhit) == 0 && nhit == 1, "touch 1");
-    PE_CHECK(skv_lookup(f.kv, f.ns, &k3, 1, SKV_LOOKUP_PIN, &refs[3], &nhit) == 0 && nhit == 1,
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k1, 1, 0, refs, &nhit) == 0 && nhit == 1, "touch 1");
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k3, 1, SKV_LOOKUP_PIN, &refs[3], &nhit) == 0 && nhit == 1,
              "pin 3");
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
@@ -419,22 +419,22 @@ static int pe_lru_and_pins(int rank, int npes, void *arg) {
   int want[12] = {0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1, 1};
   for (uint64_t id = 1; id <= 11; id++) {
     skv_key_t k = key_of(&f, id);
-    PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, refs, &nhit) == 0, "lookup");
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k, 1, 0, refs, &nhit) == 0, "lookup");
     PE_CHECK((int)nhit == want[id], "key %llu: hit %zu, expected %d", (unsigned long long)id, nhit,
              want[id]);
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 1) {
     /* our pin kept page 3; fetch it, then release */
-    PE_CHECK(skv_fetch(f.kv, &refs[3], 1, f.eng.lay, (uint64_t[]){40}, SKV_FETCH_UNPIN, NULL) == 0,
+    PE_CHECK(skv_kv_fetch(f.kv, &refs[3], 1, f.eng.lay, (uint64_t[]){40}, SKV_FETCH_UNPIN, NULL) == 0,
              "fetch pinned");
     PE_CHECK(block_holds(&f, 40, 3), "pinned page content");
-    PE_CHECK(skv_unpin(f.kv, &refs[3], 1) == SKV_EINVAL, "double unpin is refused");
+    PE_CHECK(skv_kv_unpin(f.kv, &refs[3], 1) == SKV_EINVAL, "double unpin is refused");
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
     uint64_t n;
-    PE_CHECK(skv_evict(f.kv, 100, &n) == 0 && n == 8, "all pages evictable once unpinned: %llu",
+    PE_CHECK(skv_kv_evict(f.kv, 100, &n) == 0 && n == 8, "all pages evictable once unpinned: %llu",
              (unsigned long long)n);
     skv_kv_stats_t st;
     skv_kv_get_stats(f.kv, &st);
@@ -452,7 +452,7 @@ Test(kv, lru_eviction_respects_pins) {
 }
 
 typedef struct toucher {
-  skv_pool_t *pool;
+  skv__pool_t *pool;
   uint64_t pages;
   int stop;
   uint64_t rounds;
@@ -598,22 +598,22 @@ static int pe_stale(int rank, int npes, void *arg) {
   skv_key_t k = key_of(&f, 77);
   if (rank == 0) PE_CHECK(publish_ids(&f, (uint64_t[]){77}, 1, &ins) == 0 && ins == 1, "publish");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
-  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
     uint64_t n;
-    PE_CHECK(skv_evict(f.kv, 1, &n) == 0 && n == 1, "evict");
+    PE_CHECK(skv_kv_evict(f.kv, 1, &n) == 0 && n == 1, "evict");
     /* and reuse the page for another key */
     PE_CHECK(publish_ids(&f, (uint64_t[]){78}, 1, &ins) == 0 && ins == 1, "reuse");
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   engine_poison(&f.eng);
-  int rc = skv_fetch(f.kv, &ref, 1, f.eng.lay, (uint64_t[]){9}, 0, NULL);
+  int rc = skv_kv_fetch(f.kv, &ref, 1, f.eng.lay, (uint64_t[]){9}, 0, NULL);
   PE_CHECK(rc == SKV_ESTALE, "stale reference gives %s", skv_err_name(rc));
   PE_CHECK(strstr(skv_last_error(), "stale") != NULL, "message: %s", skv_last_error());
   uint8_t used[16] = {0};
   PE_CHECK(untouched_outside(&f.eng, used), "a stale fetch wrote something");
-  rc = skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit);
+  rc = skv_kv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit);
   PE_CHECK(rc == 0 && nhit == 0, "evicted key is gone");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   fix_fini(&f);
@@ -637,7 +637,7 @@ static int pe_dead_pinner(int rank, int npes, void *arg) {
     skv_key_t keys[8];
     skv_page_ref_t refs[8];
     for (int i = 0; i < 8; i++) keys[i] = key_of(&f, ids[i]);
-    PE_CHECK(skv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8,
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8,
              "pin all");
     PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
     PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier"); /* rank 0 has seen our pins hold */
@@ -646,7 +646,7 @@ static int pe_dead_pinner(int rank, int npes, void *arg) {
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
     uint64_t n;
-    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 0, "pinned by a live PE: nothing evictable (%llu)",
+    PE_CHECK(skv_kv_evict(f.kv, 8, &n) == 0 && n == 0, "pinned by a live PE: nothing evictable (%llu)",
              (unsigned long long)n);
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
@@ -654,7 +654,7 @@ static int pe_dead_pinner(int rank, int npes, void *arg) {
   usleep(300000);
   if (rank == 0) {
     uint64_t n;
-    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 8, "a dead PE's pins are released: evicted %llu",
+    PE_CHECK(skv_kv_evict(f.kv, 8, &n) == 0 && n == 8, "a dead PE's pins are released: evicted %llu",
              (unsigned long long)n);
   }
   /* the job is broken now (a PE died): collectives fail, cleanup does not hang */
@@ -686,7 +686,7 @@ static int pe_pinner_while_proc_unreadable(int rank, int npes, void *arg) {
   if (rank == 0) PE_CHECK(publish_ids(&f, ids, 8, &ins) == 0 && ins == 8, "publish");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 1)
-    PE_CHECK(skv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8,
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 8,
              "pin all");
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
@@ -697,24 +697,24 @@ static int pe_pinner_while_proc_unreadable(int rank, int npes, void *arg) {
     if (probe) fclose(probe);
     usleep(30000); /* past the liveness cache */
     uint64_t n = 99;
-    int rc = skv_evict(f.kv, 8, &n);
+    int rc = skv_kv_evict(f.kv, 8, &n);
     setrlimit(RLIMIT_NOFILE, &old);
     PE_CHECK(emfile, "the descriptor limit did not take");
     PE_CHECK(rc == 0 && n == 0, "evicted %llu pages a live PE pins (rc %d)", (unsigned long long)n,
              rc);
     usleep(30000);
-    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 0, "later: evicted %llu pinned pages",
+    PE_CHECK(skv_kv_evict(f.kv, 8, &n) == 0 && n == 0, "later: evicted %llu pinned pages",
              (unsigned long long)n);
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 1) {
-    PE_CHECK(skv_fetch(f.kv, refs, 8, f.eng.lay, ids, SKV_FETCH_UNPIN, NULL) == 0,
+    PE_CHECK(skv_kv_fetch(f.kv, refs, 8, f.eng.lay, ids, SKV_FETCH_UNPIN, NULL) == 0,
              "fetch of pinned pages: %s", skv_last_error());
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   if (rank == 0) {
     uint64_t n;
-    PE_CHECK(skv_evict(f.kv, 8, &n) == 0 && n == 8, "unpinned: evicted %llu of 8",
+    PE_CHECK(skv_kv_evict(f.kv, 8, &n) == 0 && n == 8, "unpinned: evicted %llu of 8",
              (unsigned long long)n);
   }
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
@@ -752,8 +752,8 @@ static int pe_pin_meets_evicting(int rank, int npes, void *arg) {
   skv_key_t k = key_of(&f, id);
   skv_page_ref_t ref;
   size_t nhit;
-  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
-  skv_page_meta_t *m = &f.kv->pool.meta[ref.pe][ref.page];
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup");
+  skv__page_meta_t *m = &f.kv->pool.meta[ref.pe][ref.page];
   uint64_t ready = skv__st_make(ref.gen, SKV_PAGE_READY),
            evicting = skv__st_make(ref.gen, SKV_PAGE_EVICTING);
   PE_CHECK(__atomic_load_n(&m->state, __ATOMIC_SEQ_CST) == ready, "page READY");
@@ -792,38 +792,38 @@ static int pe_bad_input(int rank, int npes, void *arg) {
   skv_page_ref_t ref = {0, 0, 1, 0};
   size_t nhit;
   uint64_t blk = 0;
-  PE_CHECK(skv_lookup(NULL, f.ns, &k, 1, 0, &ref, &nhit) == SKV_EINVAL, "NULL kv");
-  PE_CHECK(skv_lookup(f.kv, f.ns, NULL, 1, 0, &ref, &nhit) == SKV_EINVAL, "NULL keys");
-  PE_CHECK(skv_lookup(f.kv, f.ns, &k, 1, 0x80, &ref, &nhit) == SKV_EINVAL, "bad flags");
+  PE_CHECK(skv_kv_lookup(NULL, f.ns, &k, 1, 0, &ref, &nhit) == SKV_EINVAL, "NULL kv");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, NULL, 1, 0, &ref, &nhit) == SKV_EINVAL, "NULL keys");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k, 1, 0x80, &ref, &nhit) == SKV_EINVAL, "bad flags");
   skv_key_t zero = {0, 5};
-  PE_CHECK(skv_lookup(f.kv, f.ns, &zero, 1, 0, &ref, &nhit) == SKV_EINVAL, "reserved key");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &zero, 1, 0, &ref, &nhit) == SKV_EINVAL, "reserved key");
   /* a namespace of another geometry is the wrong namespace */
   skv_geometry_t g2 = f.g;
   g2.page_tokens = 32;
   skv_namespace_t *ns2;
   PE_CHECK(skv_namespace_create("fixture", &g2, NULL, 0, "s3cret", 6, &ns2) == 0, "ns2");
-  PE_CHECK(skv_lookup(f.kv, ns2, &k, 1, 0, &ref, &nhit) == SKV_EINVAL &&
+  PE_CHECK(skv_kv_lookup(f.kv, ns2, &k, 1, 0, &ref, &nhit) == SKV_EINVAL &&
                strstr(skv_last_error(), "namespace"),
            "wrong namespace: %s", skv_last_error());
-  PE_CHECK(skv_publish(f.kv, ns2, &k, 1, f.eng.lay, &blk, NULL, NULL) == SKV_EINVAL,
+  PE_CHECK(skv_kv_publish(f.kv, ns2, &k, 1, f.eng.lay, &blk, NULL, NULL) == SKV_EINVAL,
            "publish wrong namespace");
   skv_namespace_destroy(ns2);
   skv_page_ref_t bad_pe = {(uint32_t)npes, 0, 1, 0}, bad_page = {0, 8, 1, 0},
                  bad_gen = {0, 0, 0, 0};
-  PE_CHECK(skv_fetch(f.kv, &bad_pe, 1, f.eng.lay, &blk, 0, NULL) == SKV_ERANGE, "PE out of range");
-  PE_CHECK(skv_fetch(f.kv, &bad_page, 1, f.eng.lay, &blk, 0, NULL) == SKV_ERANGE,
+  PE_CHECK(skv_kv_fetch(f.kv, &bad_pe, 1, f.eng.lay, &blk, 0, NULL) == SKV_ERANGE, "PE out of range");
+  PE_CHECK(skv_kv_fetch(f.kv, &bad_page, 1, f.eng.lay, &blk, 0, NULL) == SKV_ERANGE,
            "page out of range");
-  PE_CHECK(skv_fetch(f.kv, &bad_gen, 1, f.eng.lay, &blk, 0, NULL) == SKV_EINVAL, "generation 0");
+  PE_CHECK(skv_kv_fetch(f.kv, &bad_gen, 1, f.eng.lay, &blk, 0, NULL) == SKV_EINVAL, "generation 0");
   uint64_t big = 16;
-  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &big, 0, NULL) == SKV_EINVAL,
+  PE_CHECK(skv_kv_fetch(f.kv, &ref, 1, f.eng.lay, &big, 0, NULL) == SKV_EINVAL,
            "block id out of range");
-  PE_CHECK(skv_fetch(f.kv, &ref, 1, NULL, &blk, 0, NULL) == SKV_EINVAL, "NULL layout");
-  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, NULL, 0, NULL) == SKV_EINVAL, "NULL block ids");
-  PE_CHECK(skv_fetch(f.kv, &ref, 1, f.eng.lay, &blk, 0, NULL) == SKV_ESTALE,
+  PE_CHECK(skv_kv_fetch(f.kv, &ref, 1, NULL, &blk, 0, NULL) == SKV_EINVAL, "NULL layout");
+  PE_CHECK(skv_kv_fetch(f.kv, &ref, 1, f.eng.lay, NULL, 0, NULL) == SKV_EINVAL, "NULL block ids");
+  PE_CHECK(skv_kv_fetch(f.kv, &ref, 1, f.eng.lay, &blk, 0, NULL) == SKV_ESTALE,
            "never-published page is stale");
-  PE_CHECK(skv_publish(f.kv, f.ns, &k, 1, f.eng.lay, &big, NULL, NULL) == SKV_EINVAL,
+  PE_CHECK(skv_kv_publish(f.kv, f.ns, &k, 1, f.eng.lay, &big, NULL, NULL) == SKV_EINVAL,
            "publish bad block");
-  PE_CHECK(skv_unpin(f.kv, &ref, 1) == SKV_EINVAL, "unpin of an unpinned page");
+  PE_CHECK(skv_kv_unpin(f.kv, &ref, 1) == SKV_EINVAL, "unpin of an unpinned page");
   skv_kv_opts_t o = SKV_KV_OPTS_INIT;
   skv_kv_t *kv2;
   PE_CHECK(skv_kv_create(f.ctx, &f.g, &o, &kv2) == SKV_EINVAL, "0 pages");
@@ -878,11 +878,11 @@ static int pe_stress(int rank, int npes, void *arg) {
     case 2: {
       skv_page_ref_t refs[8];
       size_t nhit;
-      PE_CHECK(skv_lookup(f.kv, f.ns, keys, n, SKV_LOOKUP_PIN, refs, &nhit) == 0, "lookup");
+      PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, n, SKV_LOOKUP_PIN, refs, &nhit) == 0, "lookup");
       if (nhit == 0) break;
       uint64_t blocks[8];
       for (size_t i = 0; i < nhit; i++) blocks[i] = 16 + i;
-      int rc = skv_fetch(f.kv, refs, nhit, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
+      int rc = skv_kv_fetch(f.kv, refs, nhit, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
       PE_CHECK(rc == 0, "fetch of pinned pages: %s", skv_err_name(rc));
       for (size_t i = 0; i < nhit; i++)
         PE_CHECK(block_holds(&f, blocks[i], ids[i]),
@@ -894,16 +894,16 @@ static int pe_stress(int rank, int npes, void *arg) {
     default: {
       if (skv_test_rand(&s) % 4 == 0) {
         uint64_t ne;
-        skv_evict(f.kv, 1 + skv_test_rand(&s) % 4, &ne);
+        skv_kv_evict(f.kv, 1 + skv_test_rand(&s) % 4, &ne);
       } else {
         /* unpinned lookup then fetch: may be stale, never wrong */
         skv_page_ref_t refs[8];
         size_t nhit;
-        PE_CHECK(skv_lookup(f.kv, f.ns, keys, n, 0, refs, &nhit) == 0, "lookup");
+        PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, n, 0, refs, &nhit) == 0, "lookup");
         if (nhit == 0) break;
         uint64_t blocks[8];
         for (size_t i = 0; i < nhit; i++) blocks[i] = 32 + i;
-        int rc = skv_fetch(f.kv, refs, nhit, f.eng.lay, blocks, 0, NULL);
+        int rc = skv_kv_fetch(f.kv, refs, nhit, f.eng.lay, blocks, 0, NULL);
         if (rc == SKV_ESTALE) {
           stale++;
           break;
@@ -925,7 +925,7 @@ static int pe_stress(int rank, int npes, void *arg) {
   PE_CHECK(entries >= 0, "index check: %s", skv_last_error());
   uint64_t ready = 0;
   for (uint64_t pg = 0; pg < f.kv->pool.pages; pg++) {
-    skv_page_meta_t *m = &f.kv->pool.meta[rank][pg];
+    skv__page_meta_t *m = &f.kv->pool.meta[rank][pg];
     if (skv__st_state(m->state) != SKV_PAGE_READY) continue;
     ready++;
     skv_key_t k = {m->key_hi, m->key_lo};
@@ -937,13 +937,13 @@ static int pe_stress(int rank, int npes, void *arg) {
              "index entry of page %llu names another page", (unsigned long long)pg);
   }
   /* and every VALID entry naming one of our pages names a READY page holding that key */
-  skv_index_t *ix = &f.kv->index;
+  skv__index_t *ix = &f.kv->index;
   for (int sh = 0; sh < ix->nshards; sh++)
     for (uint64_t i = 0; i < ix->slots_per_shard; i++) {
-      skv_index_slot_t *sl = &ix->slots[sh][i];
+      skv__index_slot_t *sl = &ix->slots[sh][i];
       uint64_t v = sl->val;
       if (sl->key.p.hi == 0 || !(v & SKV_VAL_VALID) || skv__val_pe(v) != (uint32_t)rank) continue;
-      skv_page_meta_t *m = &f.kv->pool.meta[rank][skv__val_page(v)];
+      skv__page_meta_t *m = &f.kv->pool.meta[rank][skv__val_page(v)];
       PE_CHECK(skv__st_state(m->state) == SKV_PAGE_READY &&
                    skv__st_gen(m->state) == skv__val_gen(v) && m->key_hi == sl->key.p.hi &&
                    m->key_lo == sl->key.p.lo,

@@ -32,7 +32,7 @@ static skv_geometry_t geom_make(uint32_t kind, uint32_t L, uint32_t H, uint32_t 
 
 static uint64_t page_bytes_of(const skv_geometry_t *g) {
   uint64_t pb = 0;
-  cr_assert_eq(skv_geometry_page_bytes(g, &pb), 0, "%s", skv_last_error());
+  cr_assert_eq(skv_geometry_get_page_bytes(g, &pb), 0, "%s", skv_last_error());
   return pb;
 }
 
@@ -114,7 +114,7 @@ static void cache_preset(cache_t *c, const skv_geometry_t *g, int preset, uint32
   c->T = T;
   c->nb = nb;
   uint64_t bytes = 0;
-  cr_assert_eq(skv_layout_preset_layer_bytes(g, preset, T, nb, &bytes), 0, "%s", skv_last_error());
+  cr_assert_eq(skv_layout_get_preset_layer_bytes(g, preset, T, nb, &bytes), 0, "%s", skv_last_error());
   uint64_t per_block = (uint64_t)T * g->num_kv_heads * g->head_dim * g->elem_bytes;
   uint64_t want = preset == SKV_LAYOUT_CONTIGUOUS ? nb * per_block * g->num_layers * kvn_of(g)
                   : preset == SKV_LAYOUT_MLA      ? nb * per_block
@@ -526,52 +526,52 @@ static void quiet(void) {
 Test(layout, bad_geometries, .init = quiet, .timeout = 10) {
   uint64_t pb;
   skv_geometry_t ok = geom_make(SKV_KV_SPLIT, 32, 8, 128, 2, 16);
-  cr_assert_eq(skv_geometry_page_bytes(&ok, &pb), 0);
+  cr_assert_eq(skv_geometry_get_page_bytes(&ok, &pb), 0);
   cr_assert_eq(pb, 32ull * 2 * 16 * 8 * 128 * 2);
   skv_geometry_t mla = geom_make(SKV_KV_MLA, 61, 1, 576, 1, 64);
-  cr_assert_eq(skv_geometry_page_bytes(&mla, &pb), 0);
+  cr_assert_eq(skv_geometry_get_page_bytes(&mla, &pb), 0);
   cr_assert_eq(pb, 61ull * 64 * 576);
 
   skv_geometry_t g;
-  EXPECT_EINVAL(skv_geometry_page_bytes(NULL, &pb), "NULL");
-  EXPECT_EINVAL(skv_geometry_page_bytes(&ok, NULL), "page_bytes");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(NULL, &pb), "NULL");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&ok, NULL), "page_bytes");
   g = ok, g.size = sizeof g - 4;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "SKV_GEOMETRY_INIT");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "SKV_GEOMETRY_INIT");
   g = ok, g.size = 0;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "size");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "size");
   g = ok, g.version = 0;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "version");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "version");
   g = ok, g.version = SKV_GEOMETRY_VERSION + 1;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "version");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "version");
   g = ok, g.kv_kind = 2;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "kv_kind");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "kv_kind");
   g = ok, g.num_layers = 0;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "num_layers");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "num_layers");
   g = ok, g.num_layers = 1025;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "num_layers");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "num_layers");
   g = ok, g.num_kv_heads = 0;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "num_kv_heads");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "num_kv_heads");
   g = ok, g.head_dim = 0;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "head_dim");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "head_dim");
   g = ok, g.head_dim = 65537;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "head_dim");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "head_dim");
   g = ok, g.elem_bytes = 0;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "elem_bytes");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "elem_bytes");
   g = ok, g.elem_bytes = 3;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "elem_bytes");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "elem_bytes");
   g = ok, g.page_tokens = 0;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "page_tokens");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "page_tokens");
   g = mla, g.num_kv_heads = 2;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "num_kv_heads");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "num_kv_heads");
   /* 1024 layers x 2 x 65536 tokens x 1024 heads x 65536 x 4: far over 4 GiB. */
   g = geom_make(SKV_KV_SPLIT, 1024, 1024, 65536, 4, 65536);
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "4 GiB");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "4 GiB");
   /* Exactly 4 GiB is allowed, one more token per page is not. */
   g = geom_make(SKV_KV_SPLIT, 1, 1, 65536, 4, 8192);
-  cr_assert_eq(skv_geometry_page_bytes(&g, &pb), 0, "%s", skv_last_error());
+  cr_assert_eq(skv_geometry_get_page_bytes(&g, &pb), 0, "%s", skv_last_error());
   cr_assert_eq(pb, 4ull << 30);
   g.page_tokens = 8193;
-  EXPECT_EINVAL(skv_geometry_page_bytes(&g, &pb), "4 GiB");
+  EXPECT_EINVAL(skv_geometry_get_page_bytes(&g, &pb), "4 GiB");
 }
 
 /* A valid NHD-like custom description over one buffer per tensor. */
@@ -726,24 +726,24 @@ Test(layout, bad_presets_and_block_ids, .init = quiet, .timeout = 10) {
   uint8_t *mem = xmalloc(1 << 20);
   void *ptrs[2] = {mem, mem + (1 << 19)};
   skv_layout_t *lay;
-  EXPECT_EINVAL(skv_layout_preset_layer_bytes(&g, SKV_LAYOUT_CUSTOM, 16, 4, &bytes), "preset");
-  EXPECT_EINVAL(skv_layout_preset_layer_bytes(&g, 7, 16, 4, &bytes), "preset");
-  EXPECT_EINVAL(skv_layout_preset_layer_bytes(&g, SKV_LAYOUT_MLA, 16, 4, &bytes), "SKV_KV_MLA");
-  EXPECT_EINVAL(skv_layout_preset_layer_bytes(&gm, SKV_LAYOUT_VLLM_FLASH_NHD, 16, 4, &bytes),
+  EXPECT_EINVAL(skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_CUSTOM, 16, 4, &bytes), "preset");
+  EXPECT_EINVAL(skv_layout_get_preset_layer_bytes(&g, 7, 16, 4, &bytes), "preset");
+  EXPECT_EINVAL(skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_MLA, 16, 4, &bytes), "SKV_KV_MLA");
+  EXPECT_EINVAL(skv_layout_get_preset_layer_bytes(&gm, SKV_LAYOUT_VLLM_FLASH_NHD, 16, 4, &bytes),
                 "SKV_LAYOUT_MLA");
-  EXPECT_EINVAL(skv_layout_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 0, 4, &bytes),
+  EXPECT_EINVAL(skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 0, 4, &bytes),
                 "block_tokens");
-  EXPECT_EINVAL(skv_layout_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 5, 4, &bytes),
+  EXPECT_EINVAL(skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 5, 4, &bytes),
                 "does not divide");
-  EXPECT_EINVAL(skv_layout_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, 0, &bytes),
+  EXPECT_EINVAL(skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, 0, &bytes),
                 "num_blocks");
   EXPECT_EINVAL(
-      skv_layout_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, UINT64_MAX, &bytes),
+      skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, UINT64_MAX, &bytes),
       "too large");
   EXPECT_EINVAL(
-      skv_layout_preset_layer_bytes(&g, SKV_LAYOUT_FLASHINFER_HND, 16, 1ull << 50, &bytes),
+      skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_FLASHINFER_HND, 16, 1ull << 50, &bytes),
       "too large");
-  EXPECT_EINVAL(skv_layout_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, 4, NULL), "bytes");
+  EXPECT_EINVAL(skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, 4, NULL), "bytes");
   EXPECT_EINVAL(skv_layout_create_preset(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, 4, NULL, -1, &lay),
                 "layer_ptrs");
   void *one[2] = {mem, NULL};
@@ -772,14 +772,14 @@ Test(layout, bad_presets_and_block_ids, .init = quiet, .timeout = 10) {
   /* block ids: 8-token blocks, 2 per page, 4 blocks */
   cr_assert_eq(skv_layout_create_preset(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 8, 4, ptrs, -1, &lay), 0);
   uint64_t ids[6] = {0, 3, 2, 1, 3, 4};
-  cr_assert_eq(skv__check_block_ids(lay, ids, 2, "skv_fetch"), 0, "%s", skv_last_error());
-  cr_assert_eq(skv__check_block_ids(lay, NULL, 0, "skv_fetch"), 0);
-  EXPECT_EINVAL(skv__check_block_ids(lay, ids, 3, "skv_fetch"), "block_ids[5]=4");
-  EXPECT_EINVAL(skv__check_block_ids(lay, NULL, 1, "skv_fetch"), "block_ids is NULL");
-  EXPECT_EINVAL(skv__check_block_ids(lay, ids, SIZE_MAX / 2 + 1, "skv_fetch"), "overflow");
+  cr_assert_eq(skv__check_block_ids(lay, ids, 2, "skv_kv_fetch"), 0, "%s", skv_last_error());
+  cr_assert_eq(skv__check_block_ids(lay, NULL, 0, "skv_kv_fetch"), 0);
+  EXPECT_EINVAL(skv__check_block_ids(lay, ids, 3, "skv_kv_fetch"), "block_ids[5]=4");
+  EXPECT_EINVAL(skv__check_block_ids(lay, NULL, 1, "skv_kv_fetch"), "block_ids is NULL");
+  EXPECT_EINVAL(skv__check_block_ids(lay, ids, SIZE_MAX / 2 + 1, "skv_kv_fetch"), "overflow");
   ids[0] = UINT64_MAX;
-  EXPECT_EINVAL(skv__check_block_ids(lay, ids, 1, "skv_fetch"), "block_ids[0]");
-  EXPECT_EINVAL(skv__check_block_ids(NULL, ids, 1, "skv_fetch"), "layout");
+  EXPECT_EINVAL(skv__check_block_ids(lay, ids, 1, "skv_kv_fetch"), "block_ids[0]");
+  EXPECT_EINVAL(skv__check_block_ids(NULL, ids, 1, "skv_kv_fetch"), "layout");
   skv_layout_destroy(lay);
   free(mem);
 }

@@ -146,31 +146,31 @@ int skv_finalize(skv_ctx_t *ctx) {
   return rc ? rc : rc2;
 }
 
-int skv_ctx_rank(const skv_ctx_t *ctx) {
-  SKV_CTX_CHECK(ctx, "skv_ctx_rank");
+int skv_ctx_get_rank(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_get_rank");
   return ctx->cfg.rank;
 }
-int skv_ctx_world_size(const skv_ctx_t *ctx) {
-  SKV_CTX_CHECK(ctx, "skv_ctx_world_size");
+int skv_ctx_get_world_size(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_get_world_size");
   return ctx->cfg.world_size;
 }
-int skv_ctx_local_rank(const skv_ctx_t *ctx) {
-  SKV_CTX_CHECK(ctx, "skv_ctx_local_rank");
+int skv_ctx_get_local_rank(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_get_local_rank");
   return ctx->local_index;
 }
-int skv_ctx_local_size(const skv_ctx_t *ctx) {
-  SKV_CTX_CHECK(ctx, "skv_ctx_local_size");
+int skv_ctx_get_local_size(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_get_local_size");
   return ctx->nlocal;
 }
-int skv_ctx_timeout_ms(const skv_ctx_t *ctx) {
-  SKV_CTX_CHECK(ctx, "skv_ctx_timeout_ms");
+int skv_ctx_get_timeout_ms(const skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_get_timeout_ms");
   return ctx->cfg.timeout_ms;
 }
 #ifndef SKV_WITH_CUDA
-int skv_ctx_device(skv_ctx_t *ctx) {
-  SKV_CTX_CHECK(ctx, "skv_ctx_device");
+int skv_ctx_get_device(skv_ctx_t *ctx) {
+  SKV_CTX_CHECK(ctx, "skv_ctx_get_device");
   return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_INIT,
-                  "skv_ctx_device: this symkv was built without CUDA");
+                  "skv_ctx_get_device: this symkv was built without CUDA");
 }
 #endif
 
@@ -258,7 +258,7 @@ bool skv__is_bootstrap_failure(int rc) {
 int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) {
   if (rc < 0 && skv__is_bootstrap_failure(rc)) return rc;
   const int n = ctx->cfg.world_size;
-  skv_step_result_t *all = rc < 0 ? NULL : calloc((size_t)n, sizeof *all);
+  skv__step_result_t *all = rc < 0 ? NULL : calloc((size_t)n, sizeof *all);
   if (rc == 0 && !all) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "%s: out of memory", what);
   if (rc < 0) {
     /* A PE that failed only tells the others (its allgather key): it needs nothing from them,
@@ -268,7 +268,7 @@ int skv__coll_agree(skv_ctx_t *ctx, const char *name, int rc, const char *what) 
     skv__store_put_failure(ctx->store, key, rc);
     return rc;
   }
-  skv_step_result_t me;
+  skv__step_result_t me;
   memset(&me, 0, sizeof me);
   int out = skv__store_allgather(ctx->store, name, &me, all, sizeof me, ctx->cfg.timeout_ms);
   for (int r = 0; out == 0 && r < n; r++)

@@ -12,9 +12,9 @@
 #define SKV_CTX_DEFERRED_KEYS 16 /* store keys awaiting deletion at the next collective check */
 
 struct skv_ctx {
-  skv_cfg_resolved_t cfg;
-  skv_store_t *store;
-  skv_store_server_t *server; /* rank 0 only */
+  skv__cfg_resolved_t cfg;
+  skv__store_t *store;
+  skv__store_server_t *server; /* rank 0 only */
   pthread_mutex_t mu;
   uint64_t coll_seq; /* collective calls made so far (same on every PE when in step) */
   int nlocal;        /* PEs on this node */

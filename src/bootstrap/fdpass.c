@@ -70,7 +70,7 @@ static int SKV_PRINTF(2, 3) fail_after_probe(int rc, const char *fmt, ...) {
  * barrier at once, see the counter, and fail with its code and message. */
 #define FD_FAILED (1ll << 40)
 
-static void fail_before_ready(skv_store_t *st, const char *tag, const char *ready_key, int rank,
+static void fail_before_ready(skv__store_t *st, const char *tag, const char *ready_key, int rank,
                               int rc) {
   char key[SKV_BOOT_MAX_KEY + 1];
   snprintf(key, sizeof key, "%s/failed/%d", tag, rank);
@@ -79,7 +79,7 @@ static void fail_before_ready(skv_store_t *st, const char *tag, const char *read
 }
 
 /* The barrier's counter says a local PE failed before listening: its code and message. */
-static int peer_failed_before_ready(skv_store_t *st, const char *tag, const int *ranks,
+static int peer_failed_before_ready(skv__store_t *st, const char *tag, const int *ranks,
                                     int nlocal) {
   for (int i = 0; i < nlocal; i++) {
     char key[SKV_BOOT_MAX_KEY + 1];
@@ -87,7 +87,7 @@ static int peer_failed_before_ready(skv_store_t *st, const char *tag, const int 
     void *v = NULL;
     size_t n = 0;
     if (skv__store_try_get(st, key, &v, &n) != 0) continue;
-    skv_step_result_t r;
+    skv__step_result_t r;
     memset(&r, 0, sizeof r);
     memcpy(&r, v, SKV_MIN(n, sizeof r));
     free(v);
@@ -112,7 +112,7 @@ static socklen_t sock_name(struct sockaddr_un *a, const uint8_t nonce[16], int i
 /* Connect to local PE `peer` and send it `fd` with the header: 0, 1 when the peer does not
  * listen (any more: called after the ready barrier, so it is gone), or a negative code. While
  * the peer's backlog is full, the store (`probe_key`) is asked now and then for dead ranks. */
-static int send_fd(skv_store_t *st, const char *probe_key, const uint8_t nonce[16], int peer,
+static int send_fd(skv__store_t *st, const char *probe_key, const uint8_t nonce[16], int peer,
                    int peer_rank, const fd_hdr_t *h, int fd, uint64_t deadline, int timeout_ms,
                    const char *tag) {
   struct sockaddr_un a;
@@ -242,7 +242,7 @@ static int recv_fd(int c, fd_hdr_t *h, int *fd_out, uint64_t deadline) {
 
 /* Local PE `peer` stopped listening after the ready barrier: it failed or exited. Give the store
  * a moment to notice its death, so that the error names the rank that died. */
-static int peer_gone(skv_store_t *st, const char *probe_key, const char *tag, int peer,
+static int peer_gone(skv__store_t *st, const char *probe_key, const char *tag, int peer,
                      int peer_rank, uint64_t deadline) {
   uint64_t until = SKV_MIN(deadline, skv__now_ms() + FD_GONE_WAIT_MS);
   for (;;) {
@@ -261,7 +261,7 @@ static int peer_gone(skv_store_t *st, const char *probe_key, const char *tag, in
                   tag, peer, peer_rank);
 }
 
-int skv__fd_exchange(skv_store_t *st, const char *tag, const int *ranks, int nlocal, int me,
+int skv__fd_exchange(skv__store_t *st, const char *tag, const int *ranks, int nlocal, int me,
                      int my_fd, int *peer_fds, int timeout_ms) {
   SKV_ARG_CHECK(st && tag && ranks && peer_fds, SKV_SUBSYS_BOOT,
                 "skv__fd_exchange: store, tag, ranks and peer_fds must not be NULL");

@@ -35,7 +35,7 @@ enum {
 #define CLOSE_WAIT_MS 5000 /* bound on the BYE round trip */
 #define RETRY_MS      20   /* connect retry period while rank 0 starts */
 
-struct skv_store {
+struct skv__store {
   pthread_mutex_t mu;
   int fd;
   bool broken;
@@ -148,9 +148,9 @@ static int recv_all(int fd, uint8_t *p, size_t n, uint64_t deadline) {
 /* ---- one request ------------------------------------------------------------------------ */
 
 /* Mark the connection unusable and fail with `err`. Called with st->mu held. */
-static int broken(skv_store_t *st, int err, const char *what, const char *fmt, ...)
+static int broken(skv__store_t *st, int err, const char *what, const char *fmt, ...)
     SKV_PRINTF(4, 5);
-static int broken(skv_store_t *st, int err, const char *what, const char *fmt, ...) {
+static int broken(skv__store_t *st, int err, const char *what, const char *fmt, ...) {
   char msg[300];
   va_list ap;
   va_start(ap, fmt);
@@ -165,7 +165,7 @@ static int broken(skv_store_t *st, int err, const char *what, const char *fmt, .
   return SKV_FAIL(err, SKV_SUBSYS_BOOT, "%s: %s", what, msg);
 }
 
-static int io_error(skv_store_t *st, int rc, const char *what, int wait_ms, bool sending) {
+static int io_error(skv__store_t *st, int rc, const char *what, int wait_ms, bool sending) {
   if (rc == SKV_ETIMEDOUT)
     return broken(st, SKV_ETIMEDOUT, what,
                   "no reply from the bootstrap store at %s within %d ms; is rank 0 stopped or "
@@ -182,7 +182,7 @@ static int io_error(skv_store_t *st, int rc, const char *what, int wait_ms, bool
 
 /* Send the frame in `b` and read the reply: *status and a malloc'ed payload (NUL appended).
  * Transport failures break the connection and are returned; the caller maps *status. */
-static int rpc(skv_store_t *st, const char *what, wbuf_t *b, int wait_ms, int32_t *status,
+static int rpc(skv__store_t *st, const char *what, wbuf_t *b, int wait_ms, int32_t *status,
                uint8_t **payload, size_t *plen) {
   *payload = NULL;
   *plen = 0;
@@ -247,7 +247,7 @@ static int status_error(const char *what, int32_t status, const uint8_t *msg, si
 }
 
 /* A request that returns no data (or data the caller ignores). */
-static int call(skv_store_t *st, const char *what, wbuf_t *b, int wait_ms, uint8_t **out,
+static int call(skv__store_t *st, const char *what, wbuf_t *b, int wait_ms, uint8_t **out,
                 size_t *outlen) {
   int32_t status = 0;
   uint8_t *p = NULL;
@@ -351,7 +351,7 @@ static int try_connect(const char *host, int port, uint64_t deadline, int *gai_e
 }
 
 int skv__store_connect(const char *host, int port, const char *token, int rank, int nranks,
-                       int timeout_ms, skv_store_t **out) {
+                       int timeout_ms, skv__store_t **out) {
   SKV_ARG_CHECK(out, SKV_SUBSYS_BOOT, "skv__store_connect: out is NULL");
   *out = NULL;
   SKV_ARG_CHECK(host && *host, SKV_SUBSYS_BOOT, "skv__store_connect: host is empty");
@@ -363,7 +363,7 @@ int skv__store_connect(const char *host, int port, const char *token, int rank, 
                 "skv__store_connect: rank %d is not in [0, %d)", rank, nranks);
   SKV_ARG_CHECK(timeout_ms >= 0, SKV_SUBSYS_BOOT,
                 "skv__store_connect: timeout of %d ms is negative", timeout_ms);
-  skv_store_t *st = calloc(1, sizeof *st);
+  skv__store_t *st = calloc(1, sizeof *st);
   if (!st) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BOOT, "skv__store_connect: out of memory");
   pthread_mutex_init(&st->mu, NULL);
   st->fd = -1;
@@ -439,13 +439,13 @@ fail:
   return rc;
 }
 
-static void store_free(skv_store_t *st) {
+static void store_free(skv__store_t *st) {
   if (st->fd >= 0) close(st->fd);
   pthread_mutex_destroy(&st->mu);
   free(st);
 }
 
-static int store_close(skv_store_t *st, bool quiet) {
+static int store_close(skv__store_t *st, bool quiet) {
   if (!st) return 0;
   int rc = 0;
   pthread_mutex_lock(&st->mu);
@@ -477,31 +477,31 @@ static int store_close(skv_store_t *st, bool quiet) {
   return rc;
 }
 
-int skv__store_close(skv_store_t *st) {
+int skv__store_close(skv__store_t *st) {
   return store_close(st, false);
 }
 
-int skv__store_close_quiet(skv_store_t *st) {
+int skv__store_close_quiet(skv__store_t *st) {
   return store_close(st, true);
 }
 
-void skv__store_abort(skv_store_t *st) {
+void skv__store_abort(skv__store_t *st) {
   if (!st) return;
   store_free(st);
 }
 
-void skv__store_allgather_key(const skv_store_t *st, const char *name, char *buf, size_t cap) {
+void skv__store_allgather_key(const skv__store_t *st, const char *name, char *buf, size_t cap) {
   snprintf(buf, cap, "%s/%d", name, st->rank);
 }
 
-int skv__store_allgather_put(skv_store_t *st, const char *name, const void *in, size_t bytes) {
+int skv__store_allgather_put(skv__store_t *st, const char *name, const void *in, size_t bytes) {
   char key[SKV_BOOT_MAX_KEY + 16];
   skv__store_allgather_key(st, name, key, sizeof key);
   return skv__store_set(st, key, in, bytes);
 }
 
-void skv__store_put_failure(skv_store_t *st, const char *key, int rc) {
-  skv_step_result_t r;
+void skv__store_put_failure(skv__store_t *st, const char *key, int rc) {
+  skv__step_result_t r;
   memset(&r, 0, sizeof r);
   r.rc = rc;
   char saved[1024];
@@ -511,24 +511,24 @@ void skv__store_put_failure(skv_store_t *st, const char *key, int rc) {
   skv__error_restore(saved);
 }
 
-const char *skv__step_msg(skv_step_result_t *r) {
+const char *skv__step_msg(skv__step_result_t *r) {
   r->msg[sizeof r->msg - 1] = '\0';
   return r->msg[0] ? r->msg : skv_err_name(r->rc);
 }
 
-int skv__store_rank(const skv_store_t *st) {
+int skv__store_rank(const skv__store_t *st) {
   STORE_CHECK(st, "skv__store_rank");
   return st->rank;
 }
 
-int skv__store_nranks(const skv_store_t *st) {
+int skv__store_nranks(const skv__store_t *st) {
   STORE_CHECK(st, "skv__store_nranks");
   return st->nranks;
 }
 
 /* ---- operations ------------------------------------------------------------------------- */
 
-static int do_set(skv_store_t *st, const char *what, const char *key, const void *val, size_t len,
+static int do_set(skv__store_t *st, const char *what, const char *key, const void *val, size_t len,
                   int wait_ms) {
   SKV_CHECK(check_key(what, key));
   if (len > SKV_BOOT_MAX_VALUE)
@@ -546,14 +546,14 @@ static int do_set(skv_store_t *st, const char *what, const char *key, const void
   return call(st, what, &b, wait_ms, NULL, NULL);
 }
 
-int skv__store_set(skv_store_t *st, const char *key, const void *val, size_t len) {
+int skv__store_set(skv__store_t *st, const char *key, const void *val, size_t len) {
   char what[128];
   STORE_CHECK(st, "skv__store_set");
   return do_set(st, describe(what, sizeof what, "skv__store_set", key), key, val, len,
                 st->timeout_ms);
 }
 
-static int do_get(skv_store_t *st, const char *what, const char *key, void **val, size_t *len,
+static int do_get(skv__store_t *st, const char *what, const char *key, void **val, size_t *len,
                   int timeout_ms) {
   SKV_CHECK(check_key(what, key));
   SKV_CHECK(check_timeout(what, timeout_ms));
@@ -572,13 +572,13 @@ static int do_get(skv_store_t *st, const char *what, const char *key, void **val
   return 0;
 }
 
-int skv__store_get(skv_store_t *st, const char *key, void **val, size_t *len, int timeout_ms) {
+int skv__store_get(skv__store_t *st, const char *key, void **val, size_t *len, int timeout_ms) {
   char what[128];
   STORE_CHECK(st, "skv__store_get");
   return do_get(st, describe(what, sizeof what, "skv__store_get", key), key, val, len, timeout_ms);
 }
 
-int skv__store_try_get(skv_store_t *st, const char *key, void **val, size_t *len) {
+int skv__store_try_get(skv__store_t *st, const char *key, void **val, size_t *len) {
   char what[128];
   STORE_CHECK(st, "skv__store_try_get");
   describe(what, sizeof what, "skv__store_try_get", key);
@@ -611,7 +611,7 @@ int skv__store_try_get(skv_store_t *st, const char *key, void **val, size_t *len
   return 0;
 }
 
-static int do_add(skv_store_t *st, const char *what, const char *key, int64_t delta,
+static int do_add(skv__store_t *st, const char *what, const char *key, int64_t delta,
                   int64_t *result, int wait_ms) {
   SKV_CHECK(check_key(what, key));
   wbuf_t b = {0};
@@ -633,14 +633,14 @@ static int do_add(skv_store_t *st, const char *what, const char *key, int64_t de
   return rc;
 }
 
-int skv__store_add(skv_store_t *st, const char *key, int64_t delta, int64_t *result) {
+int skv__store_add(skv__store_t *st, const char *key, int64_t delta, int64_t *result) {
   char what[128];
   STORE_CHECK(st, "skv__store_add");
   return do_add(st, describe(what, sizeof what, "skv__store_add", key), key, delta, result,
                 st->timeout_ms);
 }
 
-int skv__store_wait(skv_store_t *st, const char *const *keys, size_t n, int timeout_ms) {
+int skv__store_wait(skv__store_t *st, const char *const *keys, size_t n, int timeout_ms) {
   char what[128];
   STORE_CHECK(st, "skv__store_wait");
   describe(what, sizeof what, "skv__store_wait", n && keys ? keys[0] : NULL);
@@ -667,7 +667,7 @@ int skv__store_wait(skv_store_t *st, const char *const *keys, size_t n, int time
   return call(st, what, &b, timeout_ms, NULL, NULL);
 }
 
-static int do_wait_ge(skv_store_t *st, const char *what, const char *key, int64_t target,
+static int do_wait_ge(skv__store_t *st, const char *what, const char *key, int64_t target,
                       int timeout_ms) {
   SKV_CHECK(check_key(what, key));
   SKV_CHECK(check_timeout(what, timeout_ms));
@@ -679,14 +679,14 @@ static int do_wait_ge(skv_store_t *st, const char *what, const char *key, int64_
   return call(st, what, &b, timeout_ms, NULL, NULL);
 }
 
-int skv__store_wait_ge(skv_store_t *st, const char *key, int64_t target, int timeout_ms) {
+int skv__store_wait_ge(skv__store_t *st, const char *key, int64_t target, int timeout_ms) {
   char what[128];
   STORE_CHECK(st, "skv__store_wait_ge");
   return do_wait_ge(st, describe(what, sizeof what, "skv__store_wait_ge", key), key, target,
                     timeout_ms);
 }
 
-int skv__store_check_dead(skv_store_t *st, const char *key) {
+int skv__store_check_dead(skv__store_t *st, const char *key) {
   char what[128];
   STORE_CHECK(st, "skv__store_check_dead");
   describe(what, sizeof what, "skv__store_check_dead", key);
@@ -710,7 +710,7 @@ int skv__store_check_dead(skv_store_t *st, const char *key) {
   return rc;
 }
 
-int skv__store_del(skv_store_t *st, const char *key) {
+int skv__store_del(skv__store_t *st, const char *key) {
   char what[128];
   STORE_CHECK(st, "skv__store_del");
   describe(what, sizeof what, "skv__store_del", key);
@@ -723,7 +723,7 @@ int skv__store_del(skv_store_t *st, const char *key) {
 
 /* ---- collectives ------------------------------------------------------------------------ */
 
-int skv__store_barrier(skv_store_t *st, const char *name, int timeout_ms) {
+int skv__store_barrier(skv__store_t *st, const char *name, int timeout_ms) {
   char what[128];
   STORE_CHECK(st, "skv__store_barrier");
   describe(what, sizeof what, "skv__store_barrier", name);
@@ -741,7 +741,7 @@ int skv__store_barrier(skv_store_t *st, const char *name, int timeout_ms) {
   return do_wait_ge(st, what, name, st->nranks, skv__ms_left(deadline));
 }
 
-int skv__store_allgather(skv_store_t *st, const char *name, const void *in, void *out, size_t bytes,
+int skv__store_allgather(skv__store_t *st, const char *name, const void *in, void *out, size_t bytes,
                          int timeout_ms) {
   char what[128], key[SKV_BOOT_MAX_KEY + 16];
   STORE_CHECK(st, "skv__store_allgather");

@@ -246,12 +246,12 @@ static bool rd_done(const rd_t *r) {
 /* ---- connections and the server ---------------------------------------------------------- */
 
 typedef struct conn conn_t;
-typedef struct skv_store_server skv_store_server_t;
+typedef struct skv__store_server skv__store_server_t;
 
 struct conn {
   uv_tcp_t tcp;
   uv_shutdown_t shutdown;
-  skv_store_server_t *srv;
+  skv__store_server_t *srv;
   conn_t *prev, *next;   /* srv->conns */
   conn_t *pprev, *pnext; /* srv->parked */
   conn_t *rprev, *rnext; /* srv->ready */
@@ -272,7 +272,7 @@ struct conn {
   uint32_t park_left; /* WAIT: keys not yet seen */
 };
 
-struct skv_store_server {
+struct skv__store_server {
   uv_loop_t loop;
   uv_tcp_t listener;
   uv_async_t async;
@@ -328,7 +328,7 @@ static const char *show_key(const uint8_t *k, size_t kl, char *buf, size_t cap) 
   return buf;
 }
 
-static void set_rank_state(skv_store_server_t *srv, int rank, rank_state_t st) {
+static void set_rank_state(skv__store_server_t *srv, int rank, rank_state_t st) {
   pthread_mutex_lock(&srv->mu);
   bool was_live = srv->rank_state[rank] == RANK_LIVE;
   srv->rank_state[rank] = (uint8_t)st;
@@ -339,7 +339,7 @@ static void set_rank_state(skv_store_server_t *srv, int rank, rank_state_t st) {
 }
 
 /* "; ranks not connected: 2, 5; ranks that left: 1" (empty when every rank is connected). */
-static void ranks_summary(skv_store_server_t *srv, char *buf, size_t cap) {
+static void ranks_summary(skv__store_server_t *srv, char *buf, size_t cap) {
   static const char *what[] = {"never connected", "", "left", "disconnected without leaving"};
   size_t o = 0;
   buf[0] = '\0';
@@ -425,7 +425,7 @@ static void reply_msg(conn_t *c, int32_t status, const char *msg) {
 
 static void on_timer(uv_timer_t *t);
 
-static void timer_want(skv_store_server_t *srv, uint64_t due) {
+static void timer_want(skv__store_server_t *srv, uint64_t due) {
   if (srv->shutting_down || due >= srv->timer_due) return;
   uint64_t now = uv_now(&srv->loop);
   srv->timer_due = due;
@@ -447,7 +447,7 @@ static void unpark(conn_t *c) {
 
 static void on_conn_closed(uv_handle_t *h) {
   conn_t *c = h->data;
-  skv_store_server_t *srv = c->srv;
+  skv__store_server_t *srv = c->srv;
   LIST_DEL(srv->conns, c, prev, next);
   srv->nconns--;
   free(c->in);
@@ -460,13 +460,13 @@ static void on_shutdown(uv_shutdown_t *req, int status) {
   if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_conn_closed);
 }
 
-static void mark_dead(skv_store_server_t *srv, int rank);
+static void mark_dead(skv__store_server_t *srv, int rank);
 
 /* Forget `c` as a rank and a parked request. When `after_write`, its queued replies are sent
  * first (uv_shutdown), else they are dropped. A rank that leaves without BYE is marked dead. */
 static void conn_close(conn_t *c, bool after_write) {
   if (c->closing) return;
-  skv_store_server_t *srv = c->srv;
+  skv__store_server_t *srv = c->srv;
   unpark(c);
   if (c->ready) {
     LIST_DEL(srv->ready, c, rprev, rnext);
@@ -489,7 +489,7 @@ static void conn_close(conn_t *c, bool after_write) {
   if (rank >= 0 && !c->said_bye && !srv->shutting_down) mark_dead(srv, rank);
 }
 
-static void mark_dead(skv_store_server_t *srv, int rank) {
+static void mark_dead(skv__store_server_t *srv, int rank) {
   if (srv->dead_rank < 0) {
     srv->dead_rank = rank;
     snprintf(srv->dead_msg, sizeof srv->dead_msg,
@@ -508,7 +508,7 @@ static void mark_dead(skv_store_server_t *srv, int rank) {
 
 /* Is the parked (or about to be parked) request of `c` answerable now? Answers it if so. */
 static bool try_complete(conn_t *c) {
-  skv_store_server_t *srv = c->srv;
+  skv__store_server_t *srv = c->srv;
   rd_t r = {c->park_frame, c->park_len, 0, false};
   size_t kl = 0;
   const uint8_t *k;
@@ -562,7 +562,7 @@ static bool try_complete(conn_t *c) {
 }
 
 /* A SET or ADD happened: answer the parked requests it satisfies. */
-static void wake_parked(skv_store_server_t *srv) {
+static void wake_parked(skv__store_server_t *srv) {
   conn_t *c = srv->parked;
   while (c) {
     conn_t *next = c->pnext;
@@ -572,7 +572,7 @@ static void wake_parked(skv_store_server_t *srv) {
 }
 
 static void timeout_reply(conn_t *c) {
-  skv_store_server_t *srv = c->srv;
+  skv__store_server_t *srv = c->srv;
   char msg[MSG_CAP], kb[96], ranks[256];
   rd_t r = {c->park_frame, c->park_len, 0, false};
   size_t kl = 0;
@@ -606,10 +606,10 @@ static void timeout_reply(conn_t *c) {
   reply_msg(c, SKV_ETIMEDOUT, msg);
 }
 
-static void drain(skv_store_server_t *srv);
+static void drain(skv__store_server_t *srv);
 
 static void on_timer(uv_timer_t *t) {
-  skv_store_server_t *srv = t->data;
+  skv__store_server_t *srv = t->data;
   uint64_t now = uv_now(&srv->loop), next = UINT64_MAX;
   srv->timer_due = UINT64_MAX;
   for (conn_t *c = srv->conns; c; c = c->next) {
@@ -641,7 +641,7 @@ static void on_timer(uv_timer_t *t) {
 }
 
 static void park(conn_t *c, uint8_t op, int32_t timeout, const uint8_t *p, size_t n) {
-  skv_store_server_t *srv = c->srv;
+  skv__store_server_t *srv = c->srv;
   c->park_frame = malloc(n);
   if (!c->park_frame) {
     reply_msg(c, SKV_ENOMEM, "the store server is out of memory for a waiting request");
@@ -692,7 +692,7 @@ static void protocol_error(conn_t *c, const char *what) {
 
 /* HELLO {u32 version, i32 rank, i32 nranks, token}. */
 static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
-  skv_store_server_t *srv = c->srv;
+  skv__store_server_t *srv = c->srv;
   char msg[MSG_CAP];
   if (p[0] != OP_HELLO) {
     char what[64];
@@ -771,7 +771,7 @@ static bool timeout_ok(conn_t *c, int32_t t) {
 }
 
 static void handle_frame(conn_t *c, const uint8_t *p, size_t n) {
-  skv_store_server_t *srv = c->srv;
+  skv__store_server_t *srv = c->srv;
   if (!c->said_hello) {
     handle_hello(c, p, n);
     return;
@@ -940,7 +940,7 @@ static void process_input(conn_t *c) {
   }
 }
 
-static void drain(skv_store_server_t *srv) {
+static void drain(skv__store_server_t *srv) {
   while (srv->ready) {
     conn_t *c = srv->ready;
     LIST_DEL(srv->ready, c, rprev, rnext);
@@ -972,7 +972,7 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   conn_t *c = s->data;
-  skv_store_server_t *srv = c->srv;
+  skv__store_server_t *srv = c->srv;
   if (c->closing) return;
   if (nread < 0) {
     if (c->said_hello && !c->said_bye)
@@ -1014,7 +1014,7 @@ static void peer_name(uv_tcp_t *t, char *buf, size_t cap) {
 }
 
 static void on_connection(uv_stream_t *server, int status) {
-  skv_store_server_t *srv = server->data;
+  skv__store_server_t *srv = server->data;
   if (status < 0) {
     SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: accepting a connection failed: %s",
              uv_strerror(status));
@@ -1059,7 +1059,7 @@ static void on_connection(uv_stream_t *server, int status) {
 /* ---- start and stop --------------------------------------------------------------------- */
 
 static void on_async(uv_async_t *a) {
-  skv_store_server_t *srv = a->data;
+  skv__store_server_t *srv = a->data;
   pthread_mutex_lock(&srv->mu);
   bool stop = srv->stop;
   pthread_mutex_unlock(&srv->mu);
@@ -1075,12 +1075,12 @@ static void on_async(uv_async_t *a) {
 }
 
 static void *server_main(void *arg) {
-  skv_store_server_t *srv = arg;
+  skv__store_server_t *srv = arg;
   uv_run(&srv->loop, UV_RUN_DEFAULT);
   return NULL;
 }
 
-static void server_free(skv_store_server_t *srv) {
+static void server_free(skv__store_server_t *srv) {
   if (srv->loop_ready) {
     /* Handles still open (start failed half-way): close them and let the loop finish. */
     if (!srv->thread_started) {
@@ -1146,7 +1146,7 @@ static int listen_socket(const char *bind_addr, int port, int *fd_out) {
 }
 
 int skv__store_server_start(const char *bind_addr, int port, const char *token, int nranks,
-                            skv_store_server_t **out) {
+                            skv__store_server_t **out) {
   SKV_ARG_CHECK(out, SKV_SUBSYS_BOOT, "skv__store_server_start: out is NULL");
   *out = NULL;
   SKV_ARG_CHECK(port >= 0 && port <= 65535, SKV_SUBSYS_BOOT,
@@ -1156,7 +1156,7 @@ int skv__store_server_start(const char *bind_addr, int port, const char *token, 
   SKV_ARG_CHECK(nranks >= 1 && nranks <= MAX_RANKS, SKV_SUBSYS_BOOT,
                 "skv__store_server_start: nranks %d is not in 1..%d", nranks, MAX_RANKS);
   if (!bind_addr || !*bind_addr) bind_addr = "127.0.0.1";
-  skv_store_server_t *srv = calloc(1, sizeof *srv);
+  skv__store_server_t *srv = calloc(1, sizeof *srv);
   if (!srv) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BOOT, "bootstrap store: out of memory");
   pthread_mutex_init(&srv->mu, NULL);
   pthread_condattr_t ca;
@@ -1230,12 +1230,12 @@ fail:
   return rc;
 }
 
-int skv__store_server_port(const skv_store_server_t *srv) {
+int skv__store_server_port(const skv__store_server_t *srv) {
   SKV_ARG_CHECK(srv, SKV_SUBSYS_BOOT, "skv__store_server_port: server is NULL");
   return srv->port;
 }
 
-static int server_stop(skv_store_server_t *srv, int timeout_ms, bool quiet) {
+static int server_stop(skv__store_server_t *srv, int timeout_ms, bool quiet) {
   if (!srv) return 0;
   if (timeout_ms < 0) timeout_ms = 0;
   const struct timespec ts = skv__ts_at(skv__now_ns() + (uint64_t)timeout_ms * 1000000u);
@@ -1274,10 +1274,10 @@ static int server_stop(skv_store_server_t *srv, int timeout_ms, bool quiet) {
   return 0;
 }
 
-int skv__store_server_stop(skv_store_server_t *srv, int timeout_ms) {
+int skv__store_server_stop(skv__store_server_t *srv, int timeout_ms) {
   return server_stop(srv, timeout_ms, false);
 }
 
-int skv__store_server_stop_quiet(skv_store_server_t *srv, int timeout_ms) {
+int skv__store_server_stop_quiet(skv__store_server_t *srv, int timeout_ms) {
   return server_stop(srv, timeout_ms, true);
 }

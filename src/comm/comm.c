@@ -133,7 +133,7 @@ static const struct {
     {8, 64ull << 10, 2ull << 20},
 };
 
-static int env_bytes(skv_env_id_t id, uint64_t *v) {
+static int env_bytes(skv__env_id_t id, uint64_t *v) {
   const char *name = skv__env_name(id);
   const char *s = skv__env(id);
   if (!s || !*s) return 0;
@@ -330,16 +330,16 @@ int skv_comm_destroy(skv_comm_t *comm) {
   return rc ? rc : rc2;
 }
 
-skv_heap_t *skv_comm_heap(const skv_comm_t *comm) {
+skv_heap_t *skv_comm_get_heap(const skv_comm_t *comm) {
   if (!comm) {
-    SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_COMM, "skv_comm_heap: comm is NULL");
+    SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_COMM, "skv_comm_get_heap: comm is NULL");
     return NULL;
   }
   return comm->heap;
 }
 
-int skv_comm_signal_slots(const skv_comm_t *comm) {
-  SKV_ARG_CHECK(comm, SKV_SUBSYS_COMM, "skv_comm_signal_slots: comm is NULL");
+int skv_comm_get_signal_slots(const skv_comm_t *comm) {
+  SKV_ARG_CHECK(comm, SKV_SUBSYS_COMM, "skv_comm_get_signal_slots: comm is NULL");
   return (int)comm->user_slots;
 }
 
@@ -496,7 +496,7 @@ static int host_timeout(skv_comm_t *c, const char *what, int channel, uint64_t e
   __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
   return SKV_FAIL(
       SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
-      "skv_allreduce (%s, channel %d, epoch %" PRIu64 "): PE %d did not deliver vector %" PRIu64
+      "skv_comm_allreduce (%s, channel %d, epoch %" PRIu64 "): PE %d did not deliver vector %" PRIu64
       " within %d ms; is it alive and making the same calls (count, dtype, channel)? The comm is "
       "unusable now: destroy it on every PE",
       what, channel, epoch, peer, v, c->ctx->cfg.timeout_ms);
@@ -648,10 +648,10 @@ static int host_barrier(skv_comm_t *c, int ch) {
       if (!host_keep_waiting(&w)) {
         __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
         return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
-                        "skv_barrier (channel %d, epoch %" PRIu64
+                        "skv_comm_barrier (channel %d, epoch %" PRIu64
                         "): PE %d did not arrive within %d ms (its flag "
                         "reads %" PRIu64
-                        "); is it alive and calling skv_barrier on the same channel? The comm is "
+                        "); is it alive and calling skv_comm_barrier on the same channel? The comm is "
                         "unusable now: destroy it on every PE",
                         ch, e, q, c->ctx->cfg.timeout_ms, have);
       }
@@ -668,7 +668,7 @@ static int host_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value) {
   while (!cmp_true(have = __atomic_load_n(s, __ATOMIC_ACQUIRE), cmp, value)) {
     if (!host_keep_waiting(&w))
       return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
-                      "skv_wait: slot %u still reads %" PRIu64
+                      "skv_comm_wait: slot %u still reads %" PRIu64
                       " after %d ms, waiting for %s %" PRIu64
                       "; did the peer that should signal it run?",
                       slot, have, c->ctx->cfg.timeout_ms, cmp_name(cmp), value);
@@ -689,29 +689,29 @@ static int host_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value) {
           fn);                                                                                \
   } while (0)
 
-int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int dtype, int op,
+int skv_comm_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int dtype, int op,
                   int algo, int channel, void *stream) {
-  COMM_CHECK(comm, "skv_allreduce");
+  COMM_CHECK(comm, "skv_comm_allreduce");
   uint32_t es = skv__dtype_size(dtype);
   SKV_ARG_CHECK(es != 0, SKV_SUBSYS_COMM,
-                "skv_allreduce: dtype %d is not SKV_DTYPE_BF16, _FP16 or _FP32", dtype);
+                "skv_comm_allreduce: dtype %d is not SKV_DTYPE_BF16, _FP16 or _FP32", dtype);
   SKV_ARG_CHECK(op >= SKV_OP_SUM && op <= SKV_OP_MIN, SKV_SUBSYS_COMM,
-                "skv_allreduce: op %d is not SKV_OP_SUM, _MAX or _MIN", op);
+                "skv_comm_allreduce: op %d is not SKV_OP_SUM, _MAX or _MIN", op);
   SKV_ARG_CHECK(algo >= SKV_ALGO_AUTO && algo <= SKV_ALGO_NCCL, SKV_SUBSYS_COMM,
-                "skv_allreduce: algo %d is not SKV_ALGO_AUTO, _ONESHOT, _TWOSHOT or _NCCL", algo);
+                "skv_comm_allreduce: algo %d is not SKV_ALGO_AUTO, _ONESHOT, _TWOSHOT or _NCCL", algo);
   SKV_ARG_CHECK(channel >= 0 && (uint32_t)channel < comm->channels, SKV_SUBSYS_COMM,
-                "skv_allreduce: channel %d is not in 0..%u (opts.channels)", channel,
+                "skv_comm_allreduce: channel %d is not in 0..%u (opts.channels)", channel,
                 comm->channels - 1);
-  SKV_ARG_CHECK(count > 0, SKV_SUBSYS_COMM, "skv_allreduce: count is 0");
+  SKV_ARG_CHECK(count > 0, SKV_SUBSYS_COMM, "skv_comm_allreduce: count is 0");
   SKV_ARG_CHECK(count <= (UINT64_MAX >> 8) / es, SKV_SUBSYS_COMM,
-                "skv_allreduce: count %zu times the element size overflows", count);
-  SKV_ARG_CHECK(in && out, SKV_SUBSYS_COMM, "skv_allreduce: in (%p) and out (%p) must be non-NULL",
+                "skv_comm_allreduce: count %zu times the element size overflows", count);
+  SKV_ARG_CHECK(in && out, SKV_SUBSYS_COMM, "skv_comm_allreduce: in (%p) and out (%p) must be non-NULL",
                 in, out);
   uint64_t bytes = (uint64_t)count * es;
   if (algo == SKV_ALGO_AUTO) algo = skv__comm_choose(comm, bytes);
   if (algo == SKV_ALGO_NCCL && !comm->has_nccl)
     return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_COMM,
-                    "skv_allreduce: SKV_ALGO_NCCL needs the CUDA backend with an NCCL "
+                    "skv_comm_allreduce: SKV_ALGO_NCCL needs the CUDA backend with an NCCL "
                     "communicator; this comm has "
                     "none (%s)",
                     comm->backend == SKV_BACKEND_HOST ? "host backend"
@@ -720,14 +720,14 @@ int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int
                         : "libnccl.so.2 missing, or PEs share a GPU; see the INFO log");
   if (algo != SKV_ALGO_NCCL && bytes > comm->max_bytes)
     return SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_COMM,
-                    "skv_allreduce: %" PRIu64 " bytes exceed the comm's max_bytes (%" PRIu64
+                    "skv_comm_allreduce: %" PRIu64 " bytes exceed the comm's max_bytes (%" PRIu64
                     ") for the symmetric algorithms; raise opts.max_bytes%s",
                     bytes, comm->max_bytes, comm->has_nccl ? " or use SKV_ALGO_NCCL / AUTO" : "");
   SKV_TRACE(SKV_SUBSYS_COMM, "allreduce %zu x %s %s, %s, channel %d", count, skv__dtype_name(dtype),
             skv__op_name(op), skv__algo_name(algo), channel);
   if (comm->backend == SKV_BACKEND_HOST) {
     SKV_ARG_CHECK(stream == NULL, SKV_SUBSYS_COMM,
-                  "skv_allreduce: the host backend is synchronous, stream must be NULL (got %p)",
+                  "skv_comm_allreduce: the host backend is synchronous, stream must be NULL (got %p)",
                   stream);
     return host_allreduce(comm, in, out, count, dtype, op, algo, channel);
   }
@@ -735,22 +735,22 @@ int skv_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count, int
   return skv__comm_cuda_allreduce(comm, in, out, count, dtype, op, algo, channel, stream);
 #else
   return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_COMM,
-                  "skv_allreduce: CUDA comm in a build without CUDA");
+                  "skv_comm_allreduce: CUDA comm in a build without CUDA");
 #endif
 }
 
-int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op, void *stream) {
-  COMM_CHECK(comm, "skv_signal");
-  SKV_ARG_CHECK(pe >= 0 && pe < comm->npes, SKV_SUBSYS_COMM, "skv_signal: pe %d is not in 0..%d",
+int skv_comm_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op, void *stream) {
+  COMM_CHECK(comm, "skv_comm_signal");
+  SKV_ARG_CHECK(pe >= 0 && pe < comm->npes, SKV_SUBSYS_COMM, "skv_comm_signal: pe %d is not in 0..%d",
                 pe, comm->npes - 1);
   SKV_ARG_CHECK(slot < comm->user_slots, SKV_SUBSYS_COMM,
-                "skv_signal: slot %u is not below skv_comm_signal_slots() = %u", slot,
+                "skv_comm_signal: slot %u is not below skv_comm_get_signal_slots() = %u", slot,
                 comm->user_slots);
   SKV_ARG_CHECK(op == SKV_SIGNAL_SET || op == SKV_SIGNAL_ADD, SKV_SUBSYS_COMM,
-                "skv_signal: op %d is not SKV_SIGNAL_SET or SKV_SIGNAL_ADD", op);
+                "skv_comm_signal: op %d is not SKV_SIGNAL_SET or SKV_SIGNAL_ADD", op);
   if (comm->backend == SKV_BACKEND_HOST) {
     SKV_ARG_CHECK(stream == NULL, SKV_SUBSYS_COMM,
-                  "skv_signal: the host backend is synchronous, stream must be NULL");
+                  "skv_comm_signal: the host backend is synchronous, stream must be NULL");
     uint64_t *s = host_slot(comm, pe, comm->heap->info.signal_offset + (uint64_t)slot * 8u);
     if (op == SKV_SIGNAL_SET)
       __atomic_store_n(s, value, __ATOMIC_SEQ_CST);
@@ -765,16 +765,16 @@ int skv_signal(skv_comm_t *comm, int pe, uint32_t slot, uint64_t value, int op, 
 #endif
 }
 
-int skv_wait(skv_comm_t *comm, uint32_t slot, int cmp, uint64_t value, void *stream) {
-  COMM_CHECK(comm, "skv_wait");
+int skv_comm_wait(skv_comm_t *comm, uint32_t slot, int cmp, uint64_t value, void *stream) {
+  COMM_CHECK(comm, "skv_comm_wait");
   SKV_ARG_CHECK(slot < comm->user_slots, SKV_SUBSYS_COMM,
-                "skv_wait: slot %u is not below skv_comm_signal_slots() = %u", slot,
+                "skv_comm_wait: slot %u is not below skv_comm_get_signal_slots() = %u", slot,
                 comm->user_slots);
   SKV_ARG_CHECK(cmp >= SKV_CMP_EQ && cmp <= SKV_CMP_LE, SKV_SUBSYS_COMM,
-                "skv_wait: cmp %d is not one of SKV_CMP_EQ, _NE, _GE, _GT, _LT, _LE", cmp);
+                "skv_comm_wait: cmp %d is not one of SKV_CMP_EQ, _NE, _GE, _GT, _LT, _LE", cmp);
   if (comm->backend == SKV_BACKEND_HOST) {
     SKV_ARG_CHECK(stream == NULL, SKV_SUBSYS_COMM,
-                  "skv_wait: the host backend is synchronous, stream must be NULL");
+                  "skv_comm_wait: the host backend is synchronous, stream must be NULL");
     return host_wait(comm, slot, cmp, value);
   }
 #ifdef SKV_WITH_CUDA
@@ -784,14 +784,14 @@ int skv_wait(skv_comm_t *comm, uint32_t slot, int cmp, uint64_t value, void *str
 #endif
 }
 
-int skv_barrier(skv_comm_t *comm, int channel, void *stream) {
-  COMM_CHECK(comm, "skv_barrier");
+int skv_comm_barrier(skv_comm_t *comm, int channel, void *stream) {
+  COMM_CHECK(comm, "skv_comm_barrier");
   SKV_ARG_CHECK(channel >= 0 && (uint32_t)channel < comm->channels, SKV_SUBSYS_COMM,
-                "skv_barrier: channel %d is not in 0..%u (opts.channels)", channel,
+                "skv_comm_barrier: channel %d is not in 0..%u (opts.channels)", channel,
                 comm->channels - 1);
   if (comm->backend == SKV_BACKEND_HOST) {
     SKV_ARG_CHECK(stream == NULL, SKV_SUBSYS_COMM,
-                  "skv_barrier: the host backend is synchronous, stream must be NULL");
+                  "skv_comm_barrier: the host backend is synchronous, stream must be NULL");
     return host_barrier(comm, channel);
   }
 #ifdef SKV_WITH_CUDA

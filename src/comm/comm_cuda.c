@@ -429,7 +429,7 @@ int skv__comm_cuda_check(skv_comm_t *c) {
   switch (e->kind) {
   case SKV__ERR_ALLREDUCE:
     snprintf(what, sizeof what,
-             "skv_allreduce (%s, channel %d, epoch %" PRIu64
+             "skv_comm_allreduce (%s, channel %d, epoch %" PRIu64
              "): PE %d did not deliver vector %" PRIu64 " (waited %.0f ms, timeout %d ms)",
              e->phase == 1   ? "one-shot"
              : e->phase == 2 ? "two-shot reduce-scatter"
@@ -438,13 +438,13 @@ int skv__comm_cuda_check(skv_comm_t *c) {
     break;
   case SKV__ERR_BARRIER:
     snprintf(what, sizeof what,
-             "skv_barrier (channel %d, epoch %" PRIu64
+             "skv_comm_barrier (channel %d, epoch %" PRIu64
              "): PE %d did not arrive (its flag reads %" PRIu64 "; waited %.0f ms, timeout %d ms)",
              e->channel, e->epoch, e->peer, e->observed, waited, to);
     break;
   default:
     snprintf(what, sizeof what,
-             "skv_wait: slot %" PRIu64 " still read %" PRIu64 ", waiting for %s %" PRIu64
+             "skv_comm_wait: slot %" PRIu64 " still read %" PRIu64 ", waiting for %s %" PRIu64
              " (waited %.0f ms, "
              "timeout %d ms); did the peer that should signal it run?",
              e->slot, e->observed, cmp_text(e->cmp), e->value, waited, to);

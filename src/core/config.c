@@ -15,7 +15,7 @@ typedef struct field {
   size_t offset;
   int type;
   long long lo, hi; /* allowed range besides the "unset" value -1 (ints) */
-  skv_env_id_t env;
+  skv__env_id_t env;
 } field_t;
 
 #define FIELD(n, t, lo, hi, env) \
@@ -239,7 +239,7 @@ static int resolve_int(const skv_config_t *cfg, const char *name, long long def,
   return 0;
 }
 
-static const char *resolve_str(const skv_config_t *cfg, const char *name, skv_env_id_t env) {
+static const char *resolve_str(const skv_config_t *cfg, const char *name, skv__env_id_t env) {
   const field_t *f = NULL;
   for (size_t i = 0; i < SKV_ARRAY_LEN(fields) && !f; i++)
     if (strcmp(fields[i].name, name) == 0) f = &fields[i];
@@ -248,7 +248,7 @@ static const char *resolve_str(const skv_config_t *cfg, const char *name, skv_en
   return s ? s : skv__env(env);
 }
 
-int skv__config_resolve(const skv_config_t *cfg, skv_cfg_resolved_t *out) {
+int skv__config_resolve(const skv_config_t *cfg, skv__cfg_resolved_t *out) {
   if (cfg) SKV_CHECK(skv_config_validate(cfg));
   memset(out, 0, sizeof *out);
   SKV_CHECK(resolve_int(cfg, "world_size", -1, &out->world_size));

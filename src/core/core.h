@@ -155,19 +155,19 @@ static inline bool skv__log_on(int level, unsigned subsys) {
       "SKV_WITH_TORCH", "SKV_WITH_PYTHON_DEPS"
 
 /* clang-format off */
-typedef enum skv_env_id {
+typedef enum skv__env_id {
 #define SKV__ENV_ENUM(name, def, range, doc) SKV_ENV_##name,
   SKV_ENV_MAP(SKV__ENV_ENUM)
 #undef SKV__ENV_ENUM
   SKV_ENV_COUNT
-} skv_env_id_t;
+} skv__env_id_t;
 /* clang-format on */
 
 /* Value of SKV_<name> as read at first use, or NULL when unset or empty. */
-const char *skv__env(skv_env_id_t id);
+const char *skv__env(skv__env_id_t id);
 /* Parse an integer parameter; `def` when unset. Bad values fail naming the variable. */
-int skv__env_int(skv_env_id_t id, long long lo, long long hi, long long def, long long *out);
-const char *skv__env_name(skv_env_id_t id);
+int skv__env_int(skv__env_id_t id, long long lo, long long hi, long long def, long long *out);
+const char *skv__env_name(skv__env_id_t id);
 /* Log the SKV_* variables that are set (INFO) and warn about unknown SKV_* names; the first
  * call of the process does it, later calls nothing. skv_init calls it. */
 void skv__env_report(void);
@@ -177,15 +177,15 @@ void skv__env_reload(void);
 /* ---- config.c ----------------------------------------------------------------------------- */
 
 /* A configuration with the environment and defaults applied, every field checked. */
-typedef struct skv_cfg_resolved {
+typedef struct skv__cfg_resolved {
   int rank, world_size, local_rank, local_size, timeout_ms, device;
   char host[256];      /* bootstrap host (rank 0's store) */
   int port;            /* bootstrap port */
   char token[129];     /* shared token */
   char bind_addr[256]; /* where rank 0 listens */
-} skv_cfg_resolved_t;
+} skv__cfg_resolved_t;
 
-int skv__config_resolve(const skv_config_t *cfg, skv_cfg_resolved_t *out);
+int skv__config_resolve(const skv_config_t *cfg, skv__cfg_resolved_t *out);
 /* Parse "tcp://HOST:PORT" (HOST may be [IPv6]); `what` names the source in errors. */
 int skv__parse_bootstrap(const char *addr, const char *what, char *host, size_t hcap, int *port);
 

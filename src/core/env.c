@@ -29,17 +29,17 @@ static void env_load(void) {
   }
 }
 
-const char *skv__env(skv_env_id_t id) {
+const char *skv__env(skv__env_id_t id) {
   pthread_once(&env_once, env_load);
   if ((unsigned)id >= SKV_ENV_COUNT) return NULL;
   return env_values[id];
 }
 
-const char *skv__env_name(skv_env_id_t id) {
+const char *skv__env_name(skv__env_id_t id) {
   return (unsigned)id < SKV_ENV_COUNT ? env_names[id] : "SKV_?";
 }
 
-int skv__env_int(skv_env_id_t id, long long lo, long long hi, long long def, long long *out) {
+int skv__env_int(skv__env_id_t id, long long lo, long long hi, long long def, long long *out) {
   const char *v = skv__env(id);
   if (!v) {
     *out = def;
@@ -58,7 +58,7 @@ void skv__env_report(void) {
   pthread_mutex_unlock(&env_mu);
   if (!first) return;
   for (int i = 0; i < SKV_ENV_COUNT; i++) {
-    const char *v = skv__env((skv_env_id_t)i);
+    const char *v = skv__env((skv__env_id_t)i);
     if (!v) continue;
     if (i == SKV_ENV_TOKEN || i == SKV_ENV_HASH_SECRET)
       SKV_INFO(SKV_SUBSYS_INIT, "%s set (%zu characters, not shown)", env_names[i], strlen(v));

@@ -170,7 +170,7 @@ int skv_log_set_level(int level, unsigned int subsys_mask) {
   return 0;
 }
 
-void skv_log_message(int level, unsigned int subsys, const char *msg) {
+void skv_log_write(int level, unsigned int subsys, const char *msg) {
   if (level < SKV_LOG_WARN || level > SKV_LOG_TRACE || !msg) return;
   if (skv__log_on(level, subsys ? subsys : SKV_SUBSYS_ALL))
     skv__log(level, subsys ? subsys : SKV_SUBSYS_ALL, NULL, 0, "%s", msg);

@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
-skv_cu_api_t skv__cu;
+skv__cu_api_t skv__cu;
 static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
 static int cu_status;
 static char cu_msg[512];
@@ -79,8 +79,8 @@ int skv__cuda_capturing(void *stream, bool *capturing) {
   return 0;
 }
 
-int skv_ctx_device(skv_ctx_t *ctx) {
-  if (!ctx) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_HEAP, "skv_ctx_device: ctx is NULL");
+int skv_ctx_get_device(skv_ctx_t *ctx) {
+  if (!ctx) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_HEAP, "skv_ctx_get_device: ctx is NULL");
   SKV_CHECK(skv__cuda_use(ctx));
   return ctx->device;
 }

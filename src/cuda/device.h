@@ -11,13 +11,13 @@
 #include <cuda_runtime_api.h>
 
 /* Driver API functions symkv uses; NULL until skv__cuda_driver() succeeded. */
-typedef struct skv_cu_api {
+typedef struct skv__cu_api {
 #define SKV_CU_FN(name, ret, args) ret(CUDAAPI *name) args;
 #include "cuda/driver_fns.h"
 #undef SKV_CU_FN
-} skv_cu_api_t;
+} skv__cu_api_t;
 
-extern skv_cu_api_t skv__cu;
+extern skv__cu_api_t skv__cu;
 
 /* Resolve the driver API entry points once. SKV_ENOTSUP with a clear message when the driver
  * or a GPU is missing. */

@@ -47,7 +47,7 @@ static void heap_forget_keys(const skv_heap_t *heap, const char *const *steps, i
   }
 }
 
-static const skv_heap_backend_t *backend_of(int backend) {
+static const skv__heap_backend_t *backend_of(int backend) {
   switch (backend) {
   case SKV_BACKEND_HOST:
     return &skv__heap_host;
@@ -79,7 +79,7 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
       SKV_SUBSYS_HEAP,
       "skv_heap_create: opts.size=%zu / opts.version=%u: initialise with SKV_HEAP_OPTS_INIT",
       opts->size, opts->version);
-  const skv_heap_backend_t *be = backend_of(opts->backend);
+  const skv__heap_backend_t *be = backend_of(opts->backend);
   if (!be) {
     if (opts->backend == SKV_BACKEND_CUDA || opts->backend == SKV_BACKEND_CUDA_HOST)
       return SKV_FAIL(
@@ -158,19 +158,19 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
   return 0;
 }
 
-void *skv_heap_ptr(const skv_heap_t *heap, int pe, uint64_t offset) {
+void *skv_heap_get_ptr(const skv_heap_t *heap, int pe, uint64_t offset) {
   if (!heap) {
-    SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_HEAP, "skv_heap_ptr: heap is NULL");
+    SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_HEAP, "skv_heap_get_ptr: heap is NULL");
     return NULL;
   }
   if (pe < 0 || pe >= heap->info.npes) {
-    SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_HEAP, "skv_heap_ptr: PE %d is not in 0..%d", pe,
+    SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_HEAP, "skv_heap_get_ptr: PE %d is not in 0..%d", pe,
              heap->info.npes - 1);
     return NULL;
   }
   if (offset >= heap->info.segment_bytes) {
     SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_HEAP,
-             "skv_heap_ptr: offset %" PRIu64 " is beyond the %" PRIu64 "-byte segment", offset,
+             "skv_heap_get_ptr: offset %" PRIu64 " is beyond the %" PRIu64 "-byte segment", offset,
              heap->info.segment_bytes);
     return NULL;
   }

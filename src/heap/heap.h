@@ -6,18 +6,18 @@
 #include "bootstrap/ctx.h"
 #include "core/core.h"
 
-typedef struct skv_heap_backend skv_heap_backend_t;
+typedef struct skv__heap_backend skv__heap_backend_t;
 
 struct skv_heap {
   skv_ctx_t *ctx;
-  const skv_heap_backend_t *be;
+  const skv__heap_backend_t *be;
   skv_heap_info_t info; /* layout, base, stride, npes, my_pe */
   uint64_t seq;         /* collective sequence number it was created under */
   char name[96];        /* unique name (store keys, fd exchange tag) */
   void *impl;           /* backend state */
 };
 
-struct skv_heap_backend {
+struct skv__heap_backend {
   const char *name;
   /* Alignment of segments and of the stride. */
   uint64_t (*granularity)(skv_heap_t *heap);
@@ -31,10 +31,10 @@ struct skv_heap_backend {
   int (*destroy)(skv_heap_t *heap);
 };
 
-extern const skv_heap_backend_t skv__heap_host;
+extern const skv__heap_backend_t skv__heap_host;
 #ifdef SKV_WITH_CUDA
-extern const skv_heap_backend_t skv__heap_cuda;
-extern const skv_heap_backend_t skv__heap_cuda_host;
+extern const skv__heap_backend_t skv__heap_cuda;
+extern const skv__heap_backend_t skv__heap_cuda_host;
 #endif
 
 const char *skv__backend_name(int backend);

@@ -226,7 +226,7 @@ static int cuda_destroy(skv_heap_t *heap) {
   return rc;
 }
 
-const skv_heap_backend_t skv__heap_cuda = {
+const skv__heap_backend_t skv__heap_cuda = {
     .name = "cuda",
     .granularity = cuda_granularity,
     .create = cuda_create,
@@ -235,7 +235,7 @@ const skv_heap_backend_t skv__heap_cuda = {
 
 /* ---- cuda_host: host memfd segments registered with the GPU ----------------------------- */
 
-extern const skv_heap_backend_t skv__heap_host;
+extern const skv__heap_backend_t skv__heap_host;
 
 static int cuda_host_create(skv_heap_t *heap) {
   int rc = skv__cuda_use(heap->ctx);
@@ -281,7 +281,7 @@ static uint64_t cuda_host_granularity(skv_heap_t *heap) {
   return skv__heap_host.granularity(heap);
 }
 
-const skv_heap_backend_t skv__heap_cuda_host = {
+const skv__heap_backend_t skv__heap_cuda_host = {
     .name = "cuda_host",
     .granularity = cuda_host_granularity,
     .create = cuda_host_create,

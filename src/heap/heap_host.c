@@ -112,7 +112,7 @@ static int host_destroy(skv_heap_t *heap) {
   return rc;
 }
 
-const skv_heap_backend_t skv__heap_host = {
+const skv__heap_backend_t skv__heap_host = {
     .name = "host",
     .granularity = host_granularity,
     .create = host_create,

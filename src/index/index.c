@@ -14,7 +14,7 @@ static inline unsigned __int128 k128(skv_key_t k) {
 static const unsigned __int128 K_EMPTY = 0;
 static const unsigned __int128 K_TOMB = 1;
 
-static inline bool cas_key(skv_index_slot_t *s, unsigned __int128 old, unsigned __int128 new_) {
+static inline bool cas_key(skv__index_slot_t *s, unsigned __int128 old, unsigned __int128 new_) {
   return __sync_bool_compare_and_swap(&s->key.w, old, new_);
 }
 
@@ -29,23 +29,23 @@ static inline void st_rel(uint64_t *p, uint64_t v) {
 }
 
 uint64_t skv__index_shard_bytes(uint64_t slots_per_shard) {
-  return sizeof(skv_index_shard_hdr_t) + slots_per_shard * sizeof(skv_index_slot_t);
+  return sizeof(skv__index_shard_hdr_t) + slots_per_shard * sizeof(skv__index_slot_t);
 }
 
-void skv__index_bind(skv_index_t *ix, int nshards, uint64_t slots_per_shard, void *const *shard_mem,
-                     skv_index_alive_fn alive, void *alive_arg) {
+void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard, void *const *shard_mem,
+                     skv__index_alive_fn alive, void *alive_arg) {
   ix->nshards = nshards;
   ix->slots_per_shard = slots_per_shard;
   ix->alive = alive;
   ix->alive_arg = alive_arg;
   for (int i = 0; i < nshards; i++) {
     ix->hdr[i] = shard_mem[i];
-    ix->slots[i] = (skv_index_slot_t *)((char *)shard_mem[i] + sizeof(skv_index_shard_hdr_t));
+    ix->slots[i] = (skv__index_slot_t *)((char *)shard_mem[i] + sizeof(skv__index_shard_hdr_t));
   }
 }
 
 /* The shard comes from the high bits of hi, the home slot from lo: independent bits. */
-static inline int shard_of(const skv_index_t *ix, skv_key_t k) {
+static inline int shard_of(const skv__index_t *ix, skv_key_t k) {
   return (int)((k.hi >> 32) % (uint64_t)ix->nshards);
 }
 
@@ -55,20 +55,20 @@ static inline int shard_of(const skv_index_t *ix, skv_key_t k) {
  * tombstone. A claim in flight has no ticket yet, so treating it as someone else's occupied
  * slot is safe everywhere (it will lose to any copy that exists now). */
 enum { SLOT_EMPTY, SLOT_TOMB, SLOT_CLAIMING, SLOT_KEY };
-static inline int read_key(const skv_index_slot_t *s, uint64_t *hi, uint64_t *lo) {
+static inline int read_key(const skv__index_slot_t *s, uint64_t *hi, uint64_t *lo) {
   *hi = ld_acq(&s->key.p.hi);
   *lo = ld_acq(&s->key.p.lo);
   if (*hi != EMPTY_HI) return SLOT_KEY;
   return *lo == 0 ? SLOT_EMPTY : *lo == TOMB_LO ? SLOT_TOMB : SLOT_CLAIMING;
 }
 
-int skv__index_lookup(const skv_index_t *ix, skv_key_t key, uint64_t *val) {
+int skv__index_lookup(const skv__index_t *ix, skv_key_t key, uint64_t *val) {
   int sh = shard_of(ix, key);
-  skv_index_slot_t *slots = ix->slots[sh];
+  skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
   for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
-    skv_index_slot_t *s = &slots[(h + i) & mask];
+    skv__index_slot_t *s = &slots[(h + i) & mask];
     for (int tries = 0; tries < 4; tries++) {
       uint64_t v1 = ld_acq(&s->val);
       uint64_t hi, lo;
@@ -87,7 +87,7 @@ int skv__index_lookup(const skv_index_t *ix, skv_key_t key, uint64_t *val) {
   return SKV_ENOTFOUND;
 }
 
-void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size_t n,
+void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, size_t n,
                               uint64_t *vals, size_t *nhit) {
   enum { AHEAD = 4 };
   uint64_t mask = ix->slots_per_shard - 1;
@@ -104,7 +104,7 @@ void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size
   *nhit = i;
 }
 
-static inline bool same_key(const skv_index_slot_t *s, skv_key_t key) {
+static inline bool same_key(const skv__index_slot_t *s, skv_key_t key) {
   uint64_t hi, lo;
   return read_key(s, &hi, &lo) == SLOT_KEY && hi == key.hi && lo == key.lo;
 }
@@ -113,7 +113,7 @@ static inline bool same_key(const skv_index_slot_t *s, skv_key_t key) {
  * `pending`: a decision taken on an earlier read never touches a slot that moved on (released
  * and claimed again, or published). The CAS makes the caller the slot's only writer until the
  * key is a tombstone: nobody claims a slot whose key is set, and ERASING is final. */
-static bool release_slot(skv_index_slot_t *s, unsigned __int128 k, uint64_t pending) {
+static bool release_slot(skv__index_slot_t *s, unsigned __int128 k, uint64_t pending) {
   if (!__atomic_compare_exchange_n(&s->val, &pending, SKV_VAL_ERASING, false, __ATOMIC_SEQ_CST,
                                    __ATOMIC_RELAXED))
     return false;
@@ -134,7 +134,7 @@ static bool release_slot(skv_index_slot_t *s, unsigned __int128 k, uint64_t pend
  * that has not stored its PENDING value yet (val still 0 or ERASING from before the claim) is
  * newer: we stored our ticket before reading its val, it takes its ticket after storing PENDING,
  * so its ticket is larger and its own scan sees our copy. */
-static int copy_wins(skv_index_t *ix, skv_index_slot_t *s, skv_key_t key, uint64_t my_ticket) {
+static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint64_t my_ticket) {
   uint64_t start = 0, next_alive_check = 0;
   for (uint64_t spin = 0;; spin++) {
     /* ticket before val: a ticket read from an earlier claim of the slot is only ever smaller
@@ -179,13 +179,13 @@ static int copy_wins(skv_index_t *ix, skv_index_slot_t *s, skv_key_t key, uint64
 
 /* Scan the window for copies of `key` other than our slot `mine` (ticket my_ticket). Returns 1
  * when one wins over ours (copy_wins), else 0. */
-static int scan_copies(skv_index_t *ix, skv_key_t key, skv_index_slot_t *mine, uint64_t my_ticket) {
+static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine, uint64_t my_ticket) {
   int sh = shard_of(ix, key);
-  skv_index_slot_t *slots = ix->slots[sh];
+  skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
   for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
-    skv_index_slot_t *s = &slots[(h + i) & mask];
+    skv__index_slot_t *s = &slots[(h + i) & mask];
     uint64_t hi, lo;
     int kind = read_key(s, &hi, &lo);
     if (kind == SLOT_EMPTY) break;
@@ -195,17 +195,17 @@ static int scan_copies(skv_index_t *ix, skv_key_t key, skv_index_slot_t *mine, u
   return 0;
 }
 
-int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
+int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
   SKV_ASSERT(key.hi != 0 && (val & SKV_VAL_VALID));
   int sh = shard_of(ix, key);
-  skv_index_slot_t *slots = ix->slots[sh];
+  skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
   unsigned __int128 kw = k128(key);
   /* 1. claim the first free slot, unless the key is already VALID on the way. */
-  skv_index_slot_t *mine = NULL;
+  skv__index_slot_t *mine = NULL;
   for (unsigned i = 0; i < SKV_INDEX_WINDOW && !mine; i++) {
-    skv_index_slot_t *s = &slots[(h + i) & mask];
+    skv__index_slot_t *s = &slots[(h + i) & mask];
     uint64_t hi, lo;
     int kind = read_key(s, &hi, &lo);
     if (kind == SLOT_KEY && hi == key.hi && lo == key.lo) {
@@ -243,13 +243,13 @@ int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
   return 0;
 }
 
-int skv__index_erase(skv_index_t *ix, skv_key_t key, uint64_t val) {
+int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
   int sh = shard_of(ix, key);
-  skv_index_slot_t *slots = ix->slots[sh];
+  skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
   for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
-    skv_index_slot_t *s = &slots[(h + i) & mask];
+    skv__index_slot_t *s = &slots[(h + i) & mask];
     uint64_t hi, lo;
     int kind = read_key(s, &hi, &lo);
     if (kind == SLOT_EMPTY) break;
@@ -266,18 +266,18 @@ int skv__index_erase(skv_index_t *ix, skv_key_t key, uint64_t val) {
   return SKV_ENOTFOUND;
 }
 
-uint64_t skv__index_entries(const skv_index_t *ix) {
+uint64_t skv__index_entries(const skv__index_t *ix) {
   uint64_t n = 0;
   for (int i = 0; i < ix->nshards; i++) n += ld_rlx(&ix->hdr[i]->entries);
   return n;
 }
 
-int64_t skv__index_check(const skv_index_t *ix) {
+int64_t skv__index_check(const skv__index_t *ix) {
   int64_t count = 0;
   uint64_t mask = ix->slots_per_shard - 1;
   for (int sh = 0; sh < ix->nshards; sh++) {
     for (uint64_t i = 0; i < ix->slots_per_shard; i++) {
-      skv_index_slot_t *s = &ix->slots[sh][i];
+      skv__index_slot_t *s = &ix->slots[sh][i];
       uint64_t v = ld_acq(&s->val), hi, lo;
       read_key(s, &hi, &lo);
       if (hi == EMPTY_HI || !(v & SKV_VAL_VALID)) continue;
@@ -292,7 +292,7 @@ int64_t skv__index_check(const skv_index_t *ix) {
                         "index: slot %llu is %llu slots from its home", (unsigned long long)i,
                         (unsigned long long)dist);
       for (unsigned j = 0; j < SKV_INDEX_WINDOW; j++) {
-        skv_index_slot_t *o = &ix->slots[sh][(home + j) & mask];
+        skv__index_slot_t *o = &ix->slots[sh][(home + j) & mask];
         if (o == s) continue;
         uint64_t ov = ld_acq(&o->val), ohi, olo;
         read_key(o, &ohi, &olo);

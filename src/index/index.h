@@ -82,7 +82,7 @@
 
 #define SKV_INDEX_WINDOW 32
 
-typedef struct skv_index_slot {
+typedef struct skv__index_slot {
   union {
     unsigned __int128 w;
     struct {
@@ -91,26 +91,26 @@ typedef struct skv_index_slot {
   } key;
   uint64_t val;
   uint64_t ticket;
-} __attribute__((aligned(32))) skv_index_slot_t;
+} __attribute__((aligned(32))) skv__index_slot_t;
 
 /* Shared per-shard header (one per PE segment, 64 bytes). */
-typedef struct skv_index_shard_hdr {
+typedef struct skv__index_shard_hdr {
   uint64_t entries; /* VALID keys of this shard (approximate under races) */
   uint64_t ticket;  /* node-wide insertion counter (used in shard 0 only) */
   uint64_t pad[6];
-} skv_index_shard_hdr_t;
+} skv__index_shard_hdr_t;
 
 /* Liveness of a PE, for the PENDING-with-dead-owner case; supplied by the pool. */
-typedef bool (*skv_index_alive_fn)(void *arg, int pe);
+typedef bool (*skv__index_alive_fn)(void *arg, int pe);
 
-typedef struct skv_index {
+typedef struct skv__index {
   int nshards;
   uint64_t slots_per_shard;    /* power of two, >= SKV_INDEX_WINDOW */
-  skv_index_shard_hdr_t **hdr; /* [nshards] */
-  skv_index_slot_t **slots;    /* [nshards] */
-  skv_index_alive_fn alive;
+  skv__index_shard_hdr_t **hdr; /* [nshards] */
+  skv__index_slot_t **slots;    /* [nshards] */
+  skv__index_alive_fn alive;
   void *alive_arg;
-} skv_index_t;
+} skv__index_t;
 
 /* Packed value of a VALID entry. */
 #define SKV_VAL_VALID       (1ull << 63)
@@ -151,23 +151,23 @@ static inline uint32_t skv__val_gen(uint64_t v) {
 /* Bytes of one shard (header + slots) for `slots_per_shard` slots. */
 uint64_t skv__index_shard_bytes(uint64_t slots_per_shard);
 /* Bind the shards (already zeroed shared memory, shard i at shard_mem[i]). */
-void skv__index_bind(skv_index_t *ix, int nshards, uint64_t slots_per_shard, void *const *shard_mem,
-                     skv_index_alive_fn alive, void *alive_arg);
+void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard, void *const *shard_mem,
+                     skv__index_alive_fn alive, void *alive_arg);
 
 /* 0 and *val on a hit, SKV_ENOTFOUND on a miss. */
-int skv__index_lookup(const skv_index_t *ix, skv_key_t key, uint64_t *val);
+int skv__index_lookup(const skv__index_t *ix, skv_key_t key, uint64_t *val);
 /* Batched prefix lookup: vals[0..*nhit) of the leading keys found (prefetches ahead). */
-void skv__index_lookup_prefix(const skv_index_t *ix, const skv_key_t *keys, size_t n,
+void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, size_t n,
                               uint64_t *vals, size_t *nhit);
 /* Insert key -> val (VALID value of the caller's page). 0: inserted; SKV_EEXIST: the key is
  * present or another PE won the race (the caller frees its page); SKV_ENOSPC: window full. */
-int skv__index_insert(skv_index_t *ix, skv_key_t key, uint64_t val, int my_pe);
+int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe);
 /* Erase key if it maps to exactly `val`; SKV_ENOTFOUND otherwise. */
-int skv__index_erase(skv_index_t *ix, skv_key_t key, uint64_t val);
+int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val);
 /* VALID entries in all shards (sum of the shard counters). */
-uint64_t skv__index_entries(const skv_index_t *ix);
+uint64_t skv__index_entries(const skv__index_t *ix);
 /* Expensive walker (tests, SKV_DEBUG_LEVEL=2): count VALID slots, check no key is VALID twice
  * within its window; returns the count or a negative error. */
-int64_t skv__index_check(const skv_index_t *ix);
+int64_t skv__index_check(const skv__index_t *ix);
 
 #endif

@@ -56,10 +56,10 @@ int skv__geometry_check(const skv_geometry_t *g, const char *what, uint64_t *pag
   return 0;
 }
 
-int skv_geometry_page_bytes(const skv_geometry_t *geom, uint64_t *page_bytes) {
+int skv_geometry_get_page_bytes(const skv_geometry_t *geom, uint64_t *page_bytes) {
   SKV_ARG_CHECK(page_bytes, SKV_SUBSYS_KV,
-                "skv_geometry_page_bytes: page_bytes (the result pointer) is NULL");
-  return skv__geometry_check(geom, "skv_geometry_page_bytes: geom", page_bytes);
+                "skv_geometry_get_page_bytes: page_bytes (the result pointer) is NULL");
+  return skv__geometry_check(geom, "skv_geometry_get_page_bytes: geom", page_bytes);
 }
 
 bool skv__geometry_equal(const skv_geometry_t *a, const skv_geometry_t *b) {

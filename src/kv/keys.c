@@ -183,8 +183,8 @@ int skv_namespace_create(const char *model, const skv_geometry_t *geom, const vo
   return 0;
 }
 
-int skv_namespace_id(const skv_namespace_t *ns, skv_key_t *id) {
-  SKV_ARG_CHECK(ns && id, SKV_SUBSYS_INDEX, "skv_namespace_id: ns and id must be non-NULL");
+int skv_namespace_get_id(const skv_namespace_t *ns, skv_key_t *id) {
+  SKV_ARG_CHECK(ns && id, SKV_SUBSYS_INDEX, "skv_namespace_get_id: ns and id must be non-NULL");
   *id = ns->id;
   return 0;
 }
@@ -198,26 +198,26 @@ int skv_namespace_destroy(skv_namespace_t *ns) {
 
 /* ---- keys ---------------------------------------------------------------------------------- */
 
-int skv_hash_tokens(const skv_namespace_t *ns, const uint32_t *tokens, size_t ntokens,
+int skv_namespace_hash_tokens(const skv_namespace_t *ns, const uint32_t *tokens, size_t ntokens,
                     const skv_key_t *parent, skv_key_t *keys, size_t cap, size_t *nkeys) {
   SKV_ARG_CHECK(nkeys, SKV_SUBSYS_INDEX,
-                "skv_hash_tokens: nkeys is NULL: pass where to store the number of full pages");
+                "skv_namespace_hash_tokens: nkeys is NULL: pass where to store the number of full pages");
   *nkeys = 0;
   SKV_ARG_CHECK(ns, SKV_SUBSYS_INDEX,
-                "skv_hash_tokens: ns is NULL: create one with skv_namespace_create");
+                "skv_namespace_hash_tokens: ns is NULL: create one with skv_namespace_create");
   SKV_ARG_CHECK(tokens || ntokens == 0, SKV_SUBSYS_INDEX,
-                "skv_hash_tokens: tokens is NULL but ntokens is %zu: pass the token array",
+                "skv_namespace_hash_tokens: tokens is NULL but ntokens is %zu: pass the token array",
                 ntokens);
   SKV_ARG_CHECK(ntokens <= SIZE_MAX / sizeof(uint32_t), SKV_SUBSYS_INDEX,
-                "skv_hash_tokens: ntokens %zu is larger than any array: pass the token count, "
+                "skv_namespace_hash_tokens: ntokens %zu is larger than any array: pass the token count, "
                 "not a byte count or a negative value",
                 ntokens);
   SKV_ARG_CHECK(keys || cap == 0, SKV_SUBSYS_INDEX,
-                "skv_hash_tokens: keys is NULL but cap is %zu: pass an array of cap keys, or "
+                "skv_namespace_hash_tokens: keys is NULL but cap is %zu: pass an array of cap keys, or "
                 "NULL and 0 to only count the full pages",
                 cap);
   SKV_ARG_CHECK(!parent || parent->hi != 0, SKV_SUBSYS_INDEX,
-                "skv_hash_tokens: parent.hi is 0, which no key has: pass the last key of the "
+                "skv_namespace_hash_tokens: parent.hi is 0, which no key has: pass the last key of the "
                 "preceding pages, or NULL at the start of a sequence");
 
   const uint32_t pt = ns->geom.page_tokens;
@@ -255,11 +255,11 @@ int skv_hash_tokens(const skv_namespace_t *ns, const uint32_t *tokens, size_t nt
   return 0;
 }
 
-int skv_key_from_bytes(const skv_namespace_t *ns, const void *bytes, size_t len, skv_key_t *key) {
+int skv_namespace_hash_bytes(const skv_namespace_t *ns, const void *bytes, size_t len, skv_key_t *key) {
   SKV_ARG_CHECK(ns && key, SKV_SUBSYS_INDEX,
-                "skv_key_from_bytes: ns and key must be non-NULL (ns from skv_namespace_create)");
+                "skv_namespace_hash_bytes: ns and key must be non-NULL (ns from skv_namespace_create)");
   SKV_ARG_CHECK(bytes || len == 0, SKV_SUBSYS_INDEX,
-                "skv_key_from_bytes: bytes is NULL but len is %zu: pass the engine's block hash",
+                "skv_namespace_hash_bytes: bytes is NULL but len is %zu: pass the engine's block hash",
                 len);
   uint8_t buf[17 + 4 * ONESHOT_TOKENS];
   buf[0] = TAG_BYTES;

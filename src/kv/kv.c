@@ -192,7 +192,7 @@ int skv_kv_destroy(skv_kv_t *kv) {
   return rc ? rc : r1 ? r1 : r2;
 }
 
-skv_heap_t *skv_kv_heap(const skv_kv_t *kv) {
+skv_heap_t *skv_kv_get_heap(const skv_kv_t *kv) {
   return kv ? kv->data : NULL;
 }
 
@@ -239,8 +239,8 @@ static int check_keys(const skv_key_t *keys, size_t n, const char *fn) {
     if (keys[i].hi == 0)
       return SKV_FAIL(
           SKV_EINVAL, SKV_SUBSYS_KV,
-          "%s: key %zu has hi == 0, which no symkv hash produces (use skv_hash_tokens or "
-          "skv_key_from_bytes)",
+          "%s: key %zu has hi == 0, which no symkv hash produces (use skv_namespace_hash_tokens or "
+          "skv_namespace_hash_bytes)",
           fn, i);
   return 0;
 }
@@ -263,16 +263,16 @@ static int check_refs(const skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, 
   return 0;
 }
 
-int skv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
+int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
                uint32_t flags, skv_page_ref_t *refs, size_t *nhit) {
-  KV_CHECK_NULL(kv, "skv_lookup");
-  SKV_ARG_CHECK(nhit, SKV_SUBSYS_KV, "skv_lookup: nhit is NULL");
+  KV_CHECK_NULL(kv, "skv_kv_lookup");
+  SKV_ARG_CHECK(nhit, SKV_SUBSYS_KV, "skv_kv_lookup: nhit is NULL");
   *nhit = 0;
-  SKV_CHECK(check_ns(kv, ns, "skv_lookup"));
-  SKV_CHECK(check_keys(keys, n, "skv_lookup"));
-  SKV_ARG_CHECK(refs || n == 0, SKV_SUBSYS_KV, "skv_lookup: refs is NULL with n=%zu", n);
+  SKV_CHECK(check_ns(kv, ns, "skv_kv_lookup"));
+  SKV_CHECK(check_keys(keys, n, "skv_kv_lookup"));
+  SKV_ARG_CHECK(refs || n == 0, SKV_SUBSYS_KV, "skv_kv_lookup: refs is NULL with n=%zu", n);
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_LOOKUP_PIN) == 0, SKV_SUBSYS_KV,
-                "skv_lookup: unknown flags 0x%x", flags);
+                "skv_kv_lookup: unknown flags 0x%x", flags);
   uint64_t now = skv__now_ns();
   uint64_t vals[256];
   size_t done = 0, stale = 0;
@@ -300,9 +300,9 @@ int skv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, s
   return 0;
 }
 
-int skv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
-  KV_CHECK_NULL(kv, "skv_unpin");
-  SKV_CHECK(check_refs(kv, refs, n, "skv_unpin"));
+int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
+  KV_CHECK_NULL(kv, "skv_kv_unpin");
+  SKV_CHECK(check_refs(kv, refs, n, "skv_kv_unpin"));
   int rc = 0;
   for (size_t i = 0; i < n; i++) {
     int r = skv__pool_unpin(&kv->pool, refs[i].pe, refs[i].page);
@@ -433,7 +433,7 @@ static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
   } else if (__atomic_fetch_add(&kv->index_full, 1, __ATOMIC_RELAXED) == 0) {
     /* A cache may drop entries: counted, and explained once. */
     SKV_WARN(SKV_SUBSYS_KV,
-             "skv_publish: a key found no free index slot near its home and was not cached; "
+             "skv_kv_publish: a key found no free index slot near its home and was not cached; "
              "if this happens often, create the cache with more index_slots");
   }
   return 0;
@@ -462,7 +462,7 @@ static int capture_fetch(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_
     return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
                     "%s: SKV_FETCH_UNPIN cannot be captured in a CUDA graph (every replay would "
                     "release the pins again): keep the pins while the graph is replayed and "
-                    "release them with skv_unpin after",
+                    "release them with skv_kv_unpin after",
                     fn);
   for (size_t i = 0; i < b->n; i++) {
     int r = skv__pool_held(&kv->pool, refs[i].pe, refs[i].page, refs[i].gen);
@@ -516,14 +516,14 @@ static int copy_sync_fetch(skv_kv_t *kv, const skv__kv_batch_t *b, int path,
 #endif
 }
 
-int skv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_layout_t *dst,
+int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_layout_t *dst,
               const uint64_t *block_ids, uint32_t flags, void *stream) {
-  const char *fn = "skv_fetch";
-  KV_CHECK_NULL(kv, "skv_fetch");
+  const char *fn = "skv_kv_fetch";
+  KV_CHECK_NULL(kv, "skv_kv_fetch");
   SKV_CHECK(check_refs(kv, refs, n, fn));
   SKV_CHECK(check_layout(kv, dst, block_ids, n, fn));
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_FETCH_UNPIN) == 0, SKV_SUBSYS_KV,
-                "skv_fetch: unknown flags 0x%x", flags);
+                "skv_kv_fetch: unknown flags 0x%x", flags);
   if (n == 0) return 0;
   int path;
   SKV_CHECK(choose_path(kv, dst, &path, fn));
@@ -582,11 +582,11 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   return rc;
 }
 
-int skv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
+int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
                 const skv_layout_t *src, const uint64_t *block_ids, void *stream,
                 size_t *ninserted) {
-  const char *fn = "skv_publish";
-  KV_CHECK_NULL(kv, "skv_publish");
+  const char *fn = "skv_kv_publish";
+  KV_CHECK_NULL(kv, "skv_kv_publish");
   if (ninserted) *ninserted = 0;
   SKV_CHECK(check_ns(kv, ns, fn));
   SKV_CHECK(check_keys(keys, n, fn));
@@ -659,8 +659,8 @@ int skv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, 
   return rc;
 }
 
-int skv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted) {
-  KV_CHECK_NULL(kv, "skv_evict");
+int skv_kv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted) {
+  KV_CHECK_NULL(kv, "skv_kv_evict");
   uint64_t n = skv__pool_evict(&kv->pool, npages, skv__kv_evict_cb, kv);
   if (nevicted) *nevicted = n;
   return 0;

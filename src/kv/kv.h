@@ -17,10 +17,10 @@ struct skv_kv {
   uint64_t page_stride; /* distance between pages in the data area */
   skv_heap_t *data;     /* pages: host, cuda or cuda_host */
   skv_heap_t *meta;     /* node-shared host memory: pool records + index shard per PE */
-  skv_pool_t pool;
-  skv_index_t index;
-  skv_index_shard_hdr_t *shard_hdr[SKV_MAX_LOCAL_PES];
-  skv_index_slot_t *shard_slots[SKV_MAX_LOCAL_PES];
+  skv__pool_t pool;
+  skv__index_t index;
+  skv__index_shard_hdr_t *shard_hdr[SKV_MAX_LOCAL_PES];
+  skv__index_slot_t *shard_slots[SKV_MAX_LOCAL_PES];
   skv__kvc_t *cuda; /* the CUDA copy backend (kv_cuda.c), NULL for host pages */
   /* this PE's counters */
   uint64_t lookups, lookup_hits, published, deduplicated, evicted, stale, index_full;

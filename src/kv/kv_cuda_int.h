@@ -81,8 +81,8 @@ int skv__kvc_reap_locked(skv__kvc_t *kc);
 /* ---- kv_cuda_launch.c: launch plans -------------------------------------------------------- */
 
 typedef struct skv__kvc_plan {
-  skv_kv_copy_desc_t d;
-  skv_kv_copy_cfg_t cfg;
+  skv__kv_copy_desc_t d;
+  skv__kv_copy_cfg_t cfg;
   uint32_t bases_bytes; /* offset of the (pe, page) pairs in a slot */
   uint32_t bid_bytes;   /* 4 or 8 */
   uint32_t ppl;         /* pages per launch */

@@ -47,7 +47,7 @@ int skv__kvc_plan(skv__kvc_t *kc, const skv_layout_t *lay, int dir, skv__kvc_pla
         "SKV_DEVICE): the copy kernels run on the PE's GPU, so its engine cache must be there",
         fn, lay->device, kc->device);
   memset(pl, 0, sizeof *pl);
-  skv_kv_copy_desc_t *d = &pl->d;
+  skv__kv_copy_desc_t *d = &pl->d;
   const uint64_t e = g->elem_bytes;
   d->dir = dir;
   d->heap = (uint64_t)(uintptr_t)hi->base + hi->data_offset;
@@ -164,7 +164,7 @@ int skv__kvc_launch(skv__kvc_slot_t *s, skv__kvc_plan_t *pl, void *stream, const
  * *started: some copies were enqueued. */
 static int ce_copy(skv__kvc_t *kc, skv__kvc_slot_t *s, const skv__kvc_plan_t *pl, void *stream,
                    bool *started, const char *fn) {
-  const skv_kv_copy_desc_t *d = &pl->d;
+  const skv__kv_copy_desc_t *d = &pl->d;
   const uint64_t slab = (uint64_t)d->page_tokens * d->heads * d->row_bytes, run = d->run_bytes;
   const uint64_t per_slab = slab / run, count = (uint64_t)d->n * d->ntensors * per_slab;
   const size_t cap = (size_t)SKV_MIN(count, (uint64_t)CE_MAX_COPIES);

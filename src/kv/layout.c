@@ -329,12 +329,12 @@ static int preset_shape(const skv_geometry_t *g, int preset, uint32_t block_toke
   return 0;
 }
 
-int skv_layout_preset_layer_bytes(const skv_geometry_t *geom, int preset, uint32_t block_tokens,
+int skv_layout_get_preset_layer_bytes(const skv_geometry_t *geom, int preset, uint32_t block_tokens,
                                   uint64_t num_blocks, uint64_t *bytes) {
-  const char *fn = "skv_layout_preset_layer_bytes";
+  const char *fn = "skv_layout_get_preset_layer_bytes";
   SKV_ARG_CHECK(bytes, SKV_SUBSYS_KV, "%s: bytes (the result pointer) is NULL", fn);
   *bytes = 0;
-  SKV_CHECK(skv__geometry_check(geom, "skv_layout_preset_layer_bytes: geom", NULL));
+  SKV_CHECK(skv__geometry_check(geom, "skv_layout_get_preset_layer_bytes: geom", NULL));
   preset_shape_t s;
   SKV_CHECK(preset_shape(geom, preset, block_tokens, num_blocks, fn, &s));
   *bytes = s.bytes;

@@ -18,7 +18,7 @@
   20 /* a pin meeting EVICTING waits at most this for the evictor's verdict */
 
 uint64_t skv__pool_meta_bytes(uint64_t pages) {
-  return sizeof(skv_pe_hdr_t) + pages * sizeof(skv_page_meta_t);
+  return sizeof(skv__pe_hdr_t) + pages * sizeof(skv__page_meta_t);
 }
 
 /* What /proc says of a process: PROC_ALIVE with its start time (clock ticks since boot; with
@@ -59,7 +59,7 @@ static uint64_t pid_namespace(void) {
   return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
-int skv__pool_init(skv_pool_t *p, int npes, int me, uint64_t pages, void *const *seg) {
+int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const *seg) {
   memset(p, 0, sizeof *p);
   p->npes = npes;
   p->me = me;
@@ -81,12 +81,12 @@ int skv__pool_init(skv_pool_t *p, int npes, int me, uint64_t pages, void *const 
   pthread_mutex_init(&p->pin_mu, NULL);
   for (int i = 0; i < npes; i++) {
     p->hdr[i] = seg[i];
-    p->meta[i] = (skv_page_meta_t *)((char *)seg[i] + sizeof(skv_pe_hdr_t));
+    p->meta[i] = (skv__page_meta_t *)((char *)seg[i] + sizeof(skv__pe_hdr_t));
   }
   /* Our own records: every page FREE with generation 1 (0 never names a live page). */
-  skv_pe_hdr_t *h = p->hdr[me];
+  skv__pe_hdr_t *h = p->hdr[me];
   for (uint64_t i = 0; i < pages; i++) {
-    skv_page_meta_t *m = &p->meta[me][i];
+    skv__page_meta_t *m = &p->meta[me][i];
     memset(m, 0, sizeof *m);
     __atomic_store_n(&m->state, skv__st_make(1, SKV_PAGE_FREE), __ATOMIC_RELAXED);
     p->free_stack[pages - 1 - i] = (uint32_t)i;
@@ -102,7 +102,7 @@ int skv__pool_init(skv_pool_t *p, int npes, int me, uint64_t pages, void *const 
   return 0;
 }
 
-void skv__pool_fini(skv_pool_t *p) {
+void skv__pool_fini(skv__pool_t *p) {
   if (p->hdr && p->hdr[p->me]) __atomic_store_n(&p->hdr[p->me]->pid, 0, __ATOMIC_RELEASE);
   free(p->hdr);
   free(p->meta);
@@ -118,10 +118,10 @@ void skv__pool_fini(skv_pool_t *p) {
   memset(p, 0, sizeof *p);
 }
 
-bool skv__pool_alive(skv_pool_t *p, int pe) {
+bool skv__pool_alive(skv__pool_t *p, int pe) {
   if (pe == p->me) return true;
   if (pe < 0 || pe >= p->npes) return false;
-  skv_pe_hdr_t *h = p->hdr[pe];
+  skv__pe_hdr_t *h = p->hdr[pe];
   int64_t pid = __atomic_load_n(&h->pid, __ATOMIC_ACQUIRE);
   if (pid <= 0) return false; /* left (finalised) */
   if (__atomic_load_n(&p->dead[pe], __ATOMIC_RELAXED) == pid) return false;
@@ -155,8 +155,8 @@ bool skv__pool_alive(skv_pool_t *p, int pe) {
 
 /* ---- pins ---------------------------------------------------------------------------- */
 
-int skv__pool_pin(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
-  skv_page_meta_t *m = &p->meta[pe][page];
+int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
+  skv__page_meta_t *m = &p->meta[pe][page];
   uint64_t bit = 1ull << p->me;
   int rc = 0;
   pthread_mutex_lock(&p->pin_mu);
@@ -199,7 +199,7 @@ int skv__pool_pin(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
   return rc;
 }
 
-int skv__pool_unpin(skv_pool_t *p, uint32_t pe, uint32_t page) {
+int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page) {
   pthread_mutex_lock(&p->pin_mu);
   uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
   if (*c == 0) {
@@ -217,7 +217,7 @@ int skv__pool_unpin(skv_pool_t *p, uint32_t pe, uint32_t page) {
   return 0;
 }
 
-int skv__pool_held(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
+int skv__pool_held(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
   pthread_mutex_lock(&p->pin_mu);
   uint32_t c = p->pins[(uint64_t)pe * p->pages + page];
   int rc = c == 0 ? SKV_ENOTFOUND : skv__pool_gen(p, pe, page) != gen ? SKV_ESTALE : 0;
@@ -227,9 +227,9 @@ int skv__pool_held(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
 
 /* ---- LRU heap (owner, under mu) ------------------------------------------------------ */
 
-static void lru_push(skv_pool_t *p, uint64_t stamp, uint32_t page, uint32_t gen) {
+static void lru_push(skv__pool_t *p, uint64_t stamp, uint32_t page, uint32_t gen) {
   uint64_t i = p->nlru++;
-  skv_lru_ent_t e = {stamp, page, gen};
+  skv__lru_ent_t e = {stamp, page, gen};
   while (i > 0) {
     uint64_t parent = (i - 1) / 2;
     if (p->lru[parent].stamp <= stamp) break;
@@ -239,9 +239,9 @@ static void lru_push(skv_pool_t *p, uint64_t stamp, uint32_t page, uint32_t gen)
   p->lru[i] = e;
 }
 
-static skv_lru_ent_t lru_pop(skv_pool_t *p) {
-  skv_lru_ent_t top = p->lru[0];
-  skv_lru_ent_t last = p->lru[--p->nlru];
+static skv__lru_ent_t lru_pop(skv__pool_t *p) {
+  skv__lru_ent_t top = p->lru[0];
+  skv__lru_ent_t last = p->lru[--p->nlru];
   uint64_t i = 0, n = p->nlru;
   for (;;) {
     uint64_t l = 2 * i + 1, r = l + 1, m = i;
@@ -260,9 +260,9 @@ static skv_lru_ent_t lru_pop(skv_pool_t *p) {
 }
 
 /* Try to evict one READY page (generation gen). Returns true when it became FREE. */
-static bool try_evict(skv_pool_t *p, uint32_t page, uint32_t gen, skv_pool_evict_cb evict,
+static bool try_evict(skv__pool_t *p, uint32_t page, uint32_t gen, skv__pool_evict_cb evict,
                       void *arg) {
-  skv_page_meta_t *m = &p->meta[p->me][page];
+  skv__page_meta_t *m = &p->meta[p->me][page];
   uint64_t ready = skv__st_make(gen, SKV_PAGE_READY);
   uint64_t expect = ready;
   if (!__atomic_compare_exchange_n(&m->state, &expect, skv__st_make(gen, SKV_PAGE_EVICTING), false,
@@ -292,13 +292,13 @@ static bool try_evict(skv_pool_t *p, uint32_t page, uint32_t gen, skv_pool_evict
  * the end. Other PEs may keep touching pages while the pass runs: after as many push-backs as
  * the heap had entries, recency is no longer honoured and the next unpinned page popped goes
  * (the oldest by its snapshot), so a pool with an unpinned page never reports ENOSPC. */
-static bool evict_lru(skv_pool_t *p, skv_pool_evict_cb evict, void *arg) {
-  skv_lru_ent_t *held = NULL;
+static bool evict_lru(skv__pool_t *p, skv__pool_evict_cb evict, void *arg) {
+  skv__lru_ent_t *held = NULL;
   uint64_t nheld = 0, cap = 0, pushbacks = p->nlru, budget = 2 * p->nlru + 8;
   bool done = false;
   while (p->nlru > 0 && !done && budget-- > 0) {
-    skv_lru_ent_t e = lru_pop(p);
-    skv_page_meta_t *m = &p->meta[p->me][e.page];
+    skv__lru_ent_t e = lru_pop(p);
+    skv__page_meta_t *m = &p->meta[p->me][e.page];
     uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
     if (skv__st_state(st) != SKV_PAGE_READY || skv__st_gen(st) != e.gen) continue; /* stale entry */
     uint64_t lu = __atomic_load_n(&m->last_use, __ATOMIC_RELAXED);
@@ -315,7 +315,7 @@ static bool evict_lru(skv_pool_t *p, skv_pool_evict_cb evict, void *arg) {
     }
     if (nheld == cap) {
       uint64_t ncap = cap ? 2 * cap : 64;
-      skv_lru_ent_t *nh = realloc(held, ncap * sizeof *nh);
+      skv__lru_ent_t *nh = realloc(held, ncap * sizeof *nh);
       if (!nh) {
         lru_push(p, e.stamp, e.page, e.gen);
         break;
@@ -330,7 +330,7 @@ static bool evict_lru(skv_pool_t *p, skv_pool_evict_cb evict, void *arg) {
   return done;
 }
 
-int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t *page,
+int skv__pool_alloc(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
                     uint32_t *gen, uint64_t *nevicted) {
   pthread_mutex_lock(&p->mu);
   if (p->nfree == 0 && evict_lru(p, evict, arg)) (*nevicted)++;
@@ -339,11 +339,11 @@ int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t 
     return SKV_FAIL(
         SKV_ENOSPC, SKV_SUBSYS_POOL,
         "no free page on PE %d: all %llu pages are pinned or being written; unpin pages "
-        "(skv_unpin / SKV_FETCH_UNPIN) or create the cache with more pages_per_pe",
+        "(skv_kv_unpin / SKV_FETCH_UNPIN) or create the cache with more pages_per_pe",
         p->me, (unsigned long long)p->pages);
   }
   uint32_t pg = p->free_stack[--p->nfree];
-  skv_page_meta_t *m = &p->meta[p->me][pg];
+  skv__page_meta_t *m = &p->meta[p->me][pg];
   uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
   SKV_ASSERT(skv__st_state(st) == SKV_PAGE_FREE);
   __atomic_store_n(&m->state, skv__st_make(skv__st_gen(st), SKV_PAGE_WRITING), __ATOMIC_RELEASE);
@@ -353,8 +353,8 @@ int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t 
   return 0;
 }
 
-void skv__pool_ready(skv_pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo) {
-  skv_page_meta_t *m = &p->meta[p->me][page];
+void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo) {
+  skv__page_meta_t *m = &p->meta[p->me][page];
   uint64_t now = skv__now_ns();
   m->key_hi = key_hi;
   m->key_lo = key_lo;
@@ -363,8 +363,8 @@ void skv__pool_ready(skv_pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key
   __atomic_store_n(&m->state, skv__st_make(gen, SKV_PAGE_READY), __ATOMIC_SEQ_CST);
 }
 
-void skv__pool_commit(skv_pool_t *p, uint32_t page) {
-  skv_page_meta_t *m = &p->meta[p->me][page];
+void skv__pool_commit(skv__pool_t *p, uint32_t page) {
+  skv__page_meta_t *m = &p->meta[p->me][page];
   uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
   uint64_t lu = __atomic_load_n(&m->last_use, __ATOMIC_RELAXED);
   pthread_mutex_lock(&p->mu);
@@ -372,8 +372,8 @@ void skv__pool_commit(skv_pool_t *p, uint32_t page) {
   pthread_mutex_unlock(&p->mu);
 }
 
-void skv__pool_release(skv_pool_t *p, uint32_t page) {
-  skv_page_meta_t *m = &p->meta[p->me][page];
+void skv__pool_release(skv__pool_t *p, uint32_t page) {
+  skv__page_meta_t *m = &p->meta[p->me][page];
   uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
   uint32_t ng = gen + 1 ? gen + 1 : 1;
   __atomic_store_n(&m->state, skv__st_make(ng, SKV_PAGE_FREE), __ATOMIC_RELEASE);
@@ -382,7 +382,7 @@ void skv__pool_release(skv_pool_t *p, uint32_t page) {
   pthread_mutex_unlock(&p->mu);
 }
 
-uint64_t skv__pool_evict(skv_pool_t *p, uint64_t n, skv_pool_evict_cb evict, void *arg) {
+uint64_t skv__pool_evict(skv__pool_t *p, uint64_t n, skv__pool_evict_cb evict, void *arg) {
   uint64_t done = 0;
   pthread_mutex_lock(&p->mu);
   while (done < n && evict_lru(p, evict, arg)) done++;
@@ -390,14 +390,14 @@ uint64_t skv__pool_evict(skv_pool_t *p, uint64_t n, skv_pool_evict_cb evict, voi
   return done;
 }
 
-uint64_t skv__pool_used(skv_pool_t *p) {
+uint64_t skv__pool_used(skv__pool_t *p) {
   pthread_mutex_lock(&p->mu);
   uint64_t used = p->pages - p->nfree;
   pthread_mutex_unlock(&p->mu);
   return used;
 }
 
-uint64_t skv__pool_pinned_own(skv_pool_t *p) {
+uint64_t skv__pool_pinned_own(skv__pool_t *p) {
   uint64_t n = 0;
   for (uint64_t i = 0; i < p->pages; i++)
     if (__atomic_load_n(&p->meta[p->me][i].pinmask, __ATOMIC_RELAXED)) n++;

@@ -49,22 +49,22 @@
 
 enum { SKV_PAGE_FREE = 0, SKV_PAGE_WRITING = 1, SKV_PAGE_READY = 2, SKV_PAGE_EVICTING = 3 };
 
-typedef struct skv_page_meta {
+typedef struct skv__page_meta {
   uint64_t state;   /* (gen << 32) | state */
   uint64_t pinmask; /* bit per local PE */
   uint64_t last_use;
   uint64_t key_hi, key_lo;
   uint64_t pad[3];
-} skv_page_meta_t;
+} skv__page_meta_t;
 
-typedef struct skv_pe_hdr {
+typedef struct skv__pe_hdr {
   uint64_t magic;
   int64_t pid;
   uint64_t start_time; /* /proc/<pid>/stat field 22 */
   uint64_t pages;
   uint64_t pidns; /* inode of /proc/self/ns/pid: pids mean something only within one */
   uint64_t pad[3];
-} skv_pe_hdr_t;
+} skv__pe_hdr_t;
 
 static inline uint32_t skv__st_state(uint64_t st) {
   return (uint32_t)st & 0xff;
@@ -76,22 +76,22 @@ static inline uint64_t skv__st_make(uint32_t gen, uint32_t state) {
   return ((uint64_t)gen << 32) | state;
 }
 
-typedef struct skv_lru_ent {
+typedef struct skv__lru_ent {
   uint64_t stamp;
   uint32_t page;
   uint32_t gen;
-} skv_lru_ent_t;
+} skv__lru_ent_t;
 
-typedef struct skv_pool {
+typedef struct skv__pool {
   int npes, me;
   uint64_t pages;         /* per PE */
-  skv_pe_hdr_t **hdr;     /* [npes] */
-  skv_page_meta_t **meta; /* [npes] */
+  skv__pe_hdr_t **hdr;     /* [npes] */
+  skv__page_meta_t **meta; /* [npes] */
   /* owner-private, under mu */
   pthread_mutex_t mu;
   uint32_t *free_stack;
   uint64_t nfree;
-  skv_lru_ent_t *lru;
+  skv__lru_ent_t *lru;
   uint64_t nlru;
   /* this PE's pins, under pin_mu */
   pthread_mutex_t pin_mu;
@@ -101,52 +101,52 @@ typedef struct skv_pool {
   int64_t *dead; /* [npes]: pid found dead, or 0 */
   uint64_t my_pidns;
   uint64_t *alive_checked_ms;
-} skv_pool_t;
+} skv__pool_t;
 
 /* Bytes of one PE's metadata (header + page records). */
 uint64_t skv__pool_meta_bytes(uint64_t pages);
 /* Bind to the shared segments (seg[i]: PE i's metadata) and initialise this PE's part. */
-int skv__pool_init(skv_pool_t *p, int npes, int me, uint64_t pages, void *const *seg);
-void skv__pool_fini(skv_pool_t *p);
+int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const *seg);
+void skv__pool_fini(skv__pool_t *p);
 
 /* Is local PE `pe` alive (cached for a few ms)? */
-bool skv__pool_alive(skv_pool_t *p, int pe);
+bool skv__pool_alive(skv__pool_t *p, int pe);
 
 /* Pin / unpin a page of any PE with generation check. SKV_ESTALE when the page is no longer
  * READY with that generation. */
-int skv__pool_pin(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
-int skv__pool_unpin(skv_pool_t *p, uint32_t pe, uint32_t page);
+int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
+int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page);
 
 /* Does this PE hold a pin on page `page` of PE `pe` at generation `gen`? 0 when it does,
  * SKV_ENOTFOUND when it holds none there, SKV_ESTALE when its pin is on another generation. */
-int skv__pool_held(skv_pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
+int skv__pool_held(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
 /* The page's current generation. */
-static inline uint32_t skv__pool_gen(const skv_pool_t *p, uint32_t pe, uint32_t page) {
+static inline uint32_t skv__pool_gen(const skv__pool_t *p, uint32_t pe, uint32_t page) {
   return skv__st_gen(__atomic_load_n(&p->meta[pe][page].state, __ATOMIC_ACQUIRE));
 }
 
 /* Owner: take a page (evicting the LRU unpinned page if none is free; `evict` erases its index
  * entry) into WRITING state. SKV_ENOSPC when every page is pinned or being written. */
-typedef void (*skv_pool_evict_cb)(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi,
+typedef void (*skv__pool_evict_cb)(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi,
                                   uint64_t key_lo);
-int skv__pool_alloc(skv_pool_t *p, skv_pool_evict_cb evict, void *arg, uint32_t *page,
+int skv__pool_alloc(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
                     uint32_t *gen, uint64_t *nevicted);
 /* Owner: WRITING -> READY with its key, so that pins can succeed once the key is indexed. */
-void skv__pool_ready(skv_pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo);
+void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo);
 /* Owner: the page's key is in the index: make it an eviction candidate (LRU). */
-void skv__pool_commit(skv_pool_t *p, uint32_t page);
+void skv__pool_commit(skv__pool_t *p, uint32_t page);
 /* Owner: WRITING or READY-but-never-indexed -> FREE (a deduplicated or failed publish). */
-void skv__pool_release(skv_pool_t *p, uint32_t page);
+void skv__pool_release(skv__pool_t *p, uint32_t page);
 /* Owner: evict up to n LRU unpinned pages. */
-uint64_t skv__pool_evict(skv_pool_t *p, uint64_t n, skv_pool_evict_cb evict, void *arg);
+uint64_t skv__pool_evict(skv__pool_t *p, uint64_t n, skv__pool_evict_cb evict, void *arg);
 /* Record a use of a page (lookup hit). */
-static inline void skv__pool_touch(skv_pool_t *p, uint32_t pe, uint32_t page, uint64_t now) {
-  skv_page_meta_t *m = &p->meta[pe][page];
+static inline void skv__pool_touch(skv__pool_t *p, uint32_t pe, uint32_t page, uint64_t now) {
+  skv__page_meta_t *m = &p->meta[pe][page];
   if (__atomic_load_n(&m->last_use, __ATOMIC_RELAXED) < now)
     __atomic_store_n(&m->last_use, now, __ATOMIC_RELAXED);
 }
 /* Counts for stats. */
-uint64_t skv__pool_used(skv_pool_t *p);
-uint64_t skv__pool_pinned_own(skv_pool_t *p);
+uint64_t skv__pool_used(skv__pool_t *p);
+uint64_t skv__pool_pinned_own(skv__pool_t *p);
 
 #endif

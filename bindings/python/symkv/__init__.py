@@ -48,7 +48,7 @@ def version_string():
 
 
 def has_function(name):
-    """Whether the loaded library exports C function `name` (e.g. "skv_allreduce")."""
+    """Whether the loaded library exports C function `name` (e.g. "skv_comm_allreduce")."""
     return lib.has(name)
 
 

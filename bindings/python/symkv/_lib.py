@@ -223,18 +223,18 @@ FUNCTIONS = {
     "skv_clear_error": (None, [], None),
     "skv_log_set_sink": (c_int, [LOG_CB, c_void_p], "rc"),
     "skv_log_set_level": (c_int, [c_int, c_uint], "rc"),
-    "skv_log_message": (None, [c_int, c_uint, c_char_p], None),
+    "skv_log_write": (None, [c_int, c_uint, c_char_p], None),
     "skv_config_init": (c_int, [P(Config)], "rc"),
     "skv_config_set": (c_int, [P(Config), c_char_p, c_char_p], "rc"),
     "skv_config_validate": (c_int, [P(Config)], "rc"),
     "skv_init": (c_int, [P(Config), P(c_void_p)], "rc"),
     "skv_finalize": (c_int, [_ctx], "rc"),
-    "skv_ctx_rank": (c_int, [_ctx], "rc"),
-    "skv_ctx_world_size": (c_int, [_ctx], "rc"),
-    "skv_ctx_local_rank": (c_int, [_ctx], "rc"),
-    "skv_ctx_local_size": (c_int, [_ctx], "rc"),
-    "skv_ctx_timeout_ms": (c_int, [_ctx], "rc"),
-    "skv_ctx_device": (c_int, [_ctx], "rc"),
+    "skv_ctx_get_rank": (c_int, [_ctx], "rc"),
+    "skv_ctx_get_world_size": (c_int, [_ctx], "rc"),
+    "skv_ctx_get_local_rank": (c_int, [_ctx], "rc"),
+    "skv_ctx_get_local_size": (c_int, [_ctx], "rc"),
+    "skv_ctx_get_timeout_ms": (c_int, [_ctx], "rc"),
+    "skv_ctx_get_device": (c_int, [_ctx], "rc"),
     "skv_ctx_set_timeout_ms": (c_int, [_ctx, c_int], "rc"),
     "skv_ctx_barrier": (c_int, [_ctx], "rc"),
     "skv_ctx_allgather": (c_int, [_ctx, c_void_p, c_void_p, c_size_t], "rc"),
@@ -245,52 +245,52 @@ FUNCTIONS = {
     "skv_store_wait": (c_int, [_ctx, P(c_char_p), c_size_t], "rc"),
     "skv_heap_create": (c_int, [_ctx, c_uint64, c_int, P(c_void_p)], "rc"),
     "skv_heap_create_ex": (c_int, [_ctx, P(HeapOpts), P(c_void_p)], "rc"),
-    "skv_heap_ptr": (c_void_p, [c_void_p, c_int, c_uint64], "ptr"),
+    "skv_heap_get_ptr": (c_void_p, [c_void_p, c_int, c_uint64], "ptr"),
     "skv_heap_get_info": (c_int, [c_void_p, P(HeapInfo)], "rc"),
     "skv_heap_destroy": (c_int, [c_void_p], "rc"),
-    "skv_geometry_page_bytes": (c_int, [P(Geometry), P(c_uint64)], "rc"),
+    "skv_geometry_get_page_bytes": (c_int, [P(Geometry), P(c_uint64)], "rc"),
     "skv_layout_create": (c_int, [P(Geometry), P(LayoutDesc), P(c_void_p)], "rc"),
     "skv_layout_create_preset": (c_int, [P(Geometry), c_int, c_uint32, c_uint64, P(c_void_p),
                                          c_int, P(c_void_p)], "rc"),
-    "skv_layout_preset_layer_bytes": (c_int, [P(Geometry), c_int, c_uint32, c_uint64,
+    "skv_layout_get_preset_layer_bytes": (c_int, [P(Geometry), c_int, c_uint32, c_uint64,
                                               P(c_uint64)], "rc"),
     "skv_layout_destroy": (c_int, [c_void_p], "rc"),
     "skv_namespace_create": (c_int, [c_char_p, P(Geometry), c_void_p, c_size_t, c_void_p,
                                      c_size_t, P(c_void_p)], "rc"),
-    "skv_namespace_id": (c_int, [c_void_p, P(Key)], "rc"),
+    "skv_namespace_get_id": (c_int, [c_void_p, P(Key)], "rc"),
     "skv_namespace_destroy": (c_int, [c_void_p], "rc"),
-    "skv_hash_tokens": (c_int, [c_void_p, P(c_uint32), c_size_t, P(Key), P(Key), c_size_t,
+    "skv_namespace_hash_tokens": (c_int, [c_void_p, P(c_uint32), c_size_t, P(Key), P(Key), c_size_t,
                                 P(c_size_t)], "rc"),
-    "skv_key_from_bytes": (c_int, [c_void_p, c_void_p, c_size_t, P(Key)], "rc"),
+    "skv_namespace_hash_bytes": (c_int, [c_void_p, c_void_p, c_size_t, P(Key)], "rc"),
     "skv_kv_create": (c_int, [_ctx, P(Geometry), P(KvOpts), P(c_void_p)], "rc"),
     "skv_kv_destroy": (c_int, [c_void_p], "rc"),
     "skv_kv_get_stats": (c_int, [c_void_p, P(KvStats)], "rc"),
-    "skv_kv_heap": (c_void_p, [c_void_p], "ptr"),
-    "skv_lookup": (c_int, [c_void_p, c_void_p, P(Key), c_size_t, c_uint32, P(PageRef),
+    "skv_kv_get_heap": (c_void_p, [c_void_p], "ptr"),
+    "skv_kv_lookup": (c_int, [c_void_p, c_void_p, P(Key), c_size_t, c_uint32, P(PageRef),
                            P(c_size_t)], "rc"),
-    "skv_unpin": (c_int, [c_void_p, P(PageRef), c_size_t], "rc"),
-    "skv_fetch": (c_int, [c_void_p, P(PageRef), c_size_t, c_void_p, P(c_uint64), c_uint32,
+    "skv_kv_unpin": (c_int, [c_void_p, P(PageRef), c_size_t], "rc"),
+    "skv_kv_fetch": (c_int, [c_void_p, P(PageRef), c_size_t, c_void_p, P(c_uint64), c_uint32,
                           c_void_p], "rc"),
-    "skv_publish": (c_int, [c_void_p, c_void_p, P(Key), c_size_t, c_void_p, P(c_uint64),
+    "skv_kv_publish": (c_int, [c_void_p, c_void_p, P(Key), c_size_t, c_void_p, P(c_uint64),
                             c_void_p, P(c_size_t)], "rc"),
-    "skv_evict": (c_int, [c_void_p, c_uint64, P(c_uint64)], "rc"),
+    "skv_kv_evict": (c_int, [c_void_p, c_uint64, P(c_uint64)], "rc"),
     "skv_kv_sync": (c_int, [c_void_p], "rc"),
     "skv_comm_create": (c_int, [_ctx, P(CommOpts), P(c_void_p)], "rc"),
     "skv_comm_destroy": (c_int, [c_void_p], "rc"),
-    "skv_comm_heap": (c_void_p, [c_void_p], "ptr"),
-    "skv_allreduce": (c_int, [c_void_p, c_void_p, c_void_p, c_size_t, c_int, c_int, c_int, c_int,
+    "skv_comm_get_heap": (c_void_p, [c_void_p], "ptr"),
+    "skv_comm_allreduce": (c_int, [c_void_p, c_void_p, c_void_p, c_size_t, c_int, c_int, c_int, c_int,
                               c_void_p], "rc"),
-    "skv_comm_signal_slots": (c_int, [c_void_p], "rc"),
-    "skv_signal": (c_int, [c_void_p, c_int, c_uint32, c_uint64, c_int, c_void_p], "rc"),
-    "skv_wait": (c_int, [c_void_p, c_uint32, c_int, c_uint64, c_void_p], "rc"),
-    "skv_barrier": (c_int, [c_void_p, c_int, c_void_p], "rc"),
+    "skv_comm_get_signal_slots": (c_int, [c_void_p], "rc"),
+    "skv_comm_signal": (c_int, [c_void_p, c_int, c_uint32, c_uint64, c_int, c_void_p], "rc"),
+    "skv_comm_wait": (c_int, [c_void_p, c_uint32, c_int, c_uint64, c_void_p], "rc"),
+    "skv_comm_barrier": (c_int, [c_void_p, c_int, c_void_p], "rc"),
     "skv_comm_check": (c_int, [c_void_p], "rc"),
 }
 
 # Functions a library may lack (a build without the comm layer): calling one raises
 # symkv.NotSupported naming it instead of failing at import.
 OPTIONAL = frozenset(n for n in FUNCTIONS if n.startswith("skv_comm_") or n in (
-    "skv_allreduce", "skv_signal", "skv_wait", "skv_barrier"))
+    "skv_comm_allreduce", "skv_comm_signal", "skv_comm_wait", "skv_comm_barrier"))
 
 
 class _Missing:
@@ -376,7 +376,7 @@ def check_version(v, path, expected_major=EXPECTED_MAJOR, min_minor=MIN_MINOR):
 
 def check_abi(lib):
     """Compare our struct layouts with the library's: skv_config_init writes the C
-    sizeof(skv_config_t); skv_geometry_page_bytes rejects a geometry of the wrong size."""
+    sizeof(skv_config_t); skv_geometry_get_page_bytes rejects a geometry of the wrong size."""
     for cls, size in STRUCT_SIZES.items():
         if ctypes.sizeof(cls) != size and ctypes.sizeof(c_void_p) == 8:
             raise ImportError("symkv: ctypes.sizeof(%s) is %d, expected %d on LP64"
@@ -392,7 +392,7 @@ def check_abi(lib):
     g.num_layers, g.num_kv_heads, g.head_dim, g.elem_bytes, g.page_tokens = 1, 1, 1, 1, 1
     pb = c_uint64()
     try:
-        lib.skv_geometry_page_bytes(byref(g), byref(pb))
+        lib.skv_geometry_get_page_bytes(byref(g), byref(pb))
     except errors.Error as e:
         raise ImportError("symkv: %s rejects this package's skv_geometry_t (%d bytes): %s"
                           % (lib.path, ctypes.sizeof(Geometry), e)) from None

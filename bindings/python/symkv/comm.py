@@ -84,11 +84,11 @@ class Comm(CollectiveResource):
     def heap(self):
         """The comm's heap (a view): arrays in its data area are reduced in place."""
         from .heap import Heap
-        return Heap._borrow(lib.skv_comm_heap(self.handle), self)
+        return Heap._borrow(lib.skv_comm_get_heap(self.handle), self)
 
     @property
     def signal_slots(self):
-        return lib.skv_comm_signal_slots(self.handle)
+        return lib.skv_comm_get_signal_slots(self.handle)
 
     def _stream(self, device, stream):
         if self.backend == _lib.BACKEND_HOST:
@@ -124,25 +124,25 @@ class Comm(CollectiveResource):
                          % xi.device)
         if self.backend != _lib.BACKEND_HOST and xi.device < 0:
             _lib.invalid("allreduce: a cuda comm needs CUDA tensors, got host memory")
-        lib.skv_allreduce(self.handle, xi.ptr or None, oi.ptr or None, count,
+        lib.skv_comm_allreduce(self.handle, xi.ptr or None, oi.ptr or None, count,
                           _dtype_id(xi, dtype), _pick(OPS, op, "op"), _pick(ALGOS, algo, "algo"),
                           check_int("channel", channel), self._stream(xi.device, stream))
         return out
 
     def signal(self, pe, slot, value=1, op="set", stream=None, device=None):
         """Set (op="set") or add (op="add") `value` to signal slot `slot` of PE `pe`."""
-        lib.skv_signal(self.handle, check_int("pe", pe), check_uint("slot", slot, 32),
+        lib.skv_comm_signal(self.handle, check_int("pe", pe), check_uint("slot", slot, 32),
                        check_uint("value", value), _pick(SIGNAL_OPS, op, "signal op"),
                        self._stream(device, stream))
 
     def wait(self, slot, value, cmp="ge", stream=None, device=None):
         """Wait until this PE's slot compares true with `value` (bounded by the timeout)."""
-        lib.skv_wait(self.handle, check_uint("slot", slot, 32), _pick(CMPS, cmp, "cmp"),
+        lib.skv_comm_wait(self.handle, check_uint("slot", slot, 32), _pick(CMPS, cmp, "cmp"),
                      check_uint("value", value), self._stream(device, stream))
 
     def barrier(self, channel=0, stream=None, device=None):
         """All PEs (stream-ordered on CUDA), bounded by the timeout. Collective."""
-        lib.skv_barrier(self.handle, check_int("channel", channel),
+        lib.skv_comm_barrier(self.handle, check_int("channel", channel),
                         self._stream(device, stream))
 
     def check(self):

@@ -101,8 +101,8 @@ class Context(Resource):
         h = c_void_p()
         lib.skv_init(byref(config.struct) if config is not None else None, byref(h))
         self._h = h.value
-        self._rank = lib.skv_ctx_rank(self._h)
-        self._world = lib.skv_ctx_world_size(self._h)
+        self._rank = lib.skv_ctx_get_rank(self._h)
+        self._world = lib.skv_ctx_get_world_size(self._h)
         _open_contexts.append(self)
 
     # -- identity ---------------------------------------------------------------------------
@@ -116,15 +116,15 @@ class Context(Resource):
 
     @property
     def local_rank(self):
-        return lib.skv_ctx_local_rank(self.handle)
+        return lib.skv_ctx_get_local_rank(self.handle)
 
     @property
     def local_size(self):
-        return lib.skv_ctx_local_size(self.handle)
+        return lib.skv_ctx_get_local_size(self.handle)
 
     @property
     def timeout_ms(self):
-        return lib.skv_ctx_timeout_ms(self.handle)
+        return lib.skv_ctx_get_timeout_ms(self.handle)
 
     @timeout_ms.setter
     def timeout_ms(self, ms):
@@ -133,7 +133,7 @@ class Context(Resource):
     @property
     def device(self):
         """This PE's CUDA device; NotSupported without CUDA or a GPU."""
-        return lib.skv_ctx_device(self.handle)
+        return lib.skv_ctx_get_device(self.handle)
 
     def __repr__(self):
         if self.closed:

@@ -83,7 +83,7 @@ class Heap(CollectiveResource):
         """Address (int) of byte `offset` of PE `pe`'s segment (default: this PE); offsets
         count from the segment start (info.data_offset is where the data area begins)."""
         pe = self._info.my_pe if pe is None else check_int("pe", pe)
-        return lib.skv_heap_ptr(self.handle, pe, check_uint("offset", offset))
+        return lib.skv_heap_get_ptr(self.handle, pe, check_uint("offset", offset))
 
     def _area(self, area, offset, nbytes):
         if area not in _AREAS:

@@ -56,7 +56,7 @@ class Geometry:
                                           elem_bytes, page_tokens)):
             object.__setattr__(self, name, check_uint("geometry." + name, v, 32))
         pb = c_uint64()
-        lib.skv_geometry_page_bytes(byref(self.struct()), byref(pb))
+        lib.skv_geometry_get_page_bytes(byref(self.struct()), byref(pb))
         object.__setattr__(self, "_page_bytes", pb.value)
 
     def __setattr__(self, name, value):
@@ -400,11 +400,11 @@ class Layout(LocalResource):
 
 
 def layer_bytes(geometry, layout, block_tokens, num_blocks):
-    """skv_layout_preset_layer_bytes: bytes of one layer's tensor of a preset."""
+    """skv_layout_get_preset_layer_bytes: bytes of one layer's tensor of a preset."""
     geometry = _as_geometry(geometry)
     pid = _layout_spec(layout)["preset"] if isinstance(layout, str) else int(layout)
     out = c_uint64()
-    lib.skv_layout_preset_layer_bytes(byref(geometry.struct()), pid,
+    lib.skv_layout_get_preset_layer_bytes(byref(geometry.struct()), pid,
                                       check_uint("block_tokens", block_tokens, 32),
                                       check_uint("num_blocks", num_blocks), byref(out))
     return out.value
@@ -538,7 +538,7 @@ class Namespace(LocalResource):
     def id(self):
         """The namespace id as a 128-bit int (hi << 64 | lo)."""
         k = _lib.Key()
-        lib.skv_namespace_id(self.handle, byref(k))
+        lib.skv_namespace_get_id(self.handle, byref(k))
         return (k.hi << 64) | k.lo
 
     def hash_tokens(self, tokens, parent=None):
@@ -553,7 +553,7 @@ class Namespace(LocalResource):
             par = _lib.Key(*as_keys([parent])[0].tolist()) if not isinstance(parent, _lib.Key) \
                 else parent
         nk = c_size_t()
-        lib.skv_hash_tokens(self.handle, _arrays.ptr(tok, ctypes.c_uint32), len(tok),
+        lib.skv_namespace_hash_tokens(self.handle, _arrays.ptr(tok, ctypes.c_uint32), len(tok),
                             byref(par) if par is not None else None,
                             _arrays.ptr(keys, _lib.Key), n, byref(nk))
         return keys[:nk.value]
@@ -568,7 +568,7 @@ class Namespace(LocalResource):
         else:
             b = _bytes_arg(data, "key_from_bytes data")
         k = _lib.Key()
-        lib.skv_key_from_bytes(self.handle, b or None, len(b), byref(k))
+        lib.skv_namespace_hash_bytes(self.handle, b or None, len(b), byref(k))
         return np.array([k.hi, k.lo], dtype=np.uint64)
 
     def keys_from_bytes(self, items):
@@ -680,7 +680,7 @@ class KVCache(CollectiveResource):
     def heap(self):
         """The heap holding this PE's pages (a view; closed with the cache)."""
         from .heap import Heap
-        return Heap._borrow(lib.skv_kv_heap(self.handle), self)
+        return Heap._borrow(lib.skv_kv_get_heap(self.handle), self)
 
     def stats(self):
         st = _lib.out_struct(_lib.KvStats)
@@ -706,7 +706,7 @@ class KVCache(CollectiveResource):
         n = len(k)
         refs = np.zeros((n, 4), dtype=np.uint32)
         nhit = c_size_t()
-        lib.skv_lookup(self.handle, nsh, _arrays.ptr(k, _lib.Key), n,
+        lib.skv_kv_lookup(self.handle, nsh, _arrays.ptr(k, _lib.Key), n,
                        _lib.LOOKUP_PIN if pin else 0, _arrays.ptr(refs, _lib.PageRef),
                        byref(nhit))
         return Lookup(self, refs[:nhit.value], bool(pin) and nhit.value > 0)
@@ -720,7 +720,7 @@ class KVCache(CollectiveResource):
                              "unpin: this Lookup holds no pins (looked up without pin=True, or "
                              "already unpinned); unpinning would release pins other requests "
                              "hold (SKV_ESTATE, python)")
-        lib.skv_unpin(self.handle, _arrays.ptr(r, _lib.PageRef), len(r))
+        lib.skv_kv_unpin(self.handle, _arrays.ptr(r, _lib.PageRef), len(r))
         if isinstance(refs, Lookup):
             refs.pinned = False
 
@@ -745,7 +745,7 @@ class KVCache(CollectiveResource):
                              "fetch(unpin=True): this Lookup holds no pins (looked up without "
                              "pin=True, or already unpinned); unpinning would release pins "
                              "other requests hold (SKV_ESTATE, python)")
-        lib.skv_fetch(self.handle, _arrays.ptr(r, _lib.PageRef), n, lay,
+        lib.skv_kv_fetch(self.handle, _arrays.ptr(r, _lib.PageRef), n, lay,
                       _arrays.ptr(ids, ctypes.c_uint64), _lib.FETCH_UNPIN if unpin else 0,
                       self._stream(layout, stream))
         if unpin and isinstance(refs, Lookup):
@@ -762,7 +762,7 @@ class KVCache(CollectiveResource):
         n = len(k)
         ids = as_block_ids(block_ids, n * layout.blocks_per_page)
         ins = c_size_t()
-        lib.skv_publish(self.handle, nsh, _arrays.ptr(k, _lib.Key), n, lay,
+        lib.skv_kv_publish(self.handle, nsh, _arrays.ptr(k, _lib.Key), n, lay,
                         _arrays.ptr(ids, ctypes.c_uint64), self._stream(layout, stream),
                         byref(ins))
         return ins.value
@@ -771,7 +771,7 @@ class KVCache(CollectiveResource):
         """Evict up to `npages` of this PE's least recently used unpinned pages; returns how
         many were evicted."""
         out = c_uint64()
-        lib.skv_evict(self.handle, check_uint("npages", npages), byref(out))
+        lib.skv_kv_evict(self.handle, check_uint("npages", npages), byref(out))
         return out.value
 
     def sync(self):

@@ -90,7 +90,7 @@ def message(level, text, subsys="ALL"):
     if isinstance(level, str):
         level = _LEVEL_BY_NAME.get(level.upper(), _lib.LOG_INFO)
     bit = _lib.SUBSYS.get(subsys, _lib.SUBSYS_ALL) if isinstance(subsys, str) else subsys
-    lib.skv_log_message(int(level), bit, str(text).encode("utf-8", "replace"))
+    lib.skv_log_write(int(level), bit, str(text).encode("utf-8", "replace"))
 
 
 def _at_exit():

@@ -8,16 +8,16 @@ from symkv import _lib
 
 
 def _need_comm():
-    missing = [n for n in ("skv_comm_create", "skv_allreduce", "skv_signal", "skv_wait",
-                           "skv_barrier") if not symkv.has_function(n)]
+    missing = [n for n in ("skv_comm_create", "skv_comm_allreduce", "skv_comm_signal", "skv_comm_wait",
+                           "skv_comm_barrier") if not symkv.has_function(n)]
     if missing:
         pytest.skip("libsymkv.so (%s) does not export %s yet: the comm layer (src/comm/) is "
                     "not in this build" % (symkv.library_path, ", ".join(missing)))
 
 
 def test_comm_bindings_are_declared():
-    for n in ("skv_comm_create", "skv_comm_destroy", "skv_comm_heap", "skv_allreduce",
-              "skv_comm_signal_slots", "skv_signal", "skv_wait", "skv_barrier",
+    for n in ("skv_comm_create", "skv_comm_destroy", "skv_comm_get_heap", "skv_comm_allreduce",
+              "skv_comm_get_signal_slots", "skv_comm_signal", "skv_comm_wait", "skv_comm_barrier",
               "skv_comm_check"):
         assert n in _lib.FUNCTIONS
 

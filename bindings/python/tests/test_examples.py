@@ -317,7 +317,7 @@ def test_reference_config_snippet(tmp_path):
                     "skv_config_init(&cfg) */")
     src = ("#include <symkv.h>\n#include <stdio.h>\nint main(void) {\n" + body +
            "  if (rc != 0) { fprintf(stderr, \"%s\\n\", skv_last_error()); return 1; }\n"
-           "  printf(\"rank %d of %d\\n\", skv_ctx_rank(ctx), skv_ctx_world_size(ctx));\n"
+           "  printf(\"rank %d of %d\\n\", skv_ctx_get_rank(ctx), skv_ctx_get_world_size(ctx));\n"
            "  return skv_finalize(ctx) != 0;\n}\n")
     lib = os.environ["SKV_LIBRARY"]
     exe = tmp_path / "cfg"

@@ -218,8 +218,8 @@ def test_constants_match_the_header():
 
 
 def test_functions_missing_from_the_library_raise_NotSupported():
-    stub = _lib._Missing("skv_allreduce", "/x/libsymkv.so")
-    with pytest.raises(symkv.NotSupported, match="skv_allreduce.*does not export"):
+    stub = _lib._Missing("skv_comm_allreduce", "/x/libsymkv.so")
+    with pytest.raises(symkv.NotSupported, match="skv_comm_allreduce.*does not export"):
         stub(None)
     for name in symkv.lib.missing:
         assert name in _lib.OPTIONAL and not symkv.has_function(name)
