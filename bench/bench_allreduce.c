@@ -1,6 +1,5 @@
-/* symkv-bench allreduce: skv_comm_allreduce latency inside CUDA graphs per algorithm and AUTO
- * against ncclAllReduce captured the same way in the same run; crossovers; barrier; signal round
- * trips. */
+/* symkv-bench allreduce: skv_comm_allreduce latency inside CUDA graphs per algorithm and AUTO against
+ * ncclAllReduce captured the same way in the same run; crossovers; barrier; signal round trips. */
 #define _GNU_SOURCE
 #include "bench.h"
 
@@ -180,8 +179,8 @@ static int bench_barrier(arb_t *a, double *us, double *nccl_us) {
 }
 
 /* Signal ping-pong between PEs 0 and 1: in one kernel through the device API, and through
- * stream-ordered skv_comm_signal / skv_comm_wait calls in a CUDA graph (one kernel node each).
- * Round trip in us as PE 0 measured it. */
+ * stream-ordered skv_comm_signal / skv_comm_wait calls in a CUDA graph (one kernel node each). Round trip
+ * in us as PE 0 measured it. */
 static int bench_pingpong(arb_t *a, double *dev_us, double *host_us) {
   double d = 0, h = 0;
   static uint64_t base = 0;
@@ -320,7 +319,7 @@ static int run(arb_t *a) {
   return 0;
 }
 
-int bench_allreduce(bench_t *b) {
+static int bench_allreduce(bench_t *b) {
   arb_t a;
   memset(&a, 0, sizeof a);
   a.b = b;
@@ -337,15 +336,10 @@ int bench_allreduce(bench_t *b) {
     a.dtype = SKV_DTYPE_BF16;
   else if (strcmp(dt, "fp16") == 0)
     a.dtype = SKV_DTYPE_FP16;
-  else if (strcmp(dt, "fp32") == 0)
-    a.dtype = SKV_DTYPE_FP32;
   else
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH, "allreduce: --dtype %s: use bf16, fp16 or fp32",
-                    dt);
+    a.dtype = SKV_DTYPE_FP32;
   a.reps = (int)bench_opt_int(b, "--reps", 7);
   a.calls = (int)bench_opt_int(b, "--calls", 100);
-  if (a.reps < 1) a.reps = 1;
-  if (a.calls < 1) a.calls = 1;
   a.max_bytes = (uint64_t)bench_opt_int(b, "--max", 64 << 20);
   if (!a.cuda) a.max_bytes = SKV_MIN(a.max_bytes, 4u << 20);
   SKV_CHECK(skv_init(NULL, &a.ctx));
@@ -424,3 +418,28 @@ int bench_allreduce(bench_t *b) {
   int rc3 = skv_finalize(a.ctx);
   return rc ? rc : rc2 ? rc2 : rc3;
 }
+
+static const bench_optspec_t allreduce_opts[] = {
+    {"--sizes", BENCH_LIST, "LIST", NULL, "message sizes (1K,4K,...), instead of --min/--max", 16,
+     1ll << 36, NULL},
+    {"--min", BENCH_INT, "N", "1K", "smallest size (powers of two up to --max)", 16, 1ll << 36,
+     NULL},
+    {"--max", BENCH_INT, "N", "64M", "largest size (host backend: at most 4M)", 16, 1ll << 36,
+     NULL},
+    {"--calls", BENCH_INT, "N", "100", "calls per timed graph", 1, 100000, NULL},
+    {"--reps", BENCH_INT, "N", "7", "repetitions, the median is reported", 1, 64, NULL},
+    {"--dtype", BENCH_CHOICE, "T", "bf16", "element type", 0, 0, "bf16,fp16,fp32"},
+    {"--no-signals", BENCH_FLAG, NULL, NULL, "skip the barrier and signal ping-pong", 0, 0, NULL},
+    {"--backend", BENCH_CHOICE, "B", "cuda", "host times the host backend's protocol", 0, 0,
+     "cuda,host"},
+    BENCH_OPTS_END,
+};
+
+const bench_cmd_t bench_cmd_allreduce = {
+    .name = "allreduce",
+    .run = bench_allreduce,
+    .summary =
+        "skv_comm_allreduce latency in CUDA graphs per algorithm and AUTO vs ncclAllReduce (same run),\n"
+        "              measured crossovers, barrier latency, signal ping-pong round trips",
+    .opts = allreduce_opts,
+};

@@ -12,7 +12,7 @@
 
 #ifndef SKV_WITH_CUDA
 
-int bench_fetch(bench_t *b) {
+static int bench_fetch(bench_t *b) {
   SKV_UNUSED(b);
   return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH,
                   "symkv-bench fetch needs a build with CUDA (configure with -DSKV_CUDA=ON)");
@@ -440,7 +440,7 @@ static const skv__kv_variant_t variants_list[] = {
     {VEC, 4, 4, 256, SKV_KV_ARGS_DEVICE, 0}, {VEC, 4, 8, 128, SKV_KV_ARGS_AUTO, 0},
 };
 
-int bench_fetch(bench_t *b) {
+static int bench_fetch(bench_t *b) {
   const bool quick = bench_flag(b, "--quick");
   uint64_t sizes[16], batches[16];
   int nsizes = 0, nbatches = 0;
@@ -458,17 +458,13 @@ int bench_fetch(bench_t *b) {
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH,
                     "fetch: --page-sizes / --batches take comma lists (16K,64K,...)");
   const uint64_t max_bytes = (uint64_t)bench_opt_int(b, "--max-batch-bytes", 1ll << 30);
-  const int reps = (int)bench_opt_int(b, "--reps", quick ? 10 : 15);
-  if (reps < 10 || reps > MAX_REPS)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH, "fetch: --reps must be in 10..%d", MAX_REPS);
+  const int reps = (int)bench_opt_int(b, "--reps", quick ? 10 : 15); /* 10..MAX_REPS */
   const char *layout = bench_opt(b, "--layout");
   int preset = SKV_LAYOUT_VLLM_FLASH_NHD;
   if (layout && strcmp(layout, "hnd") == 0)
     preset = SKV_LAYOUT_VLLM_FLASH_HND;
   else if (layout && strcmp(layout, "flashinfer") == 0)
     preset = SKV_LAYOUT_FLASHINFER_NHD;
-  else if (layout && strcmp(layout, "nhd") != 0)
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH, "fetch: --layout is nhd, hnd or flashinfer");
   const bool variants = !bench_flag(b, "--no-variants");
 
   skv_ctx_t *ctx;
@@ -744,3 +740,28 @@ int bench_fetch(bench_t *b) {
 }
 
 #endif
+
+static const bench_optspec_t fetch_opts[] = {
+    {"--quick", BENCH_FLAG, NULL, NULL, "64K,1M x 1,16,1024, 10 repetitions, 4 variants", 0, 0,
+     NULL},
+    {"--page-sizes", BENCH_LIST, "LIST", "16K,64K,256K,1M,4M", "page sizes", 16384, 1ll << 30,
+     NULL},
+    {"--batches", BENCH_LIST, "LIST", "1,4,16,64,256,1024,4096", "pages per fetch", 1, 1 << 20,
+     NULL},
+    {"--max-batch-bytes", BENCH_INT, "N", "1G", "larger batches are skipped", 4096, 1ll << 40,
+     NULL},
+    {"--reps", BENCH_INT, "N", "15", "repetitions, the median is reported", 10, 64, NULL},
+    {"--layout", BENCH_CHOICE, "L", "nhd", "the engine's layout", 0, 0, "nhd,hnd,flashinfer"},
+    {"--no-variants", BENCH_FLAG, NULL, NULL, "skip the kernel variants", 0, 0, NULL},
+    BENCH_OPTS_END,
+};
+
+const bench_cmd_t bench_cmd_fetch = {
+    .name = "fetch",
+    .run = bench_fetch,
+    .summary =
+        "GPU fetch of random peer pages (GB/s) vs the copy engine, a per-page cudaMemcpyAsync "
+        "loop\n"
+        "              and a local gather; 1 MiB latency; kernel variants (a build with CUDA)",
+    .opts = fetch_opts,
+};

@@ -24,10 +24,9 @@ static double copy_gbps(void *dst, const void *src, size_t bytes, int reps) {
   return (double)bytes / bench_median(t, (size_t)reps) / 1e9;
 }
 
-int bench_heap(bench_t *b) {
+static int bench_heap(bench_t *b) {
   uint64_t bytes = (uint64_t)bench_opt_int(b, "--bytes", 64 << 20);
   int reps = (int)bench_opt_int(b, "--reps", 5);
-  if (reps < 1 || reps > 64) reps = 5;
   const char *bk = bench_opt(b, "--backend");
   if (!bk) bk = getenv("SKV_HEAP_BACKEND");
   if (bk && strcmp(bk, "host") != 0)
@@ -92,3 +91,18 @@ int bench_heap(bench_t *b) {
   int rc3 = skv_finalize(ctx);
   return rc ? rc : rc2 ? rc2 : rc3;
 }
+
+static const bench_optspec_t heap_opts[] = {
+    {"--bytes", BENCH_INT, "N", "64M", "bytes copied into and out of each peer's segment", 4096,
+     1ll << 40, NULL},
+    {"--reps", BENCH_INT, "N", "5", "repetitions, the median is reported", 1, 64, NULL},
+    {"--backend", BENCH_CHOICE, "B", "host", "heap backend", 0, 0, "host"},
+    BENCH_OPTS_END,
+};
+
+const bench_cmd_t bench_cmd_heap = {
+    .name = "heap",
+    .run = bench_heap,
+    .summary = "each PE's write and read bandwidth into peers' heap segments vs a local memcpy",
+    .opts = heap_opts,
+};

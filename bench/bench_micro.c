@@ -178,7 +178,6 @@ static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int
   int rank = skv_ctx_get_rank(ctx), npes = skv_ctx_get_world_size(ctx);
   uint64_t batch_bytes = (uint64_t)bench_opt_int(b, "--batch-bytes", 64 << 20);
   int reps = (int)bench_opt_int(b, "--reps", 5);
-  if (reps < 1 || reps > 64) reps = 5;
   /* 16 tokens, 8 heads, bf16, 2 layers: the page size sets head_dim */
   uint32_t heads = 8, pt = 16, layers = 2;
   uint64_t per_dim = 2ull * pt * heads * 2 * layers;
@@ -268,7 +267,7 @@ static int bench_fetch_host(bench_t *b, skv_ctx_t *ctx, uint64_t page_bytes, int
   return skv_kv_destroy(kv);
 }
 
-int bench_micro(bench_t *b) {
+static int bench_micro(bench_t *b) {
   skv_ctx_t *ctx;
   SKV_CHECK(skv_init(NULL, &ctx));
   int rank = skv_ctx_get_rank(ctx), npes = skv_ctx_get_world_size(ctx);
@@ -324,3 +323,20 @@ int bench_micro(bench_t *b) {
   int rc2 = skv_finalize(ctx);
   return rc ? rc : rc2;
 }
+
+static const bench_optspec_t micro_opts[] = {
+    {"--keys", BENCH_INT, "N", "1M", "keys published and looked up, over all PEs", 1, 1ll << 32,
+     NULL},
+    {"--seconds", BENCH_REAL, "S", "1", "time of each rate measurement", 0.01, 3600, NULL},
+    {"--batch-bytes", BENCH_INT, "N", "64M", "bytes of each host fetch batch", 4096, 1ll << 36,
+     NULL},
+    {"--reps", BENCH_INT, "N", "5", "fetch repetitions, the median is reported", 1, 64, NULL},
+    BENCH_OPTS_END,
+};
+
+const bench_cmd_t bench_cmd_micro = {
+    .name = "micro",
+    .run = bench_micro,
+    .summary = "index lookup/insert rates, page alloc/free, host fetch bandwidth vs memcpy",
+    .opts = micro_opts,
+};

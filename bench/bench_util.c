@@ -1,5 +1,5 @@
 /* symkv-bench output: rows with baselines measured in the same run, a table for people and
- * one JSON object (jansson) in the format DESIGN.md gives; options, statistics, progress. */
+ * one JSON object (jansson) in the format docs/benchmarks.md gives; statistics. */
 #define _GNU_SOURCE
 #include "bench.h"
 
@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 bench_row_t *bench_row(bench_t *b, const char *name, double value, const char *unit,
                        const char *better, const char *baseline_name, double baseline) {
@@ -71,6 +70,93 @@ static json_t *to_json(bench_t *b) {
   return o;
 }
 
+/* ---- tables ---------------------------------------------------------------------------------- */
+
+void bench_table(FILE *f, int ncols, const char *const *head, const char *align,
+                 const char *const *cells, size_t nrows) {
+  size_t w[16] = {0};
+  if (ncols > 16) ncols = 16;
+  for (int c = 0; c < ncols; c++) w[c] = strlen(head[c]);
+  for (size_t r = 0; r < nrows; r++)
+    for (int c = 0; c < ncols; c++) w[c] = SKV_MAX(w[c], strlen(cells[r * (size_t)ncols + c]));
+  for (size_t r = 0; r <= nrows; r++) {
+    const char *const *row = r == 0 ? head : cells + (r - 1) * (size_t)ncols;
+    char line[1024];
+    size_t o = 0;
+    for (int c = 0; c < ncols && o < sizeof line; c++)
+      o += (size_t)snprintf(line + o, sizeof line - o, align[c] == 'r' ? "%s%*s" : "%s%-*s",
+                            c ? "  " : "", (int)w[c], row[c]);
+    while (o > 0 && line[o - 1] == ' ') o--; /* no trailing blanks */
+    fprintf(f, "%.*s\n", (int)o, line);
+  }
+}
+
+void bench_wrap(FILE *f, const char *text, int width, int indent) {
+  const char *p = text;
+  int col = 0;
+  while (*p) {
+    size_t n = strcspn(p, " ");
+    if (col > 0 && col + 1 + (int)n > width) {
+      fprintf(f, "\n%*s", indent, "");
+      col = indent;
+    } else if (col > 0) {
+      fputc(' ', f);
+      col++;
+    }
+    fprintf(f, "%.*s", (int)n, p);
+    col += (int)n;
+    p += n;
+    while (*p == ' ') p++;
+  }
+  fputc('\n', f);
+}
+
+static void fmt_value(double v, char *buf, size_t cap) {
+  if (!isfinite(v))
+    snprintf(buf, cap, "-");
+  else
+    snprintf(buf, cap, "%.4g", v);
+}
+
+/* The results table: a row per measurement; a baseline's name once, in the key under it. */
+static void print_rows(bench_t *b) {
+  enum { NC = 7 };
+  static const char *const head[NC] = {"name",     "value", "unit", "better",
+                                       "baseline", "ratio", "vs"};
+  char(*txt)[NC][136] = calloc(b->nrows ? b->nrows : 1, sizeof *txt);
+  const char **cells = calloc((b->nrows ? b->nrows : 1) * NC, sizeof *cells);
+  const char *keys[52];
+  int nkeys = 0;
+  for (size_t i = 0; i < b->nrows; i++) {
+    bench_row_t *r = &b->rows[i];
+    snprintf(txt[i][0], 136, "%s", r->name);
+    fmt_value(r->value, txt[i][1], 48);
+    snprintf(txt[i][2], 136, "%s", r->unit);
+    snprintf(txt[i][3], 136, "%s", r->better);
+    snprintf(txt[i][4], 136, "-");
+    snprintf(txt[i][5], 136, "-");
+    txt[i][6][0] = '\0';
+    if (r->baseline >= 0) {
+      fmt_value(r->baseline, txt[i][4], 48);
+      if (r->baseline > 0 && isfinite(r->value))
+        snprintf(txt[i][5], 136, "%.3f", r->value / r->baseline);
+      int k = 0;
+      while (k < nkeys && strcmp(keys[k], r->baseline_name) != 0) k++;
+      if (k == nkeys && nkeys < 52) keys[nkeys++] = r->baseline_name;
+      if (k < 52) snprintf(txt[i][6], 136, "%c", k < 26 ? 'a' + k : 'A' + k - 26);
+    }
+    for (int c = 0; c < NC; c++) cells[i * NC + c] = txt[i][c];
+  }
+  bench_table(stdout, NC, head, "lrllrrl", cells, b->nrows);
+  if (nkeys) {
+    printf("vs: the baseline, measured in this run; ratio = value / baseline\n");
+    for (int k = 0; k < nkeys; k++) printf("  %c  %s\n", k < 26 ? 'a' + k : 'A' + k - 26, keys[k]);
+  }
+  printf("better: the direction in which a value (and its ratio) is better\n");
+  free(txt);
+  free(cells);
+}
+
 int bench_report(bench_t *b) {
   json_t *o = to_json(b);
   int rc = 0;
@@ -84,17 +170,7 @@ int bench_report(bench_t *b) {
     json_dumpf(o, stdout, JSON_COMPACT | JSON_REAL_PRECISION(10));
     fputc('\n', stdout);
   } else {
-    printf("%-40s %14s %-6s  %-34s %14s %8s\n", "name", "value", "unit", "baseline", "baseline",
-           "ratio");
-    for (size_t i = 0; i < b->nrows; i++) {
-      bench_row_t *r = &b->rows[i];
-      if (r->baseline >= 0)
-        printf("%-40s %14.4g %-6s  %-34s %14.4g %8.3f\n", r->name, r->value, r->unit,
-               r->baseline_name, r->baseline, r->baseline > 0 ? r->value / r->baseline : NAN);
-      else
-        printf("%-40s %14.4g %-6s\n", r->name, r->value, r->unit);
-    }
-    printf("(ratio = value / baseline; every baseline was measured in this run)\n");
+    print_rows(b);
   }
   fflush(stdout);
   json_decref(o);
@@ -118,65 +194,4 @@ double bench_percentile(double *v, size_t n, double p) {
 
 double bench_median(double *v, size_t n) {
   return bench_percentile(v, n, 0.5);
-}
-
-const char *bench_opt(bench_t *b, const char *name) {
-  size_t n = strlen(name);
-  for (int i = 0; i < b->argc; i++) {
-    const char *a = b->argv[i];
-    if (strncmp(a, name, n) == 0) {
-      if (a[n] == '=') return a + n + 1;
-      if (a[n] == '\0' && i + 1 < b->argc) return b->argv[i + 1];
-    }
-  }
-  return NULL;
-}
-
-bool bench_flag(bench_t *b, const char *name) {
-  for (int i = 0; i < b->argc; i++)
-    if (strcmp(b->argv[i], name) == 0) return true;
-  return false;
-}
-
-long long bench_opt_int(bench_t *b, const char *name, long long def) {
-  const char *v = bench_opt(b, name);
-  long long x;
-  if (!v) return def;
-  if (!skv__parse_int(v, 0, 1LL << 50, true, &x)) {
-    fprintf(stderr, "symkv-bench: %s %s is not a non-negative integer (suffixes K, M, G allowed)\n",
-            name, v);
-    exit(2);
-  }
-  return x;
-}
-
-double bench_opt_real(bench_t *b, const char *name, double def) {
-  const char *v = bench_opt(b, name);
-  if (!v) return def;
-  char *end;
-  double x = strtod(v, &end);
-  if (*end || !(x >= 0)) {
-    fprintf(stderr, "symkv-bench: %s %s is not a non-negative number\n", name, v);
-    exit(2);
-  }
-  return x;
-}
-
-static double last_progress;
-
-void bench_progress(bench_t *b, const char *what, double done, double total) {
-  if (b->quiet || !isatty(2)) return;
-  double now = bench_now();
-  if (now - last_progress < 0.1 && done < total) return;
-  last_progress = now;
-  int width = 30, fill = total > 0 ? (int)(width * done / total) : 0;
-  if (fill > width) fill = width;
-  fprintf(stderr, "\r%-16s [%.*s%*s] %5.1f%%", what, fill, "##############################",
-          width - fill, "", total > 0 ? 100.0 * done / total : 0.0);
-  fflush(stderr);
-}
-
-void bench_progress_end(bench_t *b) {
-  if (b->quiet || !isatty(2)) return;
-  fprintf(stderr, "\r%*s\r", 60, "");
 }

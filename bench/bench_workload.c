@@ -100,89 +100,17 @@ typedef struct wl_ctl {
 
 /* ---- options ------------------------------------------------------------------------------ */
 
-typedef struct opt_spec {
-  const char *name;
-  bool value;
-} opt_spec_t;
-
-static const opt_spec_t common_opts[] = {
-    {"--model", true},          {"--tp", true},
-    {"--backend", true},        {"--layout", true},
-    {"--block-tokens", true},   {"--page-tokens", true},
-    {"--ordered", false},       {"--realtime", false},
-    {"--speed", true},          {"--prefill-tflops", true},
-    {"--capacity-pages", true}, {"--capacity-fraction", true},
-    {"--mem-fraction", true},   {"--ring-bytes", true},
-    {"--requests", true},       {"--plot", true},
-    {"--plot-script", true},    {"--verify", false},
-    {"--seed", true},           {"--json", false},
-    {"--json-out", true},       {"--quiet", false},
-};
-static const opt_spec_t longdoc_opts[] = {
-    {"--docs", true},  {"--doc-tokens", true},      {"--repeats", true},
-    {"--order", true}, {"--question-tokens", true}, {"--rate", true}};
-static const opt_spec_t multiround_opts[] = {{"--users", true},         {"--rounds", true},
-                                             {"--system-tokens", true}, {"--message-tokens", true},
-                                             {"--answer-tokens", true}, {"--rate", true}};
-
-static const opt_spec_t *find_spec(const opt_spec_t *t, size_t n, const char *a, size_t len) {
-  for (size_t i = 0; i < n; i++)
-    if (strlen(t[i].name) == len && strncmp(t[i].name, a, len) == 0) return &t[i];
-  return NULL;
-}
-
-/* Reject unknown options; return the positional arguments (at most `cap`). */
-static int check_args(bench_t *b, const opt_spec_t *extra, size_t nextra, const char **pos, int cap,
-                      int *npos) {
-  *npos = 0;
-  for (int i = 0; i < b->argc; i++) {
-    const char *a = b->argv[i];
-    if (strncmp(a, "--", 2) != 0) {
-      if (*npos >= cap) {
-        fprintf(stderr, "symkv-bench %s: unexpected argument '%s'\n", b->cmd, a);
-        return 2;
-      }
-      pos[(*npos)++] = a;
-      continue;
-    }
-    const char *eq = strchr(a, '=');
-    size_t len = eq ? (size_t)(eq - a) : strlen(a);
-    const opt_spec_t *s = find_spec(common_opts, SKV_ARRAY_LEN(common_opts), a, len);
-    if (!s && extra) s = find_spec(extra, nextra, a, len);
-    if (!s) {
-      fprintf(stderr, "symkv-bench %s: unknown option '%.*s' (symkv-bench --help lists them)\n",
-              b->cmd, (int)len, a);
-      return 2;
-    }
-    if (s->value && !eq) {
-      if (i + 1 >= b->argc) {
-        fprintf(stderr, "symkv-bench %s: %s needs a value\n", b->cmd, s->name);
-        return 2;
-      }
-      i++;
-    }
-    if (!s->value && eq) {
-      fprintf(stderr, "symkv-bench %s: %s takes no value\n", b->cmd, s->name);
-      return 2;
-    }
-  }
-  return 0;
-}
-
-static int parse_common(bench_t *b, wl_opts_t *o, uint32_t default_page_tokens) {
+static void parse_common(bench_t *b, wl_opts_t *o, uint32_t default_page_tokens) {
   memset(o, 0, sizeof *o);
   const char *mname = bench_opt(b, "--model");
   o->model = wl_model_find(mname ? mname : "tiny");
   if (!o->model) {
-    fprintf(stderr, "symkv-bench %s: unknown --model %s (presets: %s)\n", b->cmd, mname,
-            wl_model_names());
-    return 2;
+    bench_usage_error(b, "unknown --model %s (presets: %s)", mname, wl_model_names());
   }
   o->tp = (uint32_t)bench_opt_int(b, "--tp", o->model->default_tp);
   if (o->tp < 1 || (o->model->kv_kind == SKV_KV_SPLIT && o->model->kv_heads % o->tp != 0)) {
-    fprintf(stderr, "symkv-bench %s: --tp %u does not divide the %u KV heads of %s\n", b->cmd,
-            o->tp, o->model->kv_heads, o->model->name);
-    return 2;
+    bench_usage_error(b, "--tp %u does not divide the %u KV heads of %s", o->tp, o->model->kv_heads,
+                      o->model->name);
   }
   const char *be = bench_opt(b, "--backend");
   o->backend_name = be ? be : "host";
@@ -193,9 +121,7 @@ static int parse_common(bench_t *b, wl_opts_t *o, uint32_t default_page_tokens) 
   else if (strcmp(o->backend_name, "cuda_host") == 0)
     o->backend = SKV_BACKEND_CUDA_HOST;
   else {
-    fprintf(stderr, "symkv-bench %s: --backend %s: want host, cuda or cuda_host\n", b->cmd,
-            o->backend_name);
-    return 2;
+    bench_usage_error(b, "--backend %s: want host, cuda or cuda_host", o->backend_name);
   }
   bool mla = o->model->kv_kind == SKV_KV_MLA;
   const char *lay = bench_opt(b, "--layout");
@@ -216,34 +142,29 @@ static int parse_common(bench_t *b, wl_opts_t *o, uint32_t default_page_tokens) 
         (layouts[i].mla == 2 || layouts[i].mla == (int)mla))
       o->preset = layouts[i].preset;
   if (o->preset < 0) {
-    fprintf(stderr, "symkv-bench %s: --layout %s does not suit %s (want %s)\n", b->cmd,
-            o->layout_name, o->model->name,
-            mla ? "mla or contiguous" : "nhd, hnd, flashinfer-nhd, flashinfer-hnd or contiguous");
-    return 2;
+    bench_usage_error(b, "--layout %s does not suit %s (want %s)", o->layout_name, o->model->name,
+                      mla ? "mla or contiguous"
+                          : "nhd, hnd, flashinfer-nhd, flashinfer-hnd or contiguous");
   }
   o->page_tokens = (uint32_t)bench_opt_int(b, "--page-tokens", default_page_tokens);
   o->block_tokens = (uint32_t)bench_opt_int(b, "--block-tokens", 16);
   if (o->block_tokens < 1 || o->page_tokens < 1 || o->page_tokens % o->block_tokens != 0) {
-    fprintf(stderr, "symkv-bench %s: --block-tokens %u must divide --page-tokens %u\n", b->cmd,
-            o->block_tokens, o->page_tokens);
-    return 2;
+    bench_usage_error(b, "--block-tokens %u must divide --page-tokens %u", o->block_tokens,
+                      o->page_tokens);
   }
   if (bench_flag(b, "--realtime") && bench_flag(b, "--ordered")) {
-    fprintf(stderr, "symkv-bench %s: --ordered and --realtime exclude each other\n", b->cmd);
-    return 2;
+    bench_usage_error(b, "--ordered and --realtime exclude each other");
   }
   o->realtime = bench_flag(b, "--realtime");
   o->verify = bench_flag(b, "--verify");
   o->speed = bench_opt_real(b, "--speed", 1.0);
   if (o->speed <= 0) {
-    fprintf(stderr, "symkv-bench %s: --speed must be > 0\n", b->cmd);
-    return 2;
+    bench_usage_error(b, "--speed must be > 0");
   }
   o->tflops = bench_opt_real(b, "--prefill-tflops", 0);
   if (bench_opt(b, "--prefill-tflops")) {
     if (o->tflops <= 0) {
-      fprintf(stderr, "symkv-bench %s: --prefill-tflops must be > 0\n", b->cmd);
-      return 2;
+      bench_usage_error(b, "--prefill-tflops must be > 0");
     }
     snprintf(o->tflops_src, sizeof o->tflops_src, "given (--prefill-tflops)");
   }
@@ -252,33 +173,26 @@ static int parse_common(bench_t *b, wl_opts_t *o, uint32_t default_page_tokens) 
   if (cap && strcmp(cap, "unbounded") != 0) {
     long long x;
     if (!skv__parse_int(cap, 1, (long long)SKV_INDEX_MAX_PAGES, true, &x)) {
-      fprintf(stderr,
-              "symkv-bench %s: --capacity-pages %s: want a page count 1..%u or 'unbounded'\n",
-              b->cmd, cap, SKV_INDEX_MAX_PAGES);
-      return 2;
+      bench_usage_error(b, "--capacity-pages %s: want a page count 1..%u or 'unbounded'", cap,
+                        SKV_INDEX_MAX_PAGES);
     }
     o->capacity = (uint64_t)x;
   }
   o->capacity_fraction =
       bench_opt(b, "--capacity-fraction") ? bench_opt_real(b, "--capacity-fraction", 1) : -1;
   if (cap && o->capacity_fraction >= 0) {
-    fprintf(stderr, "symkv-bench %s: give --capacity-pages or --capacity-fraction, not both\n",
-            b->cmd);
-    return 2;
+    bench_usage_error(b, "give --capacity-pages or --capacity-fraction, not both");
   }
   if (bench_opt(b, "--capacity-fraction") && !(o->capacity_fraction > 0)) {
-    fprintf(stderr, "symkv-bench %s: --capacity-fraction must be > 0\n", b->cmd);
-    return 2;
+    bench_usage_error(b, "--capacity-fraction must be > 0");
   }
   o->mem_fraction = bench_opt_real(b, "--mem-fraction", o->backend == SKV_BACKEND_CUDA ? 0.8 : 0.5);
   if (o->mem_fraction <= 0 || o->mem_fraction > 0.95) {
-    fprintf(stderr, "symkv-bench %s: --mem-fraction must be in (0, 0.95]\n", b->cmd);
-    return 2;
+    bench_usage_error(b, "--mem-fraction must be in (0, 0.95]");
   }
   o->ring_bytes = (uint64_t)bench_opt_int(b, "--ring-bytes", 256 << 20);
   o->max_requests = (uint64_t)bench_opt_int(b, "--requests", 0);
   o->plot = bench_opt(b, "--plot");
-  return 0;
 }
 
 static void make_geometry(const wl_opts_t *o, skv_geometry_t *g) {
@@ -291,61 +205,19 @@ static void make_geometry(const wl_opts_t *o, skv_geometry_t *g) {
   g->page_tokens = o->page_tokens;
 }
 
-/* ---- progress on the terminal (rank 0) ------------------------------------------------------ */
+/* ---- progress (rank 0) ---------------------------------------------------------------------- */
 
-/* Under symkv-run the PEs' stderr is a pipe: draw on the launcher's terminal instead. */
-static int progress_fd = -1;
-static double progress_last;
-
-static void progress_open(bench_t *b) {
-  if (b->quiet) return;
-  if (isatty(2)) {
-    progress_fd = 2;
-    return;
-  }
-  const char *pid = getenv("SKV_RUN_PID");
-  if (!pid) return;
-  char path[64];
-  snprintf(path, sizeof path, "/proc/%s/fd/2", pid);
-  int fd = open(path, O_WRONLY | O_NOCTTY | O_CLOEXEC);
-  if (fd >= 0 && isatty(fd))
-    progress_fd = fd;
-  else if (fd >= 0)
-    close(fd);
-}
-
-static void progress_draw(const bench_t *b, const wl_ctl_t *ctl, size_t total, bool force) {
-  if (progress_fd < 0) return;
-  double now = bench_now();
-  if (!force && now - progress_last < 0.1) return;
-  progress_last = now;
+static void progress_draw(bench_t *b, const wl_ctl_t *ctl, size_t total, bool force) {
+  if (!force && !bench_progress_due(b)) return;
   uint64_t done = __atomic_load_n(&ctl->done, __ATOMIC_RELAXED);
   uint64_t pages = __atomic_load_n(&ctl->pages, __ATOMIC_RELAXED);
   double hs =
       pages ? (double)__atomic_load_n(&ctl->hits_shared, __ATOMIC_RELAXED) / (double)pages : 0;
   double hp =
       pages ? (double)__atomic_load_n(&ctl->hits_per_pe, __ATOMIC_RELAXED) / (double)pages : 0;
-  int width = 30, fill = total ? (int)((double)width * (double)done / (double)total) : 0;
-  if (fill > width) fill = width;
-  char line[256];
-  int n = snprintf(line, sizeof line,
-                   "\r%-10s [%.*s%*s] %5.1f%% %" PRIu64 "/%zu  block hits: shared %.3f per_pe %.3f",
-                   b->cmd, fill, "##############################", width - fill, "",
-                   total ? 100.0 * (double)done / (double)total : 0.0, done, total, hs, hp);
-  if (n > 0 && write(progress_fd, line, (size_t)SKV_MIN(n, (int)sizeof line - 1)) < 0)
-    progress_fd = -1;
-}
-
-static void progress_close(void) {
-  if (progress_fd < 0) return;
-  char blank[128];
-  memset(blank, ' ', sizeof blank);
-  blank[0] = '\r';
-  blank[sizeof blank - 1] = '\r';
-  if (write(progress_fd, blank, sizeof blank) < 0) { /* nothing to do */
-  }
-  if (progress_fd != 2) close(progress_fd);
-  progress_fd = -1;
+  char extra[96];
+  snprintf(extra, sizeof extra, "block hits: shared %.3f per_pe %.3f", hs, hp);
+  bench_progress_x(b, b->cmd, (double)done, (double)total, "requests", extra, force);
 }
 
 /* ---- the turn of --ordered ------------------------------------------------------------------ */
@@ -361,9 +233,11 @@ static int turn_wait(skv_ctx_t *ctx, bench_t *b, wl_ctl_t *ctl, uint32_t i, size
   uint32_t seen = __atomic_load_n(&ctl->turn, __ATOMIC_ACQUIRE);
   while (seen != i) {
     uint32_t failed = __atomic_load_n(&ctl->failed, __ATOMIC_ACQUIRE);
-    if (failed)
+    if (failed) {
+      b->failed_elsewhere = true;
       return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_BENCH,
                       "PE %u failed; stopping (its message says why)", failed - 1);
+    }
     struct timespec ts = {0, 100 * 1000 * 1000};
     futex(&ctl->turn, FUTEX_WAIT, seen, &ts);
     uint32_t now_turn = __atomic_load_n(&ctl->turn, __ATOMIC_ACQUIRE);
@@ -722,21 +596,35 @@ static double frac(uint64_t a, uint64_t b) {
   return b ? (double)a / (double)b : 0;
 }
 
+/* The policy table: a row per measure, a column per policy (the results table that follows has
+ * the same figures as rows against their baselines). */
 static void print_policy_table(const summary_t *s) {
-  printf("%-8s %9s %9s %11s %9s %19s %21s %12s\n", "policy", "block_hit", "token_hit", "fetched",
-         "fetch", "lookup p50/p99", "TTFT p50/p99", "prefill_saved");
+  enum { NR = 9, NC = 2 + NPOL };
+  static const char *const head[NC] = {"measure", "better", "none", "per_pe", "shared"};
+  static const char *const what[NR][2] = {
+      {"block hit rate", "higher"},    {"token hit rate", "higher"}, {"TTFT p50 (ms)", "lower"},
+      {"TTFT p99 (ms)", "lower"},      {"lookup p50 (us)", "lower"}, {"lookup p99 (us)", "lower"},
+      {"prefill saved (s)", "higher"}, {"fetched (GB)", "-"},        {"fetch (GB/s)", "higher"}};
+  char txt[NR][NPOL][32];
+  const char *cells[NR * NC];
   for (int p = 0; p < NPOL; p++) {
-    char fb[32] = "-", gb[32] = "-", lk[40] = "-", tt[48];
-    if (p == P_SHARED) {
-      snprintf(fb, sizeof fb, "%.3f GB", (double)s->fetch_bytes / 1e9);
-      if (isfinite(s->fetch_gbps)) snprintf(gb, sizeof gb, "%.2f GB/s", s->fetch_gbps);
-    }
-    if (p != P_NONE) snprintf(lk, sizeof lk, "%.1f/%.1f us", s->lookup_p50[p], s->lookup_p99[p]);
-    snprintf(tt, sizeof tt, "%.1f/%.1f ms", s->ttft_p50[p], s->ttft_p99[p]);
-    printf("%-8s %9.4f %9.4f %11s %9s %19s %21s %10.1f s\n", pol_names[p],
-           frac(s->hit_pages[p], s->pages), frac(s->hit_tokens[p], s->tokens), fb, gb, lk, tt,
-           s->saved[p]);
+    bool shared = p == P_SHARED, none = p == P_NONE;
+    snprintf(txt[0][p], 32, "%.4f", frac(s->hit_pages[p], s->pages));
+    snprintf(txt[1][p], 32, "%.4f", frac(s->hit_tokens[p], s->tokens));
+    snprintf(txt[2][p], 32, "%.1f", s->ttft_p50[p]);
+    snprintf(txt[3][p], 32, "%.1f", s->ttft_p99[p]);
+    snprintf(txt[4][p], 32, none ? "-" : "%.1f", s->lookup_p50[p]);
+    snprintf(txt[5][p], 32, none ? "-" : "%.1f", s->lookup_p99[p]);
+    snprintf(txt[6][p], 32, "%.1f", s->saved[p]);
+    snprintf(txt[7][p], 32, shared ? "%.3f" : "-", (double)s->fetch_bytes / 1e9);
+    snprintf(txt[8][p], 32, shared && isfinite(s->fetch_gbps) ? "%.2f" : "-", s->fetch_gbps);
   }
+  for (int r = 0; r < NR; r++) {
+    cells[r * NC] = what[r][0];
+    cells[r * NC + 1] = what[r][1];
+    for (int p = 0; p < NPOL; p++) cells[r * NC + 2 + p] = txt[r][p];
+  }
+  bench_table(stdout, NC, head, "llrrr", cells, NR);
   printf("\n");
 }
 
@@ -900,9 +788,10 @@ static void count_done(run_t *r, wl_ctl_t *ctl, size_t i, const wl_res_t *x) {
   if (skv_ctx_get_rank(r->ctx) == 0) progress_draw(r->b, ctl, r->w->nreq, false);
 }
 
-static int peer_failed(const wl_ctl_t *ctl) {
+static int peer_failed(bench_t *b, const wl_ctl_t *ctl) {
   uint32_t failed = __atomic_load_n(&ctl->failed, __ATOMIC_ACQUIRE);
   if (!failed) return 0;
+  b->failed_elsewhere = true;
   return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_BENCH, "PE %u failed; stopping (its message says why)",
                   failed - 1);
 }
@@ -912,11 +801,11 @@ static int peer_failed(const wl_ctl_t *ctl) {
 static int wait_until(run_t *r, wl_ctl_t *ctl, double t) {
   bool show = skv_ctx_get_rank(r->ctx) == 0;
   for (double now = bench_now(); now < t; now = bench_now()) {
-    SKV_CHECK(peer_failed(ctl));
+    SKV_CHECK(peer_failed(r->b, ctl));
     sleep_until(SKV_MIN(t, now + 0.1));
     if (show) progress_draw(r->b, ctl, r->w->nreq, false);
   }
-  return peer_failed(ctl);
+  return peer_failed(r->b, ctl);
 }
 
 /* Wait until every PE has finished all its requests (so that the barrier that follows does not
@@ -927,7 +816,7 @@ static int wait_all_done(run_t *r, wl_ctl_t *ctl, double nominal_end) {
   uint64_t seen = __atomic_load_n(&ctl->done, __ATOMIC_ACQUIRE);
   bool show = skv_ctx_get_rank(r->ctx) == 0;
   while (seen < r->w->nreq) {
-    SKV_CHECK(peer_failed(ctl));
+    SKV_CHECK(peer_failed(r->b, ctl));
     double now = bench_now();
     if (now > SKV_MAX(last, nominal_end) + timeout)
       return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_BENCH,
@@ -1048,9 +937,11 @@ static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_o
   if (o->plot) { /* find out now, not after the run, that the plot cannot be drawn */
     int32_t v = rank == 0 ? plot_check(b) : 0;
     SKV_CHECK(skv_ctx_broadcast(ctx, &v, sizeof v, 0));
-    if (v && rank != 0)
+    if (v && rank != 0) { /* rank 0 says why, once */
+      b->failed_elsewhere = true;
       return SKV_FAIL(v, SKV_SUBSYS_BENCH,
                       "--plot: rank 0 cannot draw the plot (its message says why)");
+    }
     if (v) return v;
   }
 
@@ -1076,7 +967,6 @@ static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_o
   r.refs = calloc(SKV_MAX(w->max_pages, 1u), sizeof *r.refs);
   size_t per = (w->nreq + (size_t)npes - 1) / (size_t)npes, nmine = 0;
   mine = calloc(per ? per : 1, sizeof *mine);
-  if (rank == 0) progress_open(b);
 
   SKV_CHECK_GOTO(skv_ctx_barrier(ctx), rc, out);
   double begin = bench_now(), start = begin + 0.05, first_ms = w->req[0].arrival_ms;
@@ -1118,10 +1008,7 @@ static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_o
       end = start + ((last_ms - first_ms) / 1e3 + slowest) / o->speed;
     }
     rc = wait_all_done(&r, ctl, end);
-    if (rank == 0) {
-      progress_draw(b, ctl, w->nreq, true);
-      progress_close();
-    }
+    if (rank == 0) bench_progress_end(b);
     if (rc) {
       fail_all(ctl, rank);
       goto out;
@@ -1222,21 +1109,27 @@ static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_o
     else
       snprintf(mode, sizeof mode, "ordered");
     if (!b->json) {
-      printf("%s: %s\n", b->cmd, w->about);
-      printf("%d PEs, %s, model %s (tp %u, %s a page of %u tokens), capacity %s%" PRIu64
-             " pages per PE%s, "
-             "prefill %.0f TFLOP/s per GPU (%s); %.1f s\n\n",
-             npes, mode, o->model->name, o->tp, skv__fmt_bytes(r.page_bytes, pb, sizeof pb),
-             o->page_tokens, cap_word, ci.pages, ci.capped ? " by memory" : "", o->tflops,
-             o->tflops_src, wall);
+      char line[1024], pg[48];
+      snprintf(line, sizeof line, "%s: %s", b->cmd, w->about);
+      bench_wrap(stdout, line, 80, 2);
+      snprintf(pg, sizeof pg, "%s", skv__fmt_bytes(r.page_bytes, pb, sizeof pb));
+      snprintf(line, sizeof line,
+               "%d PEs, %s, model %s (tp %u, %s a page of %u tokens); capacity %s%" PRIu64
+               " pages per PE%s; prefill %.0f TFLOP/s per GPU (%s); %.1f s",
+               npes, mode, o->model->name, o->tp, pg, o->page_tokens, cap_word, ci.pages,
+               ci.capped ? " by memory" : "", o->tflops, o->tflops_src, wall);
+      bench_wrap(stdout, line, 80, 2);
+      printf("\n");
       print_policy_table(&s);
-      printf("exact prefix hits (unbounded caches, file order): block shared %.4f per_pe %.4f, "
-             "token shared %.4f "
-             "per_pe %.4f%s\n\n",
-             frac(ex.hit_pages[0], ex.pages), frac(ex.hit_pages[1], ex.pages),
-             frac(ex.hit_tokens[0], ex.tokens), frac(ex.hit_tokens[1], ex.tokens),
-             exact_due ? (mismatch ? ": MISMATCH" : ": measured the same")
-                       : " (this run's upper bound)");
+      snprintf(line, sizeof line,
+               "exact prefix hits (unbounded caches, file order): block shared %.4f per_pe %.4f, "
+               "token shared %.4f per_pe %.4f%s",
+               frac(ex.hit_pages[0], ex.pages), frac(ex.hit_pages[1], ex.pages),
+               frac(ex.hit_tokens[0], ex.tokens), frac(ex.hit_tokens[1], ex.tokens),
+               exact_due ? (mismatch ? ": MISMATCH" : ": measured the same")
+                         : " (this run's upper bound)");
+      bench_wrap(stdout, line, 80, 2);
+      printf("\n");
     }
     if (exact_due && mismatch)
       fprintf(stderr,
@@ -1263,8 +1156,10 @@ static int wl_run(bench_t *b, skv_ctx_t *ctx, const wl_workload_t *w, const wl_o
     if (r2 == 0) synced = true;
     if (rc == 0 && r2)
       rc = r2;
-    else if (rc == 0 && v)
+    else if (rc == 0 && v) {
+      b->failed_elsewhere = true;
       rc = SKV_FAIL(v, SKV_SUBSYS_BENCH, "rank 0 failed (its message says why)");
+    }
   }
 out:
   if (synced) { /* collective teardown only when every PE got here */
@@ -1309,34 +1204,27 @@ static int run_workload(bench_t *b, wl_workload_t *w, const wl_opts_t *o, const 
   return rc;
 }
 
-static int setup(bench_t *b, wl_opts_t *o, uint32_t default_page_tokens, const opt_spec_t *extra,
-                 size_t nextra, const char **pos, int maxpos, int *npos, skv_geometry_t *g,
+static int setup(bench_t *b, wl_opts_t *o, uint32_t default_page_tokens, skv_geometry_t *g,
                  skv_namespace_t **ns) {
-  if (check_args(b, extra, nextra, pos, maxpos, npos) != 0) exit(2);
-  if (parse_common(b, o, default_page_tokens) != 0) exit(2);
+  parse_common(b, o, default_page_tokens); /* exits 2 on a bad option */
   make_geometry(o, g);
   SKV_CHECK(skv_namespace_create(o->model->name, g, "symkv-bench", 11, "symkv-bench", 11, ns));
   return 0;
 }
 
-int bench_trace(bench_t *b) {
+static int bench_trace(bench_t *b) {
   wl_opts_t o;
   skv_geometry_t g;
   skv_namespace_t *ns;
-  const char *pos[1] = {NULL};
-  int npos = 0;
-  SKV_CHECK(setup(b, &o, 512, NULL, 0, pos, 1, &npos, &g, &ns));
-  if (npos != 1 || !pos[0]) {
-    fprintf(stderr, "symkv-bench trace: give the trace file (e.g. "
-                    "../shared/data/mooncake_synthetic_trace.jsonl)\n");
-    exit(2);
-  }
+  if (b->npos != 1)
+    bench_usage_error(b, "give the trace file (e.g. bench/data/mooncake_synthetic_trace.jsonl)");
+  SKV_CHECK(setup(b, &o, 512, &g, &ns));
   wl_workload_t w;
   char err[512];
-  if (wl_trace_read(pos[0], o.page_tokens, o.max_requests, &w, err, sizeof err) != 0) {
-    fprintf(stderr, "symkv-bench trace: %s\n", err);
+  if (wl_trace_read(b->pos[0], o.page_tokens, o.max_requests, &w, err, sizeof err) != 0) {
+    if (b->rank == 0) fprintf(stderr, "symkv-bench trace: %s\n", err); /* every PE reads it */
     skv_namespace_destroy(ns);
-    exit(1);
+    bench_exit_after_rank0(b, 1);
   }
   int rc = wl_trace_keys(&w, ns);
   if (rc) {
@@ -1347,12 +1235,11 @@ int bench_trace(bench_t *b) {
   return run_workload(b, &w, &o, &g, ns);
 }
 
-int bench_longdoc(bench_t *b) {
+static int bench_longdoc(bench_t *b) {
   wl_opts_t o;
   skv_geometry_t g;
   skv_namespace_t *ns;
-  int npos;
-  SKV_CHECK(setup(b, &o, 512, longdoc_opts, SKV_ARRAY_LEN(longdoc_opts), NULL, 0, &npos, &g, &ns));
+  SKV_CHECK(setup(b, &o, 512, &g, &ns));
   wl_longdoc_opts_t lo;
   lo.docs = (uint32_t)bench_opt_int(b, "--docs", 16);
   lo.doc_tokens = (uint64_t)bench_opt_int(b, "--doc-tokens", 32768);
@@ -1365,29 +1252,21 @@ int bench_longdoc(bench_t *b) {
     lo.order = WL_ORDER_RANDOM;
   else if (strcmp(order, "tile") == 0)
     lo.order = WL_ORDER_TILE;
-  else if (strcmp(order, "interleave") == 0)
-    lo.order = WL_ORDER_INTERLEAVE;
-  else {
-    fprintf(stderr, "symkv-bench longdoc: --order %s: want random, tile or interleave\n", order);
-    exit(2);
-  }
+  else
+    lo.order = WL_ORDER_INTERLEAVE; /* bench_parse allowed only these */
   if (lo.docs < 1 || lo.repeats < 1 || lo.doc_tokens + lo.question_tokens < 1 || lo.rate <= 0) {
-    fprintf(stderr,
-            "symkv-bench longdoc: --docs, --repeats, --rate and the tokens must be positive\n");
-    exit(2);
+    bench_usage_error(b, "--docs, --repeats, --rate and the tokens must be positive");
   }
   wl_workload_t w;
   SKV_CHECK(wl_longdoc_make(&lo, ns, o.page_tokens, &w));
   return run_workload(b, &w, &o, &g, ns);
 }
 
-int bench_multiround(bench_t *b) {
+static int bench_multiround(bench_t *b) {
   wl_opts_t o;
   skv_geometry_t g;
   skv_namespace_t *ns;
-  int npos;
-  SKV_CHECK(
-      setup(b, &o, 512, multiround_opts, SKV_ARRAY_LEN(multiround_opts), NULL, 0, &npos, &g, &ns));
+  SKV_CHECK(setup(b, &o, 512, &g, &ns));
   wl_multiround_opts_t mo;
   mo.users = (uint32_t)bench_opt_int(b, "--users", 10);
   mo.rounds = (uint32_t)bench_opt_int(b, "--rounds", 8);
@@ -1397,10 +1276,101 @@ int bench_multiround(bench_t *b) {
   mo.rate = bench_opt_real(b, "--rate", 4);
   mo.seed = (uint64_t)bench_opt_int(b, "--seed", 1);
   if (mo.users < 1 || mo.rounds < 1 || mo.rate <= 0) {
-    fprintf(stderr, "symkv-bench multiround: --users, --rounds and --rate must be positive\n");
-    exit(2);
+    bench_usage_error(b, "--users, --rounds and --rate must be positive");
   }
   wl_workload_t w;
   SKV_CHECK(wl_multiround_make(&mo, ns, o.page_tokens, &w));
   return run_workload(b, &w, &o, &g, ns);
 }
+
+/* ---- options ------------------------------------------------------------------------------ */
+
+static const bench_optspec_t wl_opts[] = {
+    {"--model", BENCH_STR, "M", "tiny",
+     "model preset: tiny, llama-3-8b, llama-3-70b, qwen2.5-32b, deepseek-v3", 0, 0, NULL},
+    {"--tp", BENCH_INT, "N", "the model's", "tensor-parallel degree (splits the KV heads)", 1, 1024,
+     NULL},
+    {"--backend", BENCH_CHOICE, "B", "host", "where pages and engine blocks live", 0, 0,
+     "host,cuda,cuda_host"},
+    {"--layout", BENCH_STR, "L", "nhd or mla",
+     "engine layout: nhd, hnd, flashinfer-nhd, flashinfer-hnd, mla, contiguous", 0, 0, NULL},
+    {"--block-tokens", BENCH_INT, "N", "16", "tokens per engine block", 1, 65536, NULL},
+    {"--page-tokens", BENCH_INT, "N", "512", "tokens per cached page", 1, 65536, NULL},
+    {"--ordered", BENCH_FLAG, NULL, NULL,
+     "one request at a time in file order, exact hits (default)", 0, 0, NULL},
+    {"--realtime", BENCH_FLAG, NULL, NULL, "requests at their timestamps / --speed, concurrently",
+     0, 0, NULL},
+    {"--speed", BENCH_REAL, "X", "1", "--realtime: play the timestamps X times faster", 1e-6, 1e6,
+     NULL},
+    {"--prefill-tflops", BENCH_REAL, "T", "measured, else 400", "prefill throughput of one GPU",
+     1e-6, 1e9, NULL},
+    {"--capacity-pages", BENCH_STR, "N", "unbounded", "pages per PE, or unbounded", 0, 0, NULL},
+    {"--capacity-fraction", BENCH_REAL, "F", NULL, "capacity per PE = F x distinct pages / PEs",
+     1e-9, 1e6, NULL},
+    {"--mem-fraction", BENCH_REAL, "F", "0.5, cuda 0.8", "cap of the pages' memory", 1e-9, 0.95,
+     NULL},
+    {"--ring-bytes", BENCH_INT, "N", "256M", "engine blocks of a PE", 1, 1ll << 40, NULL},
+    {"--requests", BENCH_INT, "N", "all", "replay the first N requests", 0, 1ll << 30, NULL},
+    {"--plot", BENCH_STR, "FILE.png", NULL, "draw hit rate and TTFT over the run (matplotlib)", 0,
+     0, NULL},
+    {"--plot-script", BENCH_STR, "PATH", "bench/plot_workload.py", "the plotting script", 0, 0,
+     NULL},
+    {"--verify", BENCH_FLAG, NULL, NULL, "check every fetched page's tag on GPU layouts too", 0, 0,
+     NULL},
+    {"--seed", BENCH_INT, "N", "1", "seed of the synthetic workloads", 0, 1ll << 50, NULL},
+    BENCH_OPTS_END,
+};
+
+static const bench_optspec_t longdoc_opts[] = {
+    {"--docs", BENCH_INT, "D", "16", "documents", 1, 1 << 20, NULL},
+    {"--doc-tokens", BENCH_INT, "L", "32768", "tokens of a document", 1, 1ll << 32, NULL},
+    {"--repeats", BENCH_INT, "N", "4", "queries of each document", 1, 1 << 20, NULL},
+    {"--order", BENCH_CHOICE, "O", "random", "order of the queries", 0, 0,
+     "random,tile,interleave"},
+    {"--question-tokens", BENCH_INT, "N", "64", "tokens after the document", 0, 1ll << 32, NULL},
+    {"--rate", BENCH_REAL, "R", "4", "requests per second (--realtime)", 1e-9, 1e9, NULL},
+    BENCH_OPTS_END,
+};
+
+static const bench_optspec_t multiround_opts[] = {
+    {"--users", BENCH_INT, "U", "10", "conversations", 1, 1 << 20, NULL},
+    {"--rounds", BENCH_INT, "R", "8", "rounds of each conversation", 1, 1 << 20, NULL},
+    {"--system-tokens", BENCH_INT, "N", "2048", "shared system prompt", 0, 1ll << 32, NULL},
+    {"--message-tokens", BENCH_INT, "N", "640", "tokens of a user message", 0, 1ll << 32, NULL},
+    {"--answer-tokens", BENCH_INT, "N", "320", "tokens of an answer", 0, 1ll << 32, NULL},
+    {"--rate", BENCH_REAL, "R", "4", "requests per second (--realtime)", 1e-9, 1e9, NULL},
+    BENCH_OPTS_END,
+};
+
+static const char wl_more[] =
+    "Policies none (no cache), per_pe (each PE's own LRU prefix cache) and shared (symkv's\n"
+    "node-wide cache), measured in the same run; docs/workloads.md has every option.";
+
+const bench_cmd_t bench_cmd_trace = {
+    .name = "trace",
+    .run = bench_trace,
+    .summary = "replay a Mooncake JSONL trace (request i on PE i mod N): hit rates and TTFT of\n"
+               "              the policies none, per_pe and shared",
+    .positional = "FILE",
+    .max_pos = 1,
+    .opts = wl_opts,
+    .more = wl_more,
+};
+
+const bench_cmd_t bench_cmd_longdoc = {
+    .name = "longdoc",
+    .run = bench_longdoc,
+    .summary = "D documents of L tokens queried repeatedly; the policies of trace",
+    .opts = wl_opts,
+    .opts2 = longdoc_opts,
+    .more = wl_more,
+};
+
+const bench_cmd_t bench_cmd_multiround = {
+    .name = "multiround",
+    .run = bench_multiround,
+    .summary = "U users x R rounds of a conversation with growing histories; the policies of trace",
+    .opts = wl_opts,
+    .opts2 = multiround_opts,
+    .more = wl_more,
+};

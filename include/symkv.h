@@ -88,7 +88,9 @@ SKV_EXTERN void skv_clear_error(void);
 /* Logging                                                                                    */
 /*                                                                                            */
 /* SKV_DEBUG=NONE|WARN|INFO|TRACE (default WARN), SKV_DEBUG_SUBSYS=INIT,BOOT,... or ALL, with  */
-/* ^NAME to exclude. Lines look like "host:pid:rank [WARN BOOT] message".                     */
+/* ^NAME to exclude. Lines look like "host:pid:rank [WARN BOOT] message". A failing call logs  */
+/* its message at INFO (it returns the code, skv_last_error() has the text): by default only  */
+/* what no return code reports is printed (WARN), such as a peer misbehaving in rank 0's store. */
 /* ------------------------------------------------------------------------------------------ */
 
 typedef enum skv_log_level {

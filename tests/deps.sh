@@ -1,50 +1,64 @@
 #!/usr/bin/env bash
-# Installs what symkv needs to build and test on Debian/Ubuntu (only what is missing):
-# compilers, CMake, libuv, xxHash, Criterion, jansson; Python packages for the bindings' tests
-# (torch too, best effort) and matplotlib for symkv-bench --plot (not for bench/run.sh, which
-# sets SKV_WITH_PYTHON_DEPS=0).
+# Installs what symkv needs to build and test on Debian/Ubuntu, only what is missing: compilers,
+# CMake, libuv, xxHash, Criterion, jansson from Debian's packages; the Python packages into the
+# project's own virtual environment, .venv in the checkout (made with python3 -m venv; Debian's
+# python3-venv is installed when python3 lacks it), never into the system's or the active python3.
+# Usage: tests/deps.sh [--python all|plot|none]
+#   all (default): pytest, numpy, xxhash (the bindings' tests), matplotlib (symkv-bench --plot);
+#                  torch too with SKV_WITH_TORCH=1 (about 5 GB, for 3 CPU-tensor tests; README)
+#   plot:          matplotlib only (bench/run.sh --plot)
+#   none:          no Python packages (also SKV_WITH_PYTHON_DEPS=0)
 set -euo pipefail
-pkgs="build-essential cmake pkg-config libuv1-dev libxxhash-dev libcriterion-dev libjansson-dev python3 python3-pip"
+cd "$(dirname "$0")/.."
+python=all
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --python) python="${2:-}"; shift 2 || { echo "tests/deps.sh: --python needs all, plot or none" >&2; exit 2; } ;;
+    --python=*) python="${1#--python=}"; shift ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "tests/deps.sh: unknown option '$1' (tests/deps.sh --help)" >&2; exit 2 ;;
+  esac
+done
+case "$python" in all|plot|none) ;; *) echo "tests/deps.sh: --python $python: want all, plot or none" >&2; exit 2 ;; esac
+[ "${SKV_WITH_PYTHON_DEPS:-1}" = 1 ] || python=none
+
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+apt_install() {  # Debian packages, quietly; apt-get update only when the first try fails
+  echo "installing Debian packages: $*"
+  $SUDO apt-get install -y "$@" >/dev/null 2>&1 ||
+    { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y "$@" >/dev/null; }
+}
+
+pkgs="build-essential cmake pkg-config libuv1-dev libxxhash-dev libcriterion-dev libjansson-dev python3"
 missing=""
 for p in $pkgs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
-if [ -n "$missing" ]; then
-  echo "installing Debian packages:$missing"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get install -y $missing >/dev/null 2>&1 || { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y $missing >/dev/null; }
+[ -z "$missing" ] || apt_install $missing
+
+[ "$python" != none ] || exit 0
+venv=.venv
+if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c "" 2>/dev/null; then
+  rm -rf "$venv"
+  echo "creating the project's Python environment $venv (python3 -m venv)"
+  if ! python3 -m venv "$venv" >/dev/null 2>&1; then
+    rm -rf "$venv"  # Debian's python3 has no venv (ensurepip) without python3-venv
+    ver=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    apt_install python3-venv || true
+    dpkg -s "python$ver-venv" >/dev/null 2>&1 || apt_install "python$ver-venv" || true
+    python3 -m venv "$venv"
+  fi
 fi
-if [ "${SKV_WITH_PYTHON_DEPS:-1}" = 1 ]; then
-  py=$(command -v python3)
-  need=""
-  for m in pytest numpy xxhash; do "$py" -c "import $m" 2>/dev/null || need="$need $m"; done
-  # matplotlib: symkv-bench --plot (test_workload); Debian's package for the system python3
-  if ! "$py" -c "import matplotlib" 2>/dev/null; then
-    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    if [ "$py" = /usr/bin/python3 ] && command -v apt-get >/dev/null; then
-      echo "installing Debian packages: python3-matplotlib"
-      $SUDO apt-get install -y python3-matplotlib >/dev/null 2>&1 ||
-        { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y python3-matplotlib >/dev/null; } ||
-        need="$need matplotlib"
-    else
-      need="$need matplotlib"
-    fi
-  fi
-  if [ -n "$need" ]; then
-    echo "installing Python packages:$need"
-    "$py" -m pip install -q $need 2>/dev/null || "$py" -m pip install -q --break-system-packages $need
-  fi
-  # torch: the bindings' torch tests (CPU tensors; CUDA ones skip without a GPU). PyPI's wheel
-  # with its CUDA libraries takes about 5 GB: best effort, and its tests skip, saying why, when
-  # it cannot be had (SKV_WITH_TORCH=0 skips it on purpose).
-  if [ "${SKV_WITH_TORCH:-1}" = 1 ] && ! "$py" -c "import torch" 2>/dev/null; then
-    site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    while [ ! -d "$site" ] && [ "$site" != / ]; do site=$(dirname "$site"); done
-    free_gb=$(df -Pk "$site" | awk 'NR == 2 { print int($4 / 1048576) }')
-    if [ "${free_gb:-0}" -ge 12 ]; then
-      echo "installing Python packages: torch (about 5 GB; SKV_WITH_TORCH=0 to skip)"
-      "$py" -m pip install -q torch 2>/dev/null || "$py" -m pip install -q --break-system-packages torch ||
-        echo "tests/deps.sh: torch could not be installed: the torch tests skip" >&2
-    else
-      echo "tests/deps.sh: ${free_gb:-?} GB free, torch needs about 5: not installed, the torch tests skip" >&2
-    fi
-  fi
+py=$venv/bin/python3
+want="matplotlib"
+[ "$python" = all ] && want="pytest numpy xxhash wheel matplotlib"
+need=""
+for m in $want; do "$py" -c "import $m" 2>/dev/null || need="$need $m"; done
+if [ -n "$need" ]; then
+  echo "installing Python packages into $venv:$need"
+  "$py" -m pip install -q --disable-pip-version-check $need
+fi
+# torch: only the bindings' 3 CPU-tensor tests need it here (the CUDA-tensor ones need a GPU);
+# PyPI's wheel brings about 5 GB of CUDA libraries, so it is opt-in (README, "The two commands").
+if [ "$python" = all ] && [ "${SKV_WITH_TORCH:-0}" = 1 ] && ! "$py" -c "import torch" 2>/dev/null; then
+  echo "installing Python packages into $venv: torch (about 5 GB)"
+  "$py" -m pip install -q --disable-pip-version-check torch
 fi

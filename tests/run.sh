@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Builds symkv and runs every test: the Criterion suites (multi-PE tests fork PEs through the
-# real bootstrap; GPU tests skip with a reason where no GPU is present) and the Python tests.
+# real bootstrap; GPU tests skip with a reason where no GPU is present) and the Python tests
+# (with the project's .venv, tests/deps.sh), then prints each suite's counts and every skip with
+# its reason.
 # Usage: tests/run.sh [--sanitize address,undefined|thread] [--build DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+usage="usage: tests/run.sh [--sanitize address,undefined|thread] [--build DIR]"
 san=""; build=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --sanitize) san="$2"; shift 2 ;;
-    --build) build="$2"; shift 2 ;;
-    *) echo "usage: tests/run.sh [--sanitize address,undefined|thread] [--build DIR]" >&2; exit 2 ;;
+    --sanitize) [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }; san="$2"; shift 2 ;;
+    --build) [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }; build="$2"; shift 2 ;;
+    -h|--help) echo "$usage"; sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "$usage" >&2; exit 2 ;;
   esac
 done
 tests/deps.sh
@@ -20,18 +24,21 @@ cmake -S . -B "$build" -DSKV_WERROR=ON -DSKV_CUDA=$cuda -DSKV_SANITIZE="$san" >/
 cmake --build "$build" -j"$(nproc)"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+# the project's Python first on PATH: symkv-bench --plot (test_workload) runs python3
+[ -x .venv/bin/python3 ] && export PATH="$PWD/.venv/bin:$PATH"
 status=0
+rm -rf "$build/criterion"   # each suite writes its report there (a crashed one writes none)
+mkdir -p "$build/criterion"
 (cd "$build" && ctest --output-on-failure --timeout 1800) 2>&1 | tee "$build/ctest.log" || status=1
-echo
-echo "== Criterion summaries ($build) =="
-grep -E "^\[====\] Synthesis|Tested:|skipped" "$build/ctest.log" | sed 's/\x1b\[[0-9;]*m//g' || true
-grep -E "tests passed|tests failed" "$build/ctest.log" || true
-skips=$(grep -h "\[SKIP\]" "$build"/Testing/Temporary/LastTest*.log 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' |
-  sed -E 's/^\[SKIP\] ([^:]+)::[^:]+: /\1: /' | sort | uniq -c || true)
-if [ -n "$skips" ]; then echo "== Skipped tests (count, suite: reason) =="; echo "$skips"; fi
+py_summary=""
 if [ -z "$san" ] && [ -d bindings/python/tests ]; then
   echo "== Python tests =="
   SKV_LIBRARY="$PWD/$build/libsymkv.so" SKV_RUN="$PWD/$build/symkv-run" \
-    python3 -m pytest -q -rs bindings/python/tests || status=1
+    .venv/bin/python3 -m pytest -q -rs bindings/python/tests 2>&1 | tee "$build/pytest.log" ||
+    status=1
+  py_summary=$(grep -E "^=*.*[0-9]+ (passed|failed|error)" "$build/pytest.log" | tail -1 | tr -d '=' |
+    sed 's/^ *//; s/ *$//')
 fi
+echo
+python3 tests/summarize.py "$build" "${san:-}" "$py_summary" || status=1
 exit $status

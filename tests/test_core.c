@@ -314,6 +314,40 @@ Test(core, logging_levels_subsystems_sink_and_prefix) {
   skv_log_set_sink(NULL, NULL);
 }
 
+/* Issue 24: a failure is reported once, by its code and skv_last_error(); the library prints
+ * nothing by default (it logs the failure at INFO), and a sink gets it once asked for INFO. */
+Test(core, failures_are_logged_at_info_not_printed_by_default) {
+  unsetenv("SKV_DEBUG");
+  skv__env_reload();
+  char path[] = "/tmp/skv-stderr-XXXXXX";
+  int fd = mkstemp(path);
+  cr_assert(fd >= 0);
+  fflush(stderr);
+  int saved = dup(2);
+  dup2(fd, 2);
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  uint64_t pb;
+  int rc = skv_geometry_get_page_bytes(&g, &pb);
+  dup2(saved, 2);
+  close(saved);
+  off_t len = lseek(fd, 0, SEEK_END);
+  close(fd);
+  unlink(path);
+  cr_assert_eq(rc, SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "num_layers") != NULL, "%s", skv_last_error());
+  cr_assert_eq(len, 0, "a failure the caller gets back was printed on stderr too (%lld bytes)",
+               (long long)len);
+  captured_t cap = {0};
+  skv_log_set_sink(capture_sink, &cap);
+  skv_log_set_level(SKV_LOG_INFO, SKV_SUBSYS_ALL);
+  cr_assert_eq(skv_geometry_get_page_bytes(&g, &pb), SKV_EINVAL);
+  skv_log_set_sink(NULL, NULL);
+  skv_log_set_level(SKV_LOG_WARN, SKV_SUBSYS_ALL);
+  cr_assert(cap.n >= 1 && cap.n <= 16, "got %d lines", cap.n); /* the failure, its breadcrumbs */
+  cr_assert(strstr(cap.lines[0], skv_last_error()) != NULL, "%s", cap.lines[0]);
+  for (int i = 0; i < cap.n; i++) cr_assert_eq(cap.levels[i], SKV_LOG_INFO, "%s", cap.lines[i]);
+}
+
 Test(core, logging_from_environment) {
   setenv("SKV_DEBUG", "TRACE", 1);
   setenv("SKV_DEBUG_SUBSYS", "ALL,^HEAP", 1);

@@ -388,6 +388,19 @@ Test(launcher, no_prefix_passes_output_through, .timeout = 30) {
   launch_free(&a);
 }
 
+/* Issue 24: a job whose rank 0 prints the report (symkv-bench) shows it without "[0] ". */
+Test(launcher, prefix_others_leaves_rank_0_plain, .timeout = 30) {
+  const char *args[] = {"-n",      "3",       "--prefix",
+                        "others",  "--quiet", "--",
+                        "/bin/sh", "-c",      "sleep 0.$SKV_RANK; echo r$SKV_RANK",
+                        NULL};
+  launch_t a;
+  launch(&a, args, 20000);
+  cr_assert_eq(a.status, 0, "stderr:\n%s", a.err);
+  cr_assert_str_eq(a.out, "r0\n[1] r1\n[2] r2\n");
+  launch_free(&a);
+}
+
 /* ---- failures, timeouts, signals --------------------------------------------------------- */
 
 Test(launcher, failing_rank_status_propagates_and_stops_the_others, .timeout = 30) {
@@ -573,6 +586,10 @@ Test(launcher, usage_errors_exit_2, .timeout = 60) {
       {"-n", "2", "--timeout", NULL},
       {"-n", "2", "--port", "70000", "--", "/bin/true", NULL},
       {"-n", "2", "--frobnicate", "--", "/bin/true", NULL},
+      {"-n", "2", "--po", "3", "--", "/bin/true", NULL},        /* no abbreviations */
+      {"-n", "2", "--prefix", "some", "--", "/bin/true", NULL}, /* all, others or none */
+      {"-n", "2", "--quiet=yes", "--", "/bin/true", NULL},      /* a flag takes no value */
+      {"-n", "2", "--port", "--", "/bin/true", NULL},           /* the value is missing */
   };
   for (size_t i = 0; i < SKV_ARRAY_LEN(cases); i++) {
     launch_t a;

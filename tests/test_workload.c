@@ -581,3 +581,194 @@ Test(workload, plot_draws_a_png) {
   free(c);
   free(path);
 }
+
+/* ---- the command line, progress, tables (issue 24) ----------------------------------------- */
+
+static int count(const char *hay, const char *needle) {
+  int n = 0;
+  for (const char *p = hay; (p = strstr(p, needle)) != NULL; p += strlen(needle)) n++;
+  return n;
+}
+
+/* Run argv under symkv-run on `npes` PEs (rank 0's lines plain), with a timeout. */
+static result_t run_pes(int npes, const char *const *args, int timeout_s) {
+  char n[16];
+  snprintf(n, sizeof n, "%d", npes);
+  const char *argv[64];
+  int a = 0;
+  argv[a++] = bin("symkv-run");
+  argv[a++] = "-n";
+  argv[a++] = n;
+  argv[a++] = "--prefix";
+  argv[a++] = "others";
+  argv[a++] = "--quiet";
+  argv[a++] = "--";
+  argv[a++] = bin("bench/symkv-bench");
+  for (int i = 0; args[i]; i++) argv[a++] = args[i];
+  argv[a] = NULL;
+  return run(argv, timeout_s);
+}
+
+Test(workload, every_command_has_help) {
+  make_tmpdir();
+  static const char *const cmds[] = {"heap",    "micro",      "fetch",     "trace",
+                                     "longdoc", "multiround", "allreduce", NULL};
+  for (int i = 0; cmds[i]; i++) {
+    for (int form = 0; form < 2; form++) {
+      const char *args[] = {cmds[i], form ? "-h" : "--help", NULL};
+      result_t r = run_alone(args);
+      char want[64];
+      snprintf(want, sizeof want, "usage: symkv-bench %s", cmds[i]);
+      cr_expect_eq(r.status, 0, "%s %s exited %d:\n%s", cmds[i], args[1], r.status, r.err);
+      cr_expect(strstr(r.out, want) && strstr(r.out, "--json-out FILE"), "%s --help:\n%s", cmds[i],
+                r.out);
+      result_free(&r);
+    }
+  }
+  const char *top[] = {"--help", NULL};
+  result_t r = run_alone(top);
+  cr_expect_eq(r.status, 0);
+  for (int i = 0; cmds[i]; i++) cr_expect(strstr(r.out, cmds[i]), "%s not listed", cmds[i]);
+  result_free(&r);
+}
+
+/* Unknown options and bad values fail with a clear message and exit 2, on every command, before
+ * anything runs (the old parsers ignored --bogus, --byts 1M and took --help for a run). */
+Test(workload, bad_options_exit_2_with_a_message) {
+  make_tmpdir();
+  char *path = strdup(write_file("hand.jsonl", handmade));
+  static const struct {
+    const char *args[6];
+    const char *want;
+  } cases[] = {
+      {{"heap", "--bogus"}, "unknown option '--bogus'"},
+      {{"heap", "--byts", "1M"}, "unknown option '--byts'"},
+      {{"heap", "--byt", "1M"}, "did you mean --bytes?"},
+      {{"heap", "--bytes", "1X"}, "--bytes 1X: want an integer"},
+      {{"heap", "--bytes"}, "--bytes needs a value"},
+      {{"heap", "--reps", "0"}, "--reps 0: want an integer in 1..64"},
+      {{"heap", "--quiet=1"}, "--quiet takes no value"},
+      {{"heap", "stray"}, "unexpected argument 'stray'"},
+      {{"micro", "--seconds", "soon"}, "--seconds soon: want a number"},
+      {{"fetch", "--layout", "diagonal"}, "--layout diagonal: want one of nhd,hnd,flashinfer"},
+      {{"fetch", "--page-sizes", "64K,x"}, "'x' is not an integer"},
+      {{"allreduce", "--dtype", "int8"}, "want one of bf16,fp16,fp32"},
+      {{"longdoc", "--order", "sideways"}, "want one of random,tile,interleave"},
+      {{"multiround", "--users", "-3"}, "--users -3: want an integer"},
+      {{"trace", "PATH", "--speed", "0"}, "--speed 0: want a number"},
+      {{"trace", "PATH", "--ordered", "--realtime"}, "exclude each other"},
+      {{"trace"}, "give the trace file"},
+      {{"nosuch"}, "unknown command 'nosuch'"},
+  };
+  for (size_t i = 0; i < SKV_ARRAY_LEN(cases); i++) {
+    const char *args[8];
+    int n = 0;
+    for (int k = 0; k < 6 && cases[i].args[k]; k++)
+      args[n++] = strcmp(cases[i].args[k], "PATH") == 0 ? path : cases[i].args[k];
+    args[n] = NULL;
+    result_t r = run_alone(args);
+    cr_expect_eq(r.status, 2, "case %zu (%s %s) exited %d:\n%s", i, args[0], args[1] ? args[1] : "",
+                 r.status, r.err);
+    cr_expect(strstr(r.err, cases[i].want), "case %zu: no '%s' in:\n%s", i, cases[i].want, r.err);
+    cr_expect(!strstr(r.out, "name"), "case %zu ran:\n%s", i, r.out);
+    result_free(&r);
+  }
+  /* under symkv-run every rank exits 2, the message comes once (rank 0's) */
+  const char *bad[] = {"heap", "--bogus", NULL};
+  result_t r = run_pes(3, bad, 30);
+  cr_expect_eq(r.status, 2, "%s", r.err);
+  cr_expect_eq(count(r.err, "unknown option '--bogus'"), 1, "%s", r.err);
+  result_free(&r);
+  free(path);
+}
+
+/* With stderr not a terminal (a file here), rank 0 prints a progress line every
+ * --progress-every seconds; with --quiet, none. */
+Test(workload, progress_lines_when_not_on_a_terminal) {
+  make_tmpdir();
+  char *path = strdup(write_file("concurrent.jsonl", concurrent));
+  const char *args[] = {
+      "trace", path, "--realtime", "--speed", "1", "--prefill-tflops", "50", "--progress-every",
+      "0.3",   NULL};
+  result_t r = run_pes(2, args, 60);
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  int lines = count(r.err, "symkv-bench trace: trace ");
+  cr_expect(lines >= 2, "%d progress lines in a 2 s run:\n%s", lines, r.err);
+  cr_expect(strstr(r.err, " requests (") && strstr(r.err, "block hits: shared"), "%s", r.err);
+  cr_expect(!strstr(r.err, "\r"), "a bar (\\r) went into a file:\n%s", r.err);
+  cr_expect(!strstr(r.err, "[1] symkv-bench trace: trace"), "rank 1 printed progress:\n%s", r.err);
+  result_free(&r);
+  const char *quiet[] = {"trace",      path,
+                         "--realtime", "--speed",
+                         "1",          "--prefill-tflops",
+                         "50",         "--progress-every",
+                         "0.3",        "--quiet",
+                         NULL};
+  r = run_pes(2, quiet, 60);
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_expect_eq(count(r.err, "symkv-bench trace: trace "), 0, "%s", r.err);
+  result_free(&r);
+  free(path);
+}
+
+/* Whether a line of `text` has the words of `words`, blanks apart however wide. */
+static bool has_row(const char *text, const char *words) {
+  for (const char *l = text; *l;) {
+    const char *e = strchr(l, '\n');
+    size_t len = e ? (size_t)(e - l) : strlen(l);
+    char a[512], b[512];
+    size_t na = 0, nb = 0;
+    for (size_t i = 0; i < len && na + 1 < sizeof a; i++)
+      if (l[i] != ' ' || (na && a[na - 1] != ' ')) a[na++] = l[i];
+    while (na && a[na - 1] == ' ') na--;
+    for (const char *w = words; *w && nb + 1 < sizeof b; w++) b[nb++] = *w;
+    if (na == nb && memcmp(a, b, na) == 0) return true;
+    l = e ? e + 1 : l + len;
+  }
+  return false;
+}
+
+/* One table format: unique headings, a `better` column, lines that fit 80 columns, rank 0's
+ * lines without "[0] " under symkv-run --prefix others. */
+Test(workload, tables_fit_80_columns_and_say_which_way_is_better) {
+  make_tmpdir();
+  char *path = strdup(write_file("hand.jsonl", handmade));
+  const char *args[] = {"trace", path, NULL};
+  result_t r = run_pes(2, args, 60);
+  cr_assert_eq(r.status, 0, "%s", r.err);
+  cr_expect(!strstr(r.out, "[0] "), "rank 0's lines are prefixed:\n%s", r.out);
+  cr_expect(has_row(r.out, "measure better none per_pe shared"), "%s", r.out);
+  cr_expect(has_row(r.out, "name value unit better baseline ratio vs"), "%s", r.out);
+  cr_expect(has_row(r.out, "block_hit_rate/shared 0.5294 frac higher 0.2941 1.800 b"), "%s", r.out);
+  cr_expect(has_row(r.out, "b per_pe (each PE's own cache)"), "%s", r.out);
+  int longest = 0;
+  for (char *l = r.out; *l;) {
+    char *e = strchr(l, '\n');
+    int len = e ? (int)(e - l) : (int)strlen(l);
+    longest = len > longest ? len : longest;
+    l = e ? e + 1 : l + len;
+  }
+  cr_expect(longest <= 80, "a line of %d characters:\n%s", longest, r.out);
+  result_free(&r);
+  free(path);
+}
+
+/* --plot that cannot draw: the reason once, from rank 0, not from every PE. */
+Test(workload, plot_error_is_printed_once) {
+  make_tmpdir();
+  char dir[PATH_MAX];
+  snprintf(dir, sizeof dir, "%s/matplotlib", tmpdir);
+  cr_assert(mkdir(dir, 0700) == 0);
+  write_file("matplotlib/__init__.py", "raise ImportError('hidden by test_workload')\n");
+  cr_assert(setenv("PYTHONPATH", tmpdir, 1) == 0);
+  char *path = strdup(write_file("hand.jsonl", handmade));
+  char png[PATH_MAX];
+  snprintf(png, sizeof png, "%s/hits.png", tmpdir);
+  const char *args[] = {"trace", path, "--plot", png, NULL};
+  result_t r = run_pes(3, args, 60);
+  cr_expect_neq(r.status, 0);
+  cr_expect_eq(count(r.err, "--plot needs python3 with matplotlib"), 1, "%s", r.err);
+  cr_expect_eq(count(r.err, "failed"), 1, "%s", r.err); /* symkv-bench trace failed, once */
+  result_free(&r);
+  free(path);
+}

@@ -37,8 +37,9 @@
 
 /* ---- error.c ------------------------------------------------------------------------------ */
 
-/* Record `err` with a formatted message as the thread's last error, log it at WARN (subsys),
- * and return `err`. */
+/* Record `err` with a formatted message as the thread's last error, log it at INFO (subsys),
+ * and return `err`. The caller reports it (the code and skv_last_error()); WARN is for what no
+ * return code reports (SKV_WARN). */
 int skv__set_error(int err, unsigned subsys, const char *file, int line, const char *fmt, ...)
     SKV_PRINTF(5, 6);
 /* Put back a last-error text saved earlier (skv_last_error() copied), without logging it

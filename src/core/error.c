@@ -72,7 +72,9 @@ int skv__set_error(int err, unsigned subsys, const char *file, int line, const c
   const char *base = strrchr(file, '/');
   base = base ? base + 1 : file;
   snprintf(last_error, sizeof last_error, "%s (%s, %s:%d)", msg, skv_err_name(err), base, line);
-  SKV_LOG(SKV_LOG_WARN, subsys, "%s", last_error);
+  /* INFO, not WARN: the caller gets the code and this text (skv_last_error); printing it as
+   * well by default would report every failure twice, and one the caller handles once. */
+  SKV_LOG(SKV_LOG_INFO, subsys, "%s", last_error);
   return err;
 }
 

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <getopt.h>
 #include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
@@ -103,12 +104,15 @@ typedef struct run_out {
   bool broken[3];           /* a write to that fd failed (EPIPE): drop its output */
 } run_out_t;
 
+enum { PREFIX_ALL, PREFIX_OTHERS, PREFIX_NONE };
+
 typedef struct run_opts {
   int n;
   long long timeout_s; /* 0: no limit */
   int port;            /* 0: a free one */
   const char *bind;    /* NULL: 127.0.0.1 */
-  bool prefix, quiet;
+  int prefix;          /* PREFIX_ALL, PREFIX_OTHERS (every rank but 0) or PREFIX_NONE */
+  bool quiet;
   char **argv; /* program and its arguments, NULL-terminated */
 } run_opts_t;
 
@@ -141,7 +145,7 @@ typedef struct run {
 
 static void usage(FILE *f) {
   fputs(
-      "usage: symkv-run -n N [--timeout S] [--port P] [--bind ADDR] [--no-prefix] [--quiet]\n"
+      "usage: symkv-run -n N [--timeout S] [--port P] [--bind ADDR] [--prefix WHICH] [--quiet]\n"
       "                 -- PROG [ARGS...]\n"
       "\n"
       "Start N local processes (PEs) of PROG, each with SKV_RANK, SKV_WORLD_SIZE,\n"
@@ -154,7 +158,9 @@ static void usage(FILE *f) {
       "  --timeout S     stop every PE after S seconds and exit 124 (default or 0: no limit)\n"
       "  --port P        bootstrap port (default: a free port on the bind address)\n"
       "  --bind ADDR     address of rank 0's bootstrap store (default 127.0.0.1)\n"
-      "  --no-prefix     pass the PEs' output through unchanged\n"
+      "  --prefix WHICH  which ranks' lines get \"[rank] \": all (default), others (every rank\n"
+      "                  but 0: for a job whose rank 0 prints the report) or none\n"
+      "  --no-prefix     the same as --prefix none\n"
       "  --quiet         print only failures (no start line, no signal notes)\n"
       "  -h, --help      print this help\n"
       "\n"
@@ -362,66 +368,97 @@ static const char *running_ranks(const run_t *L, char *buf, size_t cap, int *cou
 
 /* ---- arguments --------------------------------------------------------------------------- */
 
-/* The value of option `name` at argv[*i] ("NAME VALUE", "NAME=VALUE", or "-nVALUE" for a short
- * one), advancing *i; NULL if argv[*i] is not that option. */
-static const char *opt_value(int argc, char **argv, int *i, const char *name) {
-  const char *a = argv[*i];
-  size_t len = strlen(name);
-  if (strncmp(a, name, len) != 0) return NULL;
-  if (a[len] == '=') return a + len + 1;
-  if (a[len] == '\0') {
-    if (*i + 1 >= argc || strcmp(argv[*i + 1], "--") == 0) usage_error("%s needs a value", name);
-    return argv[++*i];
-  }
-  if (name[1] != '-') return a + len;
-  return NULL;
-}
-
+/* getopt_long, stopping at the first argument that is not an option ('+'): what follows "--"
+ * (or the program) is the PEs'. */
 static void parse_args(int argc, char **argv, run_opts_t *o) {
+  enum { O_TIMEOUT = 1000, O_PORT, O_BIND, O_PREFIX, O_NO_PREFIX };
+  static const struct option longs[] = {{"np", required_argument, NULL, 'n'},
+                                        {"timeout", required_argument, NULL, O_TIMEOUT},
+                                        {"port", required_argument, NULL, O_PORT},
+                                        {"bind", required_argument, NULL, O_BIND},
+                                        {"prefix", required_argument, NULL, O_PREFIX},
+                                        {"no-prefix", no_argument, NULL, O_NO_PREFIX},
+                                        {"quiet", no_argument, NULL, 'q'},
+                                        {"help", no_argument, NULL, 'h'},
+                                        {NULL, 0, NULL, 0}};
   memset(o, 0, sizeof *o);
-  o->prefix = true;
-  bool have_n = false, have_dashes = false;
-  int i = 1;
-  for (; i < argc; i++) {
-    const char *a = argv[i], *v;
+  o->prefix = PREFIX_ALL;
+  bool have_n = false;
+  opterr = 0;
+  for (;;) {
+    int li = -1, c = getopt_long(argc, argv, "+:n:qh", longs, &li);
+    if (c == -1) break;
+    const char *text = argv[optind - 1];
+    if (optarg && optarg == argv[optind - 1] && optind >= 2) text = argv[optind - 2];
+    /* no abbreviations: "--po" must not stand for --port or --prefix */
+    if (li >= 0 && strncmp(text, "--", 2) == 0) {
+      size_t len = strcspn(text + 2, "=");
+      if (len != strlen(longs[li].name) || strncmp(text + 2, longs[li].name, len) != 0)
+        usage_error("unknown option '%.*s' (did you mean --%s?)", (int)len + 2, text,
+                    longs[li].name);
+    }
+    if (optarg && strcmp(optarg, "--") == 0) usage_error("%s needs a value", text);
     long long x;
-    if (strcmp(a, "--") == 0) {
-      have_dashes = true;
-      i++;
-      break;
-    } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+    switch (c) {
+    case 'h':
       usage(stdout);
       exit(0);
-    } else if ((v = opt_value(argc, argv, &i, "--np")) || (v = opt_value(argc, argv, &i, "-n"))) {
-      if (!skv__parse_int(v, 1, RUN_MAX_PES, false, &x))
-        usage_error("-n needs a number of PEs from 1 to %d, got '%s'", RUN_MAX_PES, v);
+    case 'n':
+      if (!skv__parse_int(optarg, 1, RUN_MAX_PES, false, &x))
+        usage_error("-n needs a number of PEs from 1 to %d, got '%s'", RUN_MAX_PES, optarg);
       o->n = (int)x;
       have_n = true;
-    } else if ((v = opt_value(argc, argv, &i, "--timeout"))) {
-      if (!skv__parse_int(v, 0, 1000000000, false, &x))
-        usage_error("--timeout needs whole seconds (0 for no limit), got '%s'", v);
+      break;
+    case O_TIMEOUT:
+      if (!skv__parse_int(optarg, 0, 1000000000, false, &x))
+        usage_error("--timeout needs whole seconds (0 for no limit), got '%s'", optarg);
       o->timeout_s = x;
-    } else if ((v = opt_value(argc, argv, &i, "--port"))) {
-      if (!skv__parse_int(v, 1, 65535, false, &x))
-        usage_error("--port needs a TCP port from 1 to 65535, got '%s'", v);
+      break;
+    case O_PORT:
+      if (!skv__parse_int(optarg, 1, 65535, false, &x))
+        usage_error("--port needs a TCP port from 1 to 65535, got '%s'", optarg);
       o->port = (int)x;
-    } else if ((v = opt_value(argc, argv, &i, "--bind"))) {
-      if (!*v) usage_error("--bind needs an address of this host, such as 127.0.0.1");
-      o->bind = v;
-    } else if (strcmp(a, "--no-prefix") == 0) {
-      o->prefix = false;
-    } else if (strcmp(a, "--quiet") == 0 || strcmp(a, "-q") == 0) {
+      break;
+    case O_BIND:
+      if (!*optarg) usage_error("--bind needs an address of this host, such as 127.0.0.1");
+      o->bind = optarg;
+      break;
+    case O_PREFIX:
+      if (strcmp(optarg, "all") == 0)
+        o->prefix = PREFIX_ALL;
+      else if (strcmp(optarg, "others") == 0)
+        o->prefix = PREFIX_OTHERS;
+      else if (strcmp(optarg, "none") == 0)
+        o->prefix = PREFIX_NONE;
+      else
+        usage_error("--prefix needs all, others or none, got '%s'", optarg);
+      break;
+    case O_NO_PREFIX:
+      o->prefix = PREFIX_NONE;
+      break;
+    case 'q':
       o->quiet = true;
-    } else if (a[0] == '-') {
-      usage_error("unknown option '%s'", a);
-    } else {
-      usage_error("unexpected '%s' before '--'; write: symkv-run -n N [options] -- %s ...", a, a);
+      break;
+    case ':':
+      usage_error("%s needs a value", text);
+    default: {
+      size_t len = strcspn(text, "=");
+      bool flag = strncmp(text, "--no-prefix=", 12) == 0 || strncmp(text, "--quiet=", 8) == 0 ||
+                  strncmp(text, "--help=", 7) == 0;
+      if (flag) usage_error("%.*s takes no value", (int)len, text);
+      if (optopt && text[0] == '-' && text[1] != '-') usage_error("unknown option '-%c'", optopt);
+      usage_error("unknown option '%.*s'", (int)len, text);
+    }
     }
   }
+  bool have_dashes = optind > 1 && strcmp(argv[optind - 1], "--") == 0;
   if (!have_n) usage_error("missing -n N (the number of PEs to start)");
+  if (!have_dashes && optind < argc)
+    usage_error("unexpected '%s' before '--'; write: symkv-run -n N [options] -- %s ...",
+                argv[optind], argv[optind]);
   if (!have_dashes) usage_error("missing '--' before the program: symkv-run -n %d -- PROG", o->n);
-  if (i >= argc || !argv[i][0]) usage_error("missing the program after '--'");
-  o->argv = argv + i;
+  if (optind >= argc || !argv[optind][0]) usage_error("missing the program after '--'");
+  o->argv = argv + optind;
 }
 
 /* ---- start-up ---------------------------------------------------------------------------- */
@@ -607,7 +644,7 @@ static void obuf_put(run_t *L, const char *p, size_t n) {
 /* One line of PE `rank`: the prefix, a then b, and a newline if `add_nl`. */
 static void emit(run_t *L, int rank, const char *a, size_t alen, const char *b, size_t blen,
                  bool add_nl) {
-  if (L->o.prefix) {
+  if (L->o.prefix == PREFIX_ALL || (L->o.prefix == PREFIX_OTHERS && rank != 0)) {
     char pfx[24];
     int k = snprintf(pfx, sizeof pfx, "[%d] ", rank);
     obuf_put(L, pfx, (size_t)k);
@@ -630,7 +667,8 @@ static void hold(run_stream_t *s, const char *p, size_t n) {
 }
 
 static void close_stream(run_t *L, int rank, run_stream_t *s) {
-  if (s->len) emit(L, rank, s->held, s->len, NULL, 0, L->o.prefix); /* last line, no newline */
+  if (s->len) /* the last line, without its newline: one is added where a prefix is */
+    emit(L, rank, s->held, s->len, NULL, 0, L->o.prefix != PREFIX_NONE);
   free(s->held);
   s->held = NULL;
   s->len = s->cap = 0;
@@ -656,7 +694,7 @@ static void pump(run_t *L, int rank, run_stream_t *s) {
     }
     if (p < end) hold(s, p, (size_t)(end - p));
     if (s->len >= RUN_LINE_MAX) {
-      emit(L, rank, s->held, s->len, NULL, 0, L->o.prefix);
+      emit(L, rank, s->held, s->len, NULL, 0, L->o.prefix != PREFIX_NONE);
       s->len = 0;
     }
   }

@@ -193,7 +193,7 @@ class Context(Resource):
     def store_get(self, key):
         """Wait (bounded by the timeout) until `key` exists; returns its bytes."""
         k = self._key(key)
-        cap = 65536  # a larger value costs one more round trip (and a WARN line from C)
+        cap = 65536  # a larger value costs one more round trip
         while True:
             buf = ctypes.create_string_buffer(cap)
             n = c_size_t()

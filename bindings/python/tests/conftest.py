@@ -16,6 +16,11 @@ PE_DIR = os.path.join(HERE, "pe")
 
 os.environ.setdefault("SKV_LIBRARY", os.path.join(REPO, "build", "libsymkv.so"))
 os.environ.setdefault("SKV_RUN", os.path.join(REPO, "build", "symkv-run"))
+# Relative paths (SKV_LIBRARY=build/libsymkv.so, as docs/python.md writes it) are the caller's:
+# made absolute here, since tests run processes in other folders (test_install).
+for _v in ("SKV_LIBRARY", "SKV_RUN"):
+    if os.sep in os.environ[_v]:
+        os.environ[_v] = os.path.abspath(os.environ[_v])
 # Keys of the pinned vectors assume no deployment secret; symkv reads the environment once.
 os.environ.pop("SKV_HASH_SECRET", None)
 for _v in ("SKV_RANK", "SKV_WORLD_SIZE", "SKV_LOCAL_RANK", "SKV_LOCAL_SIZE", "SKV_BOOTSTRAP",

@@ -2,12 +2,15 @@
 / evict / stats with numpy arrays, and bad input on each binding."""
 import errno
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import symkv
-from conftest import single_pe_config, torch_or_skip
+from conftest import PKG, single_pe_config, torch_or_skip
 
 
 def test_context(ctx):
@@ -269,13 +272,16 @@ def test_context_manager_on_error_releases_and_keeps_the_error():
 
 def test_log_lines_reach_logging(caplog):
     caplog.set_level(logging.INFO, logger="symkv")
+    # A failure is the exception's message; it is logged (at INFO) only when asked for.
     with pytest.raises(symkv.InvalidArgument):
         symkv.Geometry(num_layers=0, num_kv_heads=1, head_dim=1, page_tokens=1, elem_bytes=1)
-    rec = [r for r in caplog.records if r.name == "symkv"]
-    assert rec and rec[-1].levelno == logging.WARNING
-    assert "num_layers=0" in rec[-1].getMessage() and rec[-1].symkv_subsys == "KV"
+    assert not [r for r in caplog.records if r.name == "symkv"]
     symkv.log.set_level("INFO", ["KV", "INIT"])
     try:
+        with pytest.raises(symkv.InvalidArgument):
+            symkv.Geometry(num_layers=0, num_kv_heads=1, head_dim=1, page_tokens=1, elem_bytes=1)
+        rec = [r for r in caplog.records if r.name == "symkv" and "num_layers=0" in r.getMessage()]
+        assert rec and rec[0].levelno == logging.INFO and rec[0].symkv_subsys == "KV"
         symkv.log.message("INFO", "an info line", "INIT")
         assert caplog.records[-1].getMessage().endswith("an info line")
         assert caplog.records[-1].levelno == logging.INFO
@@ -312,3 +318,24 @@ def test_torch_cpu_tensors_publish_fetch(ctx):
         t = h.tensor(torch.float32, (8,))
         t[:] = 3
         assert (h.array(np.float32, (8,)) == 3).all()
+
+
+def test_a_caught_exception_leaves_no_stderr_line(tmp_path):
+    """Issue 24: a failure is reported once, by the exception; nothing is printed on stderr
+    unless a log level asked for it (then the INFO line is there)."""
+    code = ("import symkv\n"
+            "try:\n"
+            "    symkv.Geometry(num_layers=0, num_kv_heads=1, head_dim=1, page_tokens=1,\n"
+            "                   elem_bytes=1)\n"
+            "except symkv.InvalidArgument as e:\n"
+            "    print('caught', e.name)\n")
+    env = dict(os.environ, PYTHONPATH=PKG)
+    env.pop("SKV_DEBUG", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout == "caught SKV_EINVAL\n", r
+    assert r.stderr == "", r.stderr
+    env["SKV_DEBUG"] = "INFO"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60, cwd=str(tmp_path))
+    assert r.returncode == 0 and "[INFO KV]" in r.stderr and "num_layers=0" in r.stderr, r
