@@ -1,5 +1,6 @@
-/* symkv-bench allreduce: skv_comm_allreduce latency inside CUDA graphs per algorithm and AUTO against
- * ncclAllReduce captured the same way in the same run; crossovers; barrier; signal round trips. */
+/* symkv-bench allreduce: skv_comm_allreduce latency inside CUDA graphs per algorithm and AUTO
+ * against ncclAllReduce captured the same way in the same run; crossovers; barrier; signal round
+ * trips. */
 #define _GNU_SOURCE
 #include "bench.h"
 
@@ -179,8 +180,8 @@ static int bench_barrier(arb_t *a, double *us, double *nccl_us) {
 }
 
 /* Signal ping-pong between PEs 0 and 1: in one kernel through the device API, and through
- * stream-ordered skv_comm_signal / skv_comm_wait calls in a CUDA graph (one kernel node each). Round trip
- * in us as PE 0 measured it. */
+ * stream-ordered skv_comm_signal / skv_comm_wait calls in a CUDA graph (one kernel node each).
+ * Round trip in us as PE 0 measured it. */
 static int bench_pingpong(arb_t *a, double *dev_us, double *host_us) {
   double d = 0, h = 0;
   static uint64_t base = 0;
@@ -438,8 +439,8 @@ static const bench_optspec_t allreduce_opts[] = {
 const bench_cmd_t bench_cmd_allreduce = {
     .name = "allreduce",
     .run = bench_allreduce,
-    .summary =
-        "skv_comm_allreduce latency in CUDA graphs per algorithm and AUTO vs ncclAllReduce (same run),\n"
-        "              measured crossovers, barrier latency, signal ping-pong round trips",
+    .summary = "skv_comm_allreduce latency in CUDA graphs per algorithm and AUTO vs ncclAllReduce "
+               "(same run),\n"
+               "              measured crossovers, barrier latency, signal ping-pong round trips",
     .opts = allreduce_opts,
 };

@@ -27,7 +27,7 @@ int main(void) {
    * (2, BLOCKS, 16, 8, 128) bf16; host memory here (device -1), a GPU's in an engine. */
   uint64_t layer_bytes;
   CHECK(skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, PAGE_TOKENS, BLOCKS,
-                                      &layer_bytes));
+                                          &layer_bytes));
   void *layer[LAYERS];
   for (int l = 0; l < LAYERS; l++)
     if (!(layer[l] = calloc(1, layer_bytes))) return 1;
