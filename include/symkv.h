@@ -520,6 +520,65 @@ SKV_EXTERN int skv_kv_destroy(skv_kv_t *kv);
 SKV_EXTERN int skv_kv_get_stats(const skv_kv_t *kv, skv_kv_stats_t *stats);
 SKV_EXTERN skv_heap_t *skv_kv_get_heap(const skv_kv_t *kv);
 
+/* ---- The elastic node domain: processes attach and detach at any time -------------------- */
+
+/* A named node-wide KV cache that processes attach to and detach from whenever they like: no
+ * collective, no server process, no fixed number of PEs. An OWNER keeps pages of its own (and
+ * publishes, looks up, fetches); a READER has none (looks up, and fetches into its own memory; it
+ * may run without a GPU, and then fetches only pages kept in host memory). The first attacher
+ * creates the domain, the last one out removes it (nothing stays in /dev/shm); a domain whose
+ * processes all died is laid out afresh by the next attacher. Pages of an owner that leaves or
+ * dies are taken out of the index first: a reference to them is stale (SKV_ESTALE), never read
+ * from freed memory. Only this user's processes may attach, unless a group is given.
+ * docs/architecture.md ("The elastic domain") has the protocol. */
+typedef enum skv_role { SKV_ROLE_OWNER = 1, SKV_ROLE_READER = 2 } skv_role_t;
+
+#define SKV_ATTACH_OPTS_VERSION 1
+typedef struct skv_attach_opts {
+  size_t size;               /* sizeof(skv_attach_opts_t) */
+  uint32_t version;          /* SKV_ATTACH_OPTS_VERSION */
+  int32_t role;              /* SKV_ROLE_OWNER or SKV_ROLE_READER */
+  int32_t backend;           /* where the pages live; an owner's must be the domain's */
+  int32_t timeout_ms;        /* bound on every wait; -1: SKV_TIMEOUT_MS, else 60000 */
+  int32_t device;            /* CUDA device; -1: SKV_DEVICE, else 0 */
+  int32_t group;             /* -1: this user alone (mode 0600); else this gid's members too */
+  uint32_t max_slots;        /* processes at most, 1..64; 0: the domain's (64 for a new one) */
+  uint32_t flags;            /* reserved, 0 */
+  uint64_t pages_per_pe;     /* each owner's pages; 0: the domain's (1024 for a new one) */
+  uint64_t index_slots;      /* 0: 4 per page of the whole domain */
+  const skv_namespace_t *ns; /* NULL, or the one namespace the domain serves (checked) */
+} skv_attach_opts_t;
+
+/* clang-format off */
+#define SKV_ATTACH_OPTS_INIT                                                                       \
+  {                                                                                                \
+    sizeof(skv_attach_opts_t), /* size */                                                          \
+    SKV_ATTACH_OPTS_VERSION,   /* version */                                                       \
+    SKV_ROLE_OWNER,            /* role */                                                          \
+    SKV_BACKEND_HOST,          /* backend */                                                       \
+    -1,                        /* timeout_ms: SKV_TIMEOUT_MS, else 60000 */                        \
+    -1,                        /* device: SKV_DEVICE, else 0 */                                    \
+    -1,                        /* group: this user alone */                                        \
+    0,                         /* max_slots: the domain's, or 64 */                                \
+    0,                         /* flags */                                                         \
+    0,                         /* pages_per_pe: the domain's, or 1024 */                           \
+    0,                         /* index_slots: 4 per page of the domain */                         \
+    NULL                       /* ns: any */                                                       \
+  }
+/* clang-format on */
+
+/* Attach this process to the domain `name` (1..48 of [A-Za-z0-9._-]), creating it when absent,
+ * as the role opts.role says (opts NULL: an owner with host pages). The handle works with every
+ * skv_kv_* call (publish needs an owner); skv_kv_detach (or skv_kv_destroy) leaves. A geometry,
+ * backend, capacity or namespace that disagrees with the domain's fails with SKV_EINVAL naming
+ * the difference; a domain of another user with -EACCES; a full one with SKV_ENOSPC. */
+SKV_EXTERN int skv_kv_attach(const char *name, const skv_geometry_t *geom,
+                             const skv_attach_opts_t *opts, skv_kv_t **kv);
+/* Leave the domain: an owner's pages leave the index first (pins other processes hold on them
+ * are waited for, bounded by the timeout), then the mappings go; the last process out removes
+ * the domain. Frees `kv`. */
+SKV_EXTERN int skv_kv_detach(skv_kv_t *kv);
+
 enum { SKV_LOOKUP_PIN = 1u }; /* pin every hit (release with skv_kv_unpin) */
 
 /* How many leading keys of the chain are cached anywhere on the node (stops at the first

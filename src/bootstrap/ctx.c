@@ -78,6 +78,30 @@ static int find_local_pes(skv_ctx_t *ctx, const char *local_from) {
   return 0;
 }
 
+int skv__ctx_solo(int timeout_ms, int device, skv_ctx_t **out) {
+  *out = NULL;
+  long long t = timeout_ms, dev = device;
+  if (t <= 0) SKV_CHECK(skv__env_int(SKV_ENV_TIMEOUT_MS, 1, 86400000, 60000, &t));
+  if (dev < 0) SKV_CHECK(skv__env_int(SKV_ENV_DEVICE, 0, 1023, -1, &dev));
+  skv_ctx_t *ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_INIT, "out of memory");
+  pthread_mutex_init(&ctx->mu, NULL);
+  ctx->cfg.rank = 0;
+  ctx->cfg.world_size = ctx->cfg.local_size = ctx->nlocal = 1;
+  ctx->cfg.local_rank = ctx->local_index = 0;
+  ctx->cfg.timeout_ms = (int)t;
+  ctx->cfg.device = (int)dev;
+  ctx->device = -1;
+  *out = ctx;
+  return 0;
+}
+
+void skv__ctx_solo_free(skv_ctx_t *ctx) {
+  if (!ctx) return;
+  pthread_mutex_destroy(&ctx->mu);
+  free(ctx);
+}
+
 int skv_init(const skv_config_t *cfg, skv_ctx_t **out) {
   if (!out) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_INIT, "skv_init: ctx output pointer is NULL");
   *out = NULL;

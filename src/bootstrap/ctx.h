@@ -29,6 +29,11 @@ struct skv_ctx {
   int ndeferred;
 };
 
+/* A context of this process alone, for what is not a job (an elastic domain's attachment): no
+ * store, rank 0 of 1; timeout_ms <= 0 and device < 0 come from SKV_TIMEOUT_MS / SKV_DEVICE. */
+int skv__ctx_solo(int timeout_ms, int device, skv_ctx_t **out);
+void skv__ctx_solo_free(skv_ctx_t *ctx);
+
 /* Collective check: every PE describes the collective it is entering ("skv_heap_create(backend
  * =host, data_bytes=4096)"); descriptions are allgathered under a per-context sequence number
  * and must be identical everywhere. A mismatch fails on every PE with SKV_EMISMATCH naming both

@@ -20,6 +20,22 @@ static uint64_t next_pow2(uint64_t x) {
   return p;
 }
 
+/* Distance between pages in a heap: whole 4 KiB pages from 4 KiB up, 256-byte aligned below. */
+static uint64_t page_stride_of(uint64_t page_bytes) {
+  return page_bytes >= 4096 ? SKV_ALIGN_UP(page_bytes, 4096) : SKV_ALIGN_UP(page_bytes, 256);
+}
+
+static int check_ns_geometry(const skv_namespace_t *ns, const skv_geometry_t *g, const char *fn) {
+  if (skv__geometry_equal(&ns->geom, g)) return 0;
+  return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                  "%s: wrong namespace: it was made for a geometry (layers=%u heads=%u dim=%u "
+                  "elem=%u page_tokens=%u) other than this cache's (layers=%u heads=%u dim=%u "
+                  "elem=%u page_tokens=%u)",
+                  fn, ns->geom.num_layers, ns->geom.num_kv_heads, ns->geom.head_dim,
+                  ns->geom.elem_bytes, ns->geom.page_tokens, g->num_layers, g->num_kv_heads,
+                  g->head_dim, g->elem_bytes, g->page_tokens);
+}
+
 static uint64_t meta_pool_bytes(uint64_t pages) {
   return SKV_ALIGN_UP(skv__pool_meta_bytes(pages), 64);
 }
@@ -77,8 +93,7 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
                 opts->backend);
   int npes = ctx->nlocal;
   uint64_t pages = opts->pages_per_pe;
-  uint64_t stride =
-      page_bytes >= 4096 ? SKV_ALIGN_UP(page_bytes, 4096) : SKV_ALIGN_UP(page_bytes, 256);
+  uint64_t stride = page_stride_of(page_bytes);
   SKV_ARG_CHECK(pages <= (1ull << 40) / stride, SKV_SUBSYS_KV,
                 "skv_kv_create: %" PRIu64 " pages of %" PRIu64 " bytes exceed the 1 TiB heap limit",
                 pages, stride);
@@ -167,6 +182,7 @@ fail:
 
 int skv_kv_destroy(skv_kv_t *kv) {
   if (!kv) return 0;
+  if (kv->domain) return skv_kv_detach(kv);
   int rc = 0;
 #ifdef SKV_WITH_CUDA
   rc = skv__kvc_sync(kv->cuda);
@@ -177,6 +193,119 @@ int skv_kv_destroy(skv_kv_t *kv) {
   int r2 = skv_heap_destroy(kv->data); /* with the keys of its kv-ready agreement */
   free(kv);
   return rc ? rc : r1 ? r1 : r2;
+}
+
+/* Wait until this process's stream-ordered copies completed (none still reads a mapping). */
+static void quiesce(void *arg) {
+#ifdef SKV_WITH_CUDA
+  skv_kv_t *kv = arg;
+  if (kv->cuda) (void)skv__kvc_sync(kv->cuda);
+#else
+  SKV_UNUSED(arg);
+#endif
+}
+
+/* ---- an elastic domain's attachment -------------------------------------------------------- */
+
+int skv_kv_attach(const char *name, const skv_geometry_t *geom, const skv_attach_opts_t *opts,
+                  skv_kv_t **out) {
+  SKV_ARG_CHECK(out, SKV_SUBSYS_KV, "skv_kv_attach: kv (the result pointer) is NULL");
+  *out = NULL;
+  SKV_ARG_CHECK(name, SKV_SUBSYS_KV, "skv_kv_attach: name is NULL");
+  uint64_t page_bytes;
+  SKV_CHECK(skv__geometry_check(geom, "skv_kv_attach: geom", &page_bytes));
+  skv_attach_opts_t o = SKV_ATTACH_OPTS_INIT;
+  if (opts) {
+    SKV_ARG_CHECK(opts->size >= sizeof(skv_attach_opts_t) && opts->version >= 1 &&
+                      opts->version <= SKV_ATTACH_OPTS_VERSION,
+                  SKV_SUBSYS_KV,
+                  "skv_kv_attach: opts.size=%zu / opts.version=%u: initialise with "
+                  "SKV_ATTACH_OPTS_INIT",
+                  opts->size, opts->version);
+    o = *opts;
+  }
+  SKV_ARG_CHECK(o.role == SKV_ROLE_OWNER || o.role == SKV_ROLE_READER, SKV_SUBSYS_KV,
+                "skv_kv_attach: opts.role=%d is not SKV_ROLE_OWNER or SKV_ROLE_READER", o.role);
+  SKV_ARG_CHECK(o.backend == SKV_BACKEND_HOST || o.backend == SKV_BACKEND_CUDA, SKV_SUBSYS_KV,
+                "skv_kv_attach: opts.backend=%d: a domain keeps its pages in host memory "
+                "(SKV_BACKEND_HOST) or GPU memory (SKV_BACKEND_CUDA)",
+                o.backend);
+  SKV_ARG_CHECK(o.max_slots <= SKV__DOM_MAX_SLOTS, SKV_SUBSYS_KV,
+                "skv_kv_attach: opts.max_slots=%u is over %d", o.max_slots, SKV__DOM_MAX_SLOTS);
+  SKV_ARG_CHECK(o.pages_per_pe <= SKV_INDEX_MAX_PAGES, SKV_SUBSYS_KV,
+                "skv_kv_attach: opts.pages_per_pe=%" PRIu64 " is over %u", o.pages_per_pe,
+                SKV_INDEX_MAX_PAGES);
+  SKV_ARG_CHECK(o.index_slots <= (1ull << 32), SKV_SUBSYS_KV,
+                "skv_kv_attach: opts.index_slots=%" PRIu64 " is over 2^32", o.index_slots);
+  SKV_ARG_CHECK(o.flags == 0, SKV_SUBSYS_KV, "skv_kv_attach: opts.flags=0x%x: must be 0", o.flags);
+  SKV_ARG_CHECK(o.timeout_ms == -1 || (o.timeout_ms >= 1 && o.timeout_ms <= 86400000),
+                SKV_SUBSYS_KV, "skv_kv_attach: opts.timeout_ms=%d is not -1 or 1..86400000",
+                o.timeout_ms);
+  if (o.ns) SKV_CHECK(check_ns_geometry(o.ns, geom, "skv_kv_attach"));
+  const uint64_t stride = page_stride_of(page_bytes);
+  skv_kv_t *kv = calloc(1, sizeof *kv);
+  if (!kv) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_kv_attach: out of memory");
+  kv->geom = *geom;
+  kv->page_bytes = page_bytes;
+  kv->page_stride = stride;
+  int rc = skv__ctx_solo(o.timeout_ms, o.device, &kv->ctx);
+  if (rc == 0) {
+    kv->index.hdr = kv->shard_hdr;
+    kv->index.slots = kv->shard_slots;
+    skv__dom_params_t p = {0};
+    p.name = name;
+    p.geom = *geom;
+    p.role = o.role;
+    p.backend = o.backend;
+    p.pages_per_slot = o.pages_per_pe;
+    p.max_slots = o.max_slots;
+    p.index_slots = o.index_slots;
+    p.page_bytes = page_bytes;
+    p.page_stride = stride;
+    p.timeout_ms = kv->ctx->cfg.timeout_ms;
+    p.group = o.group;
+    if (o.ns) p.ns_hi = o.ns->id.hi, p.ns_lo = o.ns->id.lo;
+    p.ctx = kv->ctx;
+    p.pool = &kv->pool;
+    p.index = &kv->index;
+    rc = skv__domain_attach(&p, &kv->domain);
+  }
+  if (rc == 0) {
+    kv->data = skv__domain_heap(kv->domain);
+#ifdef SKV_WITH_CUDA
+    /* a GPU-less reader of GPU pages has no copy backend: it looks pages up */
+    if (kv->data->info.backend != SKV_BACKEND_HOST && kv->data->info.base) rc = backend_init(kv);
+#endif
+  }
+  if (rc < 0) {
+    char saved[1024];
+    snprintf(saved, sizeof saved, "%s", skv_last_error());
+    if (kv->domain) (void)skv__domain_detach(kv->domain, skv__kv_evict_cb, kv, NULL, NULL);
+    skv__ctx_solo_free(kv->ctx);
+    free(kv);
+    skv__error_restore(saved);
+    return rc;
+  }
+  *out = kv;
+  return 0;
+}
+
+int skv_kv_detach(skv_kv_t *kv) {
+  if (!kv) return 0;
+  SKV_ARG_CHECK(kv->domain, SKV_SUBSYS_KV,
+                "skv_kv_detach: this cache was made by skv_kv_create (collective): destroy it "
+                "with skv_kv_destroy");
+  int rc = 0;
+#ifdef SKV_WITH_CUDA
+  rc = skv__kvc_sync(kv->cuda); /* this owner's publishes are indexed, its fetches done */
+#endif
+  int r2 = skv__domain_detach(kv->domain, skv__kv_evict_cb, kv, quiesce, kv);
+#ifdef SKV_WITH_CUDA
+  skv__kvc_destroy(kv->cuda);
+#endif
+  skv__ctx_solo_free(kv->ctx);
+  free(kv);
+  return rc ? rc : r2;
 }
 
 skv_heap_t *skv_kv_get_heap(const skv_kv_t *kv) {
@@ -212,16 +341,7 @@ int skv_kv_get_stats(const skv_kv_t *kv, skv_kv_stats_t *st) {
 
 static int check_ns(const skv_kv_t *kv, const skv_namespace_t *ns, const char *fn) {
   if (!ns) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, "%s: namespace is NULL", fn);
-  if (!skv__geometry_equal(&ns->geom, &kv->geom))
-    return SKV_FAIL(
-        SKV_EINVAL, SKV_SUBSYS_KV,
-        "%s: wrong namespace: it was made for a geometry (layers=%u heads=%u dim=%u elem=%u "
-        "page_tokens=%u) other than this cache's (layers=%u heads=%u dim=%u elem=%u "
-        "page_tokens=%u)",
-        fn, ns->geom.num_layers, ns->geom.num_kv_heads, ns->geom.head_dim, ns->geom.elem_bytes,
-        ns->geom.page_tokens, kv->geom.num_layers, kv->geom.num_kv_heads, kv->geom.head_dim,
-        kv->geom.elem_bytes, kv->geom.page_tokens);
-  return 0;
+  return check_ns_geometry(ns, &kv->geom, fn);
 }
 
 static int check_keys(const skv_key_t *keys, size_t n, const char *fn) {
@@ -509,6 +629,44 @@ static int copy_sync_fetch(skv_kv_t *kv, const skv__kv_batch_t *b, int path,
 #endif
 }
 
+/* An attached cache maps the segments of the pages it reads first, and keeps them mapped until
+ * the copy is done (host) or enqueued (GPU: a later remap waits for the copies, quiesce). */
+static int map_begin(skv_kv_t *kv, const skv__kv_batch_t *b) {
+  return kv->domain ? skv__domain_map_begin(kv->domain, b->pe, b->pe_step, b->n, quiesce, kv) : 0;
+}
+
+static void map_end(skv_kv_t *kv) {
+  if (kv->domain) skv__domain_map_end(kv->domain);
+}
+
+static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t *refs,
+                        int path, uint32_t flags, const skv_layout_t *dst,
+                        const uint64_t *block_ids, void *stream, const char *fn) {
+  const size_t n = b->n;
+#ifdef SKV_WITH_CUDA
+  if (path != PATH_HOST) {
+    bool capturing;
+    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing));
+    if (capturing) return capture_fetch(kv, b, refs, path, flags, dst, block_ids, stream, fn);
+    if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, dst, SKV__KV_FETCH, fn));
+  }
+#else
+  SKV_UNUSED(flags);
+#endif
+  SKV_CHECK(pin_all(kv, b, refs, fn));
+#ifdef SKV_WITH_CUDA
+  if (path == PATH_DEVICE) {
+    size_t queued = 0;
+    int rc = skv__kvc_copy(kv->cuda, b, dst, block_ids, NULL, stream, &queued, fn);
+    if (rc) (void)release(kv, b, queued, n, b->unpin_caller && queued > 0);
+    return rc;
+  }
+#endif
+  int rc = copy_sync_fetch(kv, b, path, dst, block_ids, stream, fn);
+  int r2 = release(kv, b, 0, n, b->unpin_caller && rc == 0);
+  return rc ? rc : r2;
+}
+
 int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_layout_t *dst,
                  const uint64_t *block_ids, uint32_t flags, void *stream) {
   const char *fn = "skv_kv_fetch";
@@ -522,26 +680,10 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   SKV_CHECK(choose_path(kv, dst, &path, fn));
   const bool unpin = (flags & SKV_FETCH_UNPIN) != 0;
   const skv__kv_batch_t b = {SKV__KV_FETCH, n, &refs[0].pe, 4, &refs[0].page, 4, NULL, unpin};
-#ifdef SKV_WITH_CUDA
-  if (path != PATH_HOST) {
-    bool capturing;
-    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing));
-    if (capturing) return capture_fetch(kv, &b, refs, path, flags, dst, block_ids, stream, fn);
-    if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, dst, SKV__KV_FETCH, fn));
-  }
-#endif
-  SKV_CHECK(pin_all(kv, &b, refs, fn));
-#ifdef SKV_WITH_CUDA
-  if (path == PATH_DEVICE) {
-    size_t queued = 0;
-    int rc = skv__kvc_copy(kv->cuda, &b, dst, block_ids, NULL, stream, &queued, fn);
-    if (rc) (void)release(kv, &b, queued, n, unpin && queued > 0);
-    return rc;
-  }
-#endif
-  int rc = copy_sync_fetch(kv, &b, path, dst, block_ids, stream, fn);
-  int r2 = release(kv, &b, 0, n, unpin && rc == 0);
-  return rc ? rc : r2;
+  SKV_CHECK(map_begin(kv, &b));
+  int rc = fetch_mapped(kv, &b, refs, path, flags, dst, block_ids, stream, fn);
+  map_end(kv);
+  return rc;
 }
 
 /* Copy the blocks of keys idx[0..k) into this PE's pages[0..k) and finish them (host and staged
@@ -584,6 +726,11 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   SKV_CHECK(check_ns(kv, ns, fn));
   SKV_CHECK(check_keys(keys, n, fn));
   SKV_CHECK(check_layout(kv, src, block_ids, n, fn));
+  if (kv->domain && skv__domain_role(kv->domain) != SKV_ROLE_OWNER)
+    return SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
+                    "%s: a reader of a domain has no pages to publish into; attach as "
+                    "SKV_ROLE_OWNER to publish",
+                    fn);
   if (n == 0) return 0;
   int path;
   SKV_CHECK(choose_path(kv, src, &path, fn));

@@ -3,6 +3,7 @@
 #ifndef SKV_KV_H
 #define SKV_KV_H
 
+#include "domain/domain.h"
 #include "heap/heap.h"
 #include "kv/keys.h"
 #include "kv/kv_cuda.h"
@@ -21,7 +22,8 @@ struct skv_kv {
   skv__index_t index;
   skv__index_shard_hdr_t *shard_hdr[SKV_MAX_LOCAL_PES];
   skv__index_slot_t *shard_slots[SKV_MAX_LOCAL_PES];
-  skv__kvc_t *cuda; /* the CUDA copy backend (kv_cuda.c), NULL for host pages */
+  skv__kvc_t *cuda;      /* the CUDA copy backend (kv_cuda.c), NULL for host pages */
+  skv__domain_t *domain; /* an attached cache's domain (skv_kv_attach), else NULL */
   /* this PE's counters */
   uint64_t lookups, lookup_hits, published, deduplicated, evicted, stale, index_full;
 };

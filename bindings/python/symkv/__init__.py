@@ -20,13 +20,14 @@ log._install()
 from .context import Config, Context, init  # noqa: E402
 from .heap import Heap, HeapInfo  # noqa: E402
 from .kv import (Geometry, Layout, Namespace, KVCache, Lookup, KVStats, LAYOUTS,  # noqa: E402
+                 DomainKV, attach,
                  as_keys, as_tokens, as_refs, key_to_int, keys_to_ints, keys_to_hex,
                  hash_tokens, layer_bytes, layer_shape)
 from .comm import Comm  # noqa: E402
 from . import connector  # noqa: E402,F401
 
 __all__ = (["Config", "Context", "init", "Heap", "HeapInfo", "Geometry", "Layout", "Namespace",
-            "KVCache", "Lookup", "KVStats", "LAYOUTS", "Comm", "Error", "SystemCallError",
+            "KVCache", "DomainKV", "attach", "Lookup", "KVStats", "LAYOUTS", "Comm", "Error", "SystemCallError",
             "ERRNO_MAP", "error_class", "as_keys", "as_tokens", "as_refs", "key_to_int",
             "keys_to_ints", "keys_to_hex", "hash_tokens", "layer_bytes", "layer_shape", "lookup",
             "fetch", "publish", "allreduce", "signal", "wait", "barrier", "version",

@@ -21,6 +21,8 @@ SKV_HEAP_OPTS_VERSION = 1
 SKV_GEOMETRY_VERSION = 1
 SKV_LAYOUT_DESC_VERSION = 1
 SKV_KV_OPTS_VERSION = 1
+SKV_ATTACH_OPTS_VERSION = 1
+ROLE_OWNER, ROLE_READER = 1, 2
 SKV_COMM_OPTS_VERSION = 1
 
 LOG_NONE, LOG_WARN, LOG_INFO, LOG_TRACE = 0, 1, 2, 3
@@ -97,6 +99,13 @@ class KvOpts(Structure):
                 ("pages_per_pe", c_uint64), ("index_slots", c_uint64)]
 
 
+class AttachOpts(Structure):
+    _fields_ = [("size", c_size_t), ("version", c_uint32), ("role", c_int32),
+                ("backend", c_int32), ("timeout_ms", c_int32), ("device", c_int32),
+                ("group", c_int32), ("max_slots", c_uint32), ("flags", c_uint32),
+                ("pages_per_pe", c_uint64), ("index_slots", c_uint64), ("ns", c_void_p)]
+
+
 class KvStats(Structure):
     _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
         "page_bytes", "pages_per_pe", "pages_used", "pages_pinned", "index_slots",
@@ -111,7 +120,7 @@ class CommOpts(Structure):
 
 # Sizes on LP64 (x86-64, aarch64); checked against the library at load where it can tell.
 STRUCT_SIZES = {Config: 64, HeapOpts: 40, HeapInfo: 96, Geometry: 40, LayoutDesc: 72, Key: 16,
-                PageRef: 16, KvOpts: 32, KvStats: 112, CommOpts: 32}
+                PageRef: 16, KvOpts: 32, AttachOpts: 64, KvStats: 112, CommOpts: 32}
 
 
 def geometry_init():
@@ -130,6 +139,11 @@ def heap_opts_init():
 
 def kv_opts_init():
     return KvOpts(ctypes.sizeof(KvOpts), SKV_KV_OPTS_VERSION, BACKEND_HOST, 0, 0)
+
+
+def attach_opts_init():
+    return AttachOpts(ctypes.sizeof(AttachOpts), SKV_ATTACH_OPTS_VERSION, ROLE_OWNER,
+                      BACKEND_HOST, -1, -1, -1, 0, 0, 0, 0, None)
 
 
 def comm_opts_init():
@@ -266,6 +280,8 @@ FUNCTIONS = {
     "skv_namespace_hash_bytes": (c_int, [c_void_p, c_void_p, c_size_t, P(Key)], "rc"),
     "skv_kv_create": (c_int, [_ctx, P(Geometry), P(KvOpts), P(c_void_p)], "rc"),
     "skv_kv_destroy": (c_int, [c_void_p], "rc"),
+    "skv_kv_attach": (c_int, [c_char_p, P(Geometry), P(AttachOpts), P(c_void_p)], "rc"),
+    "skv_kv_detach": (c_int, [c_void_p], "rc"),
     "skv_kv_get_stats": (c_int, [c_void_p, P(KvStats)], "rc"),
     "skv_kv_get_heap": (c_void_p, [c_void_p], "ptr"),
     "skv_kv_lookup": (c_int, [c_void_p, c_void_p, P(Key), c_size_t, c_uint32, P(PageRef),

@@ -9,8 +9,8 @@ import numpy as np
 
 from . import _arrays, _lib, errors
 from ._lib import lib
-from ._resource import (BACKEND_NAMES, CollectiveResource, LocalResource, backend_id,
-                        check_uint)
+from ._resource import (BACKEND_NAMES, CollectiveResource, LocalResource, Resource, backend_id,
+                        check_int, check_uint)
 
 M64 = (1 << 64) - 1
 
@@ -788,3 +788,78 @@ class KVCache(CollectiveResource):
 __all__ = ["Geometry", "Layout", "Namespace", "KVCache", "Lookup", "KVStats", "LAYOUTS",
            "PRESETS", "as_keys", "as_tokens", "as_refs", "key_to_int", "keys_to_ints",
            "keys_to_hex", "hash_tokens", "layer_bytes", "layer_shape"]
+
+
+ROLES = {"owner": _lib.ROLE_OWNER, "reader": _lib.ROLE_READER}
+
+
+class DomainKV(KVCache):
+    """This process's attachment to an elastic node domain (skv_kv_attach): every KVCache
+    method works (publish needs an owner); close() (or leaving a `with` block) detaches this
+    process alone, whenever it likes. Made by symkv.attach()."""
+
+    _what = "domain attachment"
+
+    def __init__(self, name, geometry, role="owner", backend="host", pages_per_pe=0,
+                 max_slots=0, index_slots=0, timeout_ms=-1, device=-1, group=None,
+                 namespace=None):
+        self.geometry = _as_geometry(geometry)
+        if role not in ROLES:
+            _lib.invalid("role=%r is not 'owner' or 'reader'" % (role,))
+        if not isinstance(name, str):
+            _lib.invalid("the domain name must be a str, got %s" % type(name).__name__)
+        o = _lib.attach_opts_init()
+        o.role = ROLES[role]
+        o.backend = backend_id(backend)
+        o.pages_per_pe = check_uint("pages_per_pe", pages_per_pe)
+        o.max_slots = check_uint("max_slots", max_slots, 32)
+        o.index_slots = check_uint("index_slots", index_slots)
+        o.timeout_ms = check_int("timeout_ms", timeout_ms)
+        o.device = check_int("device", device)
+        o.group = -1 if group is None else check_int("group", group, 0)
+        if namespace is not None:
+            if not isinstance(namespace, Namespace):
+                _lib.invalid("namespace: expected a symkv.Namespace, got %s"
+                             % type(namespace).__name__)
+            o.ns = namespace.handle
+            self._ns = namespace  # kept alive while attached
+        h = c_void_p()
+        lib.skv_kv_attach(name.encode(), byref(self.geometry.struct()), byref(o), byref(h))
+        self._h = h.value
+        self.name = name
+        self.role = role
+        self.backend = BACKEND_NAMES.get(o.backend, o.backend)
+
+    def _destroy(self, h):
+        lib.skv_kv_detach(h)
+
+    def detach(self):
+        """Leave the domain (same as close())."""
+        self.close()
+
+    def close(self):
+        Resource.close(self)
+
+    def __del__(self):
+        if self._h:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def __repr__(self):
+        return "<symkv.DomainKV %r %s%s>" % (self.name, self.role, ", detached" if self.closed
+                                              else "")
+
+
+def attach(name, geometry, role="owner", **kw):
+    """Attach this process to the elastic node domain `name` (created when absent) as an
+    "owner" (pages of its own: publish, lookup, fetch) or a "reader" (lookup and fetch; may run
+    without a GPU). Keywords: backend ("host" or "cuda": where the pages live), pages_per_pe,
+    max_slots, index_slots, timeout_ms, device, group (a gid whose members may attach too),
+    namespace (the one namespace the domain serves). Use it as a context manager:
+
+        with symkv.attach("llama-8b", geom, role="reader") as kv:
+            hits = kv.lookup(ns, keys)
+    """
+    return DomainKV(name, geometry, role=role, **kw)

@@ -65,6 +65,7 @@ C_TYPES = {
     "const skv_geometry_t*": P(_lib.Geometry), "const skv_layout_desc_t*": P(_lib.LayoutDesc),
     "skv_key_t*": P(_lib.Key), "const skv_key_t*": P(_lib.Key),
     "const skv_kv_opts_t*": P(_lib.KvOpts), "skv_kv_stats_t*": P(_lib.KvStats),
+    "const skv_attach_opts_t*": P(_lib.AttachOpts),
     "skv_page_ref_t*": P(_lib.PageRef), "const skv_page_ref_t*": P(_lib.PageRef),
     "const skv_comm_opts_t*": P(_lib.CommOpts),
 }
