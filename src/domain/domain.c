@@ -215,19 +215,22 @@ static void reclaim(skv__domain_t *d, int r) {
   __atomic_add_fetch(&d->hdr->gen, 1, __ATOMIC_RELEASE);
 }
 
-/* The first slot a new participant can take: its lock is free (no live holder), and no live
- * participant still maps its previous incarnation. Reclaims what the dead left behind. */
+/* Reclaim every slot whose holder died (attach lock held), then take the first slot whose lock
+ * is free and that no live participant still maps. */
 static int pick_slot(skv__domain_t *d) {
   const uint32_t n = d->hdr->max_slots;
+  bool live[SKV__DOM_MAX_SLOTS];
   for (uint32_t s = 0; s < n; s++) {
-    if (ofd_held(d->fd, SLOT_BYTE(s), 1)) continue;
+    live[s] = ofd_held(d->fd, SLOT_BYTE(s), 1);
+    if (!live[s] && __atomic_load_n(&slot_rec(d, (int)s)->state, __ATOMIC_ACQUIRE) != SKV__DOM_FREE)
+      reclaim(d, (int)s);
+  }
+  for (uint32_t s = 0; s < n; s++) {
+    if (live[s]) continue;
     skv__dom_slot_t *rec = slot_rec(d, (int)s);
-    if (__atomic_load_n(&rec->state, __ATOMIC_ACQUIRE) != SKV__DOM_FREE) reclaim(d, (int)s);
     uint64_t by = __atomic_load_n(&rec->mapped_by, __ATOMIC_ACQUIRE);
-    for (uint32_t q = 0; by && q < n; q++)
-      if ((by & (1ull << q)) && !ofd_held(d->fd, SLOT_BYTE(q), 1)) {
-        if (__atomic_load_n(&slot_rec(d, (int)q)->state, __ATOMIC_ACQUIRE) != SKV__DOM_FREE)
-          reclaim(d, (int)q);
+    for (uint32_t q = 0; q < n; q++)
+      if ((by & (1ull << q)) && !live[q]) {
         __atomic_fetch_and(&rec->mapped_by, ~(1ull << q), __ATOMIC_SEQ_CST);
         by &= ~(1ull << q);
       }

@@ -109,12 +109,18 @@ static inline bool same_key(const skv__index_slot_t *s, skv_key_t key) {
   return read_key(s, &hi, &lo) == SLOT_KEY && hi == key.hi && lo == key.lo;
 }
 
+/* The val of a slot being erased or released: ERASING, with the PE doing it (so that the erase
+ * of a PE that dies half way can be completed by whoever forgets that PE). */
+static inline uint64_t erasing(uint64_t v) {
+  return SKV_VAL_ERASING | (v & (SKV_VAL_PE_MASK << SKV_VAL_PE_SHIFT));
+}
+
 /* Turn a PENDING claim (ours, or a dead owner's) back into a tombstone, if its val is still
  * `pending`: a decision taken on an earlier read never touches a slot that moved on (released
  * and claimed again, or published). The CAS makes the caller the slot's only writer until the
  * key is a tombstone: nobody claims a slot whose key is set, and ERASING is final. */
 static bool release_slot(skv__index_slot_t *s, unsigned __int128 k, uint64_t pending) {
-  if (!__atomic_compare_exchange_n(&s->val, &pending, SKV_VAL_ERASING, false, __ATOMIC_SEQ_CST,
+  if (!__atomic_compare_exchange_n(&s->val, &pending, erasing(pending), false, __ATOMIC_SEQ_CST,
                                    __ATOMIC_RELAXED))
     return false;
   __atomic_store_n(&s->ticket, 0, __ATOMIC_SEQ_CST);
@@ -265,7 +271,7 @@ int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
     if (kind == SLOT_EMPTY) break;
     if (kind != SLOT_KEY || hi != key.hi || lo != key.lo) continue;
     uint64_t expect = val;
-    if (!__atomic_compare_exchange_n(&s->val, &expect, SKV_VAL_ERASING, false, __ATOMIC_SEQ_CST,
+    if (!__atomic_compare_exchange_n(&s->val, &expect, erasing(val), false, __ATOMIC_SEQ_CST,
                                      __ATOMIC_RELAXED))
       continue;
     __atomic_store_n(&s->ticket, 0, __ATOMIC_SEQ_CST);
@@ -283,8 +289,13 @@ uint64_t skv__index_forget_pe(skv__index_t *ix, int pe) {
       skv__index_slot_t *s = &ix->slots[sh][i];
       uint64_t hi, lo, v = ld_acq(&s->val);
       if (read_key(s, &hi, &lo) != SLOT_KEY || (int)skv__val_pe(v) != pe) continue;
-      if (!(v & SKV_VAL_VALID) && !skv__val_is_pending(v)) continue;
       skv_key_t k = {hi, lo};
+      if (v & SKV_VAL_ERASING) { /* an erase the PE did not finish: finish it */
+        __atomic_store_n(&s->ticket, 0, __ATOMIC_SEQ_CST);
+        if (cas_key(s, k128(k), K_TOMB)) cleared++;
+        continue;
+      }
+      if (!(v & SKV_VAL_VALID) && !skv__val_is_pending(v)) continue;
       if (!release_slot(s, k128(k), v)) continue; /* it moved on meanwhile */
       if (v & SKV_VAL_VALID) __atomic_sub_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
       cleared++;

@@ -65,6 +65,9 @@
  *
  * What can go wrong
  * -----------------
+ * - A PE dies in the middle of an erase: the slot stays ERASING (with that PE in val) and
+ *   holds a slot of the window; skv__index_forget_pe finishes it (an elastic domain calls it for
+ *   a dead participant). The entries counter may then be one high: it is approximate.
  * - A PE dies between claim and publish: its slot stays PENDING. Inserters that meet a
  *   PENDING copy whose owner is dead clear it. A PE that dies between its claim and its
  *   PENDING store leaves a slot that holds the key and no owner: it is passed over, never
@@ -166,7 +169,8 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe);
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val);
 /* Remove every entry and claim of PE `pe`, whose pages are gone (an elastic domain's slot whose
  * holder died or left): VALID entries are erased and PENDING claims cleared, each by a CAS from
- * the value seen. Scans the whole table. Returns how many slots it cleared. */
+ * the value seen, and erases it left half done are finished. Scans the whole table. Returns how
+ * many slots it cleared. */
 uint64_t skv__index_forget_pe(skv__index_t *ix, int pe);
 /* VALID entries in all shards (sum of the shard counters). */
 uint64_t skv__index_entries(const skv__index_t *ix);

@@ -396,6 +396,9 @@ int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
     for (; j < h; j++) {
       uint32_t pe = skv__val_pe(vals[j]), page = skv__val_page(vals[j]),
                gen = skv__val_gen(vals[j]);
+      /* a domain's dead owner: its pages cannot be read any more (the next attacher takes them
+       * out of the index): a miss */
+      if (kv->domain && !skv__domain_alive(kv->domain, (int)pe)) break;
       if ((flags & SKV_LOOKUP_PIN) && skv__pool_pin(&kv->pool, pe, page, gen) != 0) {
         stale++; /* evicted between the index read and the pin: a miss */
         break;
