@@ -138,5 +138,8 @@ extern const bench_cmd_t bench_cmd_fetch;
 extern const bench_cmd_t bench_cmd_trace, bench_cmd_longdoc, bench_cmd_multiround;
 /* All-reduce latency in CUDA graphs vs NCCL, crossovers, barrier, signals (bench_allreduce.c). */
 extern const bench_cmd_t bench_cmd_allreduce;
+/* The elastic domain: attach/detach latency, data path vs collective, trace replay with churn
+ * (bench_domain.c). */
+extern const bench_cmd_t bench_cmd_domain;
 
 #endif

@@ -75,12 +75,12 @@ static bool ofd_held(int fd, off_t start, off_t len) {
 bool skv__domain_alive(skv__domain_t *d, int s) {
   if (s == d->slot) return true;
   if (s < 0 || s >= (int)d->max_slots) return false;
+  /* only "alive" is remembered (briefly): a slot found dead may have a new holder the next
+   * moment, and its pages must not look dead then */
   uint64_t now = skv__now_ms();
-  if (now - __atomic_load_n(&d->alive_ms[s], __ATOMIC_RELAXED) < ALIVE_RECHECK_MS)
-    return __atomic_load_n(&d->alive_val[s], __ATOMIC_RELAXED);
+  if (now - __atomic_load_n(&d->alive_ms[s], __ATOMIC_RELAXED) < ALIVE_RECHECK_MS) return true;
   bool alive = ofd_held(d->fd, SLOT_BYTE(s), 1);
-  __atomic_store_n(&d->alive_val[s], alive, __ATOMIC_RELAXED);
-  __atomic_store_n(&d->alive_ms[s], now, __ATOMIC_RELAXED);
+  if (alive) __atomic_store_n(&d->alive_ms[s], now, __ATOMIC_RELAXED);
   return alive;
 }
 

@@ -17,10 +17,9 @@ struct skv__domain {
   skv__dom_slot_t *slots;
   void *seg;
   size_t seg_bytes;
-  skv__pool_t *pool;   /* the caller's, bound to the segment */
-  skv__index_t *index; /* the caller's, bound to the segment */
-  uint64_t alive_ms[SKV__DOM_MAX_SLOTS];
-  uint8_t alive_val[SKV__DOM_MAX_SLOTS];
+  skv__pool_t *pool;                     /* the caller's, bound to the segment */
+  skv__index_t *index;                   /* the caller's, bound to the segment */
+  uint64_t alive_ms[SKV__DOM_MAX_SLOTS]; /* when slot s was last found alive */
   /* the reserved range and what is mapped into it (map.c) */
   skv_heap_t heap;         /* info: base, stride, npes = max_slots, my_pe, backend */
   pthread_rwlock_t map_rw; /* readers: copies in progress; writer: (re)mapping */

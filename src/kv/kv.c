@@ -387,7 +387,7 @@ int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_LOOKUP_PIN) == 0, SKV_SUBSYS_KV,
                 "skv_kv_lookup: unknown flags 0x%x", flags);
   uint64_t now = skv__now_ns();
-  uint64_t vals[256];
+  uint64_t vals[256], asked = 0, live = 0;
   size_t done = 0, stale = 0;
   while (done < n) {
     size_t m = SKV_MIN(n - done, SKV_ARRAY_LEN(vals)), h = 0;
@@ -397,8 +397,12 @@ int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
       uint32_t pe = skv__val_pe(vals[j]), page = skv__val_page(vals[j]),
                gen = skv__val_gen(vals[j]);
       /* a domain's dead owner: its pages cannot be read any more (the next attacher takes them
-       * out of the index): a miss */
-      if (kv->domain && !skv__domain_alive(kv->domain, (int)pe)) break;
+       * out of the index): a miss. Asked once per owner and call. */
+      if (kv->domain && !(asked >> pe & 1)) {
+        asked |= 1ull << pe;
+        if (skv__domain_alive(kv->domain, (int)pe)) live |= 1ull << pe;
+      }
+      if (kv->domain && !(live >> pe & 1)) break;
       if ((flags & SKV_LOOKUP_PIN) && skv__pool_pin(&kv->pool, pe, page, gen) != 0) {
         stale++; /* evicted between the index read and the pin: a miss */
         break;

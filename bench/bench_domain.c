@@ -1,0 +1,487 @@
+/* symkv-bench domain: the elastic node domain. Attach and detach latency to a live domain (p50,
+ * p99), lookups and host fetches through an attached handle against the collective path in the
+ * same run, and a trace replay in which engines (processes) leave and join again, its hit rates
+ * checked against the exact bound for the pages that survived. */
+#define _GNU_SOURCE
+#include "bench.h"
+#include "workload.h"
+
+#include <sched.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define CHAIN 64 /* keys per prefix lookup */
+
+static skv_geometry_t geom(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t page_tokens) {
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.num_layers = layers, g.num_kv_heads = heads, g.head_dim = dim, g.elem_bytes = 2;
+  g.page_tokens = page_tokens;
+  return g;
+}
+
+static void domain_name(char *buf, size_t cap, const char *what) {
+  snprintf(buf, cap, "bench-%d-%s", (int)getpid(), what);
+}
+
+static int attach_ex(const char *name, const skv_geometry_t *g, int role, uint64_t pages,
+                     uint32_t slots, uint64_t index_slots, skv_kv_t **kv) {
+  skv_attach_opts_t o = SKV_ATTACH_OPTS_INIT;
+  o.role = role;
+  o.pages_per_pe = pages;
+  o.max_slots = slots;
+  o.index_slots = index_slots;
+  return skv_kv_attach(name, g, &o, kv);
+}
+
+static int attach(const char *name, const skv_geometry_t *g, int role, uint64_t pages,
+                  uint32_t slots, skv_kv_t **kv) {
+  return attach_ex(name, g, role, pages, slots, 0, kv);
+}
+
+/* ---- attach and detach latency to a live domain ------------------------------------------- */
+
+static int latency(bench_t *b) {
+  const int n = (int)bench_opt_int(b, "--attaches", 200);
+  skv_geometry_t g = geom(32, 8, 128, 16); /* Llama-3-8B pages (2 MiB) */
+  char name[64];
+  domain_name(name, sizeof name, "lat");
+  skv_kv_t *keeper;
+  double t0 = bench_now();
+  SKV_CHECK(attach(name, &g, SKV_ROLE_OWNER, 256, 8, &keeper)); /* creates it */
+  double create_ms = (bench_now() - t0) * 1e3;
+  double *at = malloc(sizeof(double) * (size_t)n * 4), *dt = at + n;
+  double *rat = at + 2 * n, *rdt = at + 3 * n;
+  int rc = at ? 0 : SKV_ENOMEM;
+  for (int i = 0; rc == 0 && i < n; i++) {
+    skv_kv_t *kv;
+    for (int role = 0; rc == 0 && role < 2; role++) {
+      t0 = bench_now();
+      rc = attach(name, &g, role ? SKV_ROLE_READER : SKV_ROLE_OWNER, 256, 8, &kv);
+      double t1 = bench_now();
+      if (rc == 0) rc = skv_kv_detach(kv);
+      double t2 = bench_now();
+      (role ? rat : at)[i] = (t1 - t0) * 1e3;
+      (role ? rdt : dt)[i] = (t2 - t1) * 1e3;
+    }
+    bench_progress(b, "attach/detach", i + 1, n);
+  }
+  bench_progress_end(b);
+  int r2 = skv_kv_detach(keeper);
+  if (rc == 0) rc = r2;
+  if (rc == 0) {
+    const char *tgt = "target (issue 18)";
+    bench_row(b, "attach/create_domain", create_ms, "ms", "lower", tgt, 50);
+    struct {
+      const char *what;
+      double *v;
+    } s[4] = {
+        {"attach/owner", at}, {"detach/owner", dt}, {"attach/reader", rat}, {"detach/reader", rdt}};
+    for (int k = 0; k < 4; k++) {
+      char nm[64];
+      snprintf(nm, sizeof nm, "%s/p50", s[k].what);
+      double p50 = bench_percentile(s[k].v, (size_t)n, 0.50),
+             p99 = bench_percentile(s[k].v, (size_t)n, 0.99);
+      bench_row(b, nm, p50, "ms", "lower", tgt, 50);
+      snprintf(nm, sizeof nm, "%s/p99", s[k].what);
+      bench_row(b, nm, p99, "ms", "lower", tgt, 50);
+    }
+  }
+  free(at);
+  return rc;
+}
+
+/* ---- the data path: attached against collective ------------------------------------------- */
+
+typedef struct side {
+  skv_kv_t *kv;
+  skv_namespace_t *ns;
+  skv_layout_t *lay;
+  void *eng;
+} side_t;
+
+/* Publish `nkeys` keys (chains of CHAIN) from `keys` into s->kv. */
+static int fill(side_t *s, const skv_key_t *keys, uint64_t nkeys) {
+  uint64_t bids[CHAIN];
+  for (int i = 0; i < CHAIN; i++) bids[i] = (uint64_t)i;
+  for (uint64_t i = 0; i < nkeys; i += CHAIN)
+    SKV_CHECK(skv_kv_publish(s->kv, s->ns, keys + i, CHAIN, s->lay, bids, NULL, NULL));
+  return 0;
+}
+
+/* Prefix lookups of every chain for `seconds`: million keys per second. */
+static double lookup_rate(side_t *s, const skv_key_t *keys, uint64_t nkeys, double seconds) {
+  skv_page_ref_t refs[CHAIN];
+  uint64_t done = 0;
+  double t0 = bench_now(), t;
+  do {
+    for (uint64_t i = 0; i < nkeys; i += CHAIN) {
+      size_t nh;
+      (void)skv_kv_lookup(s->kv, s->ns, keys + i, CHAIN, 0, refs, &nh);
+      done += nh;
+    }
+  } while ((t = bench_now()) - t0 < seconds);
+  return (double)done / (t - t0) / 1e6;
+}
+
+/* A pinned fetch of `n` pages into the engine: GB/s of the median of `reps`. */
+static double fetch_rate(side_t *s, const skv_key_t *keys, uint64_t n, uint64_t pb, int reps) {
+  skv_page_ref_t *refs = malloc(n * sizeof *refs);
+  uint64_t *bids = malloc(n * sizeof *bids);
+  double *tm = malloc(sizeof(double) * (size_t)reps), r = 0;
+  size_t nh = 0;
+  for (uint64_t i = 0; i < n; i++) bids[i] = i;
+  if (refs && bids && tm && skv_kv_lookup(s->kv, s->ns, keys, n, SKV_LOOKUP_PIN, refs, &nh) == 0 &&
+      nh == n) {
+    for (int k = 0; k < reps; k++) {
+      double t0 = bench_now();
+      if (skv_kv_fetch(s->kv, refs, n, s->lay, bids, 0, NULL)) break;
+      tm[k] = bench_now() - t0;
+    }
+    r = (double)(n * pb) / bench_median(tm, (size_t)reps) / 1e9;
+    (void)skv_kv_unpin(s->kv, refs, n);
+  }
+  free(refs);
+  free(bids);
+  free(tm);
+  return r;
+}
+
+static int side_open(side_t *s, const skv_geometry_t *g, uint64_t blocks) {
+  SKV_CHECK(skv_namespace_create("bench-domain", g, NULL, 0, "bench", 5, &s->ns));
+  uint64_t lb;
+  SKV_CHECK(
+      skv_layout_get_preset_layer_bytes(g, SKV_LAYOUT_CONTIGUOUS, g->page_tokens, blocks, &lb));
+  s->eng = calloc(1, lb);
+  if (!s->eng) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+  return skv_layout_create_preset(g, SKV_LAYOUT_CONTIGUOUS, g->page_tokens, blocks, &s->eng, -1,
+                                  &s->lay);
+}
+
+static void side_close(side_t *s) {
+  skv_layout_destroy(s->lay);
+  skv_namespace_destroy(s->ns);
+  free(s->eng);
+}
+
+static int datapath(bench_t *b) {
+  const uint64_t nkeys = SKV_ALIGN_UP((uint64_t)bench_opt_int(b, "--keys", 65536), CHAIN);
+  const uint64_t batch = (uint64_t)bench_opt_int(b, "--batch-pages", 256);
+  const int reps = (int)bench_opt_int(b, "--reps", 5);
+  const double seconds = bench_opt_real(b, "--seconds", 0.5);
+  skv_geometry_t small = geom(1, 1, 16, 4); /* 128-byte pages: the index dominates */
+  skv_geometry_t big = geom(4, 8, 128, 16); /* 256 KiB pages: the copy dominates */
+  uint64_t pb;
+  SKV_CHECK(skv_geometry_get_page_bytes(&big, &pb));
+  skv_ctx_t *ctx;
+  SKV_CHECK(skv_init(NULL, &ctx));
+  char name[64];
+  domain_name(name, sizeof name, "dp");
+  side_t coll[2] = {{0}}, att[2] = {{0}};
+  int rc = 0;
+  skv_key_t *keys = malloc(nkeys * sizeof *keys);
+  uint64_t s = 11;
+  for (uint64_t i = 0; keys && i < nkeys; i++)
+    keys[i] = (skv_key_t){bench_rand(&s) | 1, bench_rand(&s)};
+  const skv_geometry_t *gs[2] = {&small, &big};
+  const uint64_t caps[2] = {nkeys, SKV_MAX(batch, (uint64_t)CHAIN)};
+  for (int k = 0; rc == 0 && k < 2; k++) {
+    skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+    o.pages_per_pe = caps[k];
+    char dn[80];
+    snprintf(dn, sizeof dn, "%s%d", name, k);
+    if (rc == 0) rc = side_open(&coll[k], gs[k], SKV_MAX(batch, CHAIN));
+    if (rc == 0) rc = side_open(&att[k], gs[k], SKV_MAX(batch, CHAIN));
+    if (rc == 0) rc = skv_kv_create(ctx, gs[k], &o, &coll[k].kv);
+    /* an index of the collective one's size (4 slots per page): the same table to walk */
+    if (rc == 0) rc = attach_ex(dn, gs[k], SKV_ROLE_OWNER, caps[k], 4, 4 * caps[k], &att[k].kv);
+  }
+  if (rc == 0) rc = fill(&coll[0], keys, nkeys);
+  if (rc == 0) rc = fill(&att[0], keys, nkeys);
+  if (rc == 0) rc = fill(&coll[1], keys, SKV_ALIGN_UP(batch, CHAIN));
+  if (rc == 0) rc = fill(&att[1], keys, SKV_ALIGN_UP(batch, CHAIN));
+  if (rc == 0) {
+    double lc[16], la[16], fc[16], fa[16];
+    int r = SKV_MIN(reps, 16);
+    for (int i = 0; i < r; i++) { /* interleaved: the same conditions for both */
+      lc[i] = lookup_rate(&coll[0], keys, nkeys, seconds);
+      la[i] = lookup_rate(&att[0], keys, nkeys, seconds);
+      fc[i] = fetch_rate(&coll[1], keys, batch, pb, 5);
+      fa[i] = fetch_rate(&att[1], keys, batch, pb, 5);
+      bench_progress(b, "lookup and fetch", i + 1, r);
+    }
+    bench_progress_end(b);
+    char nm[96];
+    snprintf(nm, sizeof nm, "lookup/attached/%d-key_chains", CHAIN);
+    bench_row(b, nm, bench_median(la, (size_t)r), "Mkeys/s", "higher", "collective path",
+              bench_median(lc, (size_t)r));
+    char sz[32];
+    snprintf(nm, sizeof nm, "fetch_host/attached/%sx%llu", skv__fmt_bytes(pb, sz, sizeof sz),
+             (unsigned long long)batch);
+    for (char *p = nm; *p; p++)
+      if (*p == ' ') *p = '_';
+    bench_row(b, nm, bench_median(fa, (size_t)r), "GB/s", "higher", "collective path",
+              bench_median(fc, (size_t)r));
+  }
+  for (int k = 0; k < 2; k++) {
+    if (att[k].kv) skv_kv_detach(att[k].kv);
+    if (coll[k].kv) skv_kv_destroy(coll[k].kv);
+    side_close(&coll[k]);
+    side_close(&att[k]);
+  }
+  free(keys);
+  int r2 = skv_finalize(ctx);
+  return rc ? rc : r2;
+}
+
+/* ---- a trace replay with engines leaving and joining -------------------------------------- */
+
+/* Events of the replay, in global order: a request (engine = its index mod E), or an engine
+ * leaving and joining again at once (its pages leave with it). */
+typedef struct ev {
+  uint32_t leave; /* 1: engine leaves and rejoins; 0: request `req` */
+  uint32_t engine;
+  uint64_t req;
+} ev_t;
+
+typedef struct ctl {
+  volatile uint64_t turn;
+  volatile int32_t failed;
+  uint32_t pad;
+} ctl_t;
+
+/* The exact hits when every request runs in order: a key is present when some engine still
+ * attached published it (capacity unbounded). */
+typedef struct model {
+  uint64_t *k, *owner, mask; /* owner + 1; 0 empty; ~0 deleted */
+} model_t;
+
+static uint64_t *model_slot(model_t *m, skv_key_t key, bool insert) {
+  uint64_t h = (key.lo ^ key.hi) & m->mask, tomb = UINT64_MAX;
+  for (;; h = (h + 1) & m->mask) {
+    if (m->owner[h] == 0) return insert ? &m->owner[tomb != UINT64_MAX ? tomb : h] : NULL;
+    if (m->owner[h] == UINT64_MAX) {
+      if (tomb == UINT64_MAX) tomb = h;
+      continue;
+    }
+    if (m->k[h] == key.lo) return &m->owner[h];
+  }
+}
+
+static int engine_main(const wl_workload_t *w, const ev_t *evs, uint64_t nev, int me,
+                       const char *name, uint64_t pages, uint32_t slots, ctl_t *ctl, uint32_t *hits,
+                       double *lat) {
+  skv_geometry_t g = geom(1, 1, 16, w->page_tokens);
+  side_t s = {0};
+  SKV_CHECK(side_open(&s, &g, w->max_pages));
+  uint64_t *bids = malloc(sizeof(uint64_t) * w->max_pages);
+  skv_page_ref_t *refs = malloc(sizeof(skv_page_ref_t) * w->max_pages);
+  for (uint32_t i = 0; i < w->max_pages; i++) bids[i] = i;
+  SKV_CHECK(attach(name, &g, SKV_ROLE_OWNER, pages, slots, &s.kv));
+  int nlat = 0;
+  for (uint64_t e = 0; e < nev && !ctl->failed; e++) {
+    if ((int)evs[e].engine != me) continue;
+    uint64_t deadline = skv__now_ms() + 120000;
+    while (__atomic_load_n(&ctl->turn, __ATOMIC_ACQUIRE) != e) {
+      if (ctl->failed || skv__now_ms() > deadline) return SKV_ETIMEDOUT;
+      sched_yield();
+    }
+    int rc = 0;
+    if (evs[e].leave) {
+      double t0 = bench_now();
+      rc = skv_kv_detach(s.kv);
+      double t1 = bench_now();
+      if (rc == 0) rc = attach(name, &g, SKV_ROLE_OWNER, pages, slots, &s.kv);
+      lat[2 * nlat] = (t1 - t0) * 1e3, lat[2 * nlat + 1] = (bench_now() - t1) * 1e3;
+      nlat++;
+    } else {
+      const wl_request_t *r = &w->req[evs[e].req];
+      const skv_key_t *k = w->keys + r->key0;
+      size_t nh = 0;
+      rc = skv_kv_lookup(s.kv, s.ns, k, r->npages, 0, refs, &nh);
+      if (rc == 0 && nh < r->npages)
+        rc = skv_kv_publish(s.kv, s.ns, k + nh, r->npages - nh, s.lay, bids, NULL, NULL);
+      hits[evs[e].req] = (uint32_t)nh;
+    }
+    if (rc) {
+      ctl->failed = 1;
+      return rc;
+    }
+    __atomic_store_n(&ctl->turn, e + 1, __ATOMIC_RELEASE);
+  }
+  /* stay until every engine is done: leaving takes this engine's pages away */
+  uint64_t deadline = skv__now_ms() + 120000;
+  while (__atomic_load_n(&ctl->turn, __ATOMIC_ACQUIRE) < nev && !ctl->failed &&
+         skv__now_ms() < deadline)
+    sched_yield();
+  int rc = skv_kv_detach(s.kv);
+  side_close(&s);
+  free(bids);
+  free(refs);
+  return rc;
+}
+
+static int replay(bench_t *b) {
+  const char *path = bench_opt(b, "--trace");
+  if (!path) return 0;
+  const int E = (int)bench_opt_int(b, "--engines", 4);
+  const int leaves = (int)bench_opt_int(b, "--leaves", 8);
+  wl_workload_t w;
+  memset(&w, 0, sizeof w);
+  char err[512];
+  if (wl_trace_read(path, 16, (uint64_t)bench_opt_int(b, "--requests", 0), &w, err, sizeof err))
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH, "%s", err);
+  skv_geometry_t g = geom(1, 1, 16, w.page_tokens);
+  skv_namespace_t *ns;
+  SKV_CHECK(skv_namespace_create("bench-domain", &g, NULL, 0, "bench", 5, &ns));
+  SKV_CHECK(wl_trace_keys(&w, ns));
+  skv_namespace_destroy(ns);
+  /* events: every request in order, and `leaves` leave-and-rejoin events spread evenly */
+  uint64_t nev = w.nreq + (uint64_t)leaves;
+  size_t shm = sizeof(ctl_t) + nev * sizeof(ev_t) + w.nreq * sizeof(uint32_t) +
+               (size_t)E * (size_t)(leaves + 1) * 2 * sizeof(double);
+  char *mem = mmap(NULL, shm, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+  ctl_t *ctl = (ctl_t *)mem;
+  ev_t *evs = (ev_t *)(ctl + 1);
+  uint32_t *hits = (uint32_t *)(evs + nev);
+  double *lat = (double *)(hits + w.nreq);
+  uint64_t e = 0;
+  for (uint64_t r = 0, l = 0; r < w.nreq; r++) {
+    if (l < (uint64_t)leaves && r == (l + 1) * w.nreq / ((uint64_t)leaves + 1))
+      evs[e++] = (ev_t){1, (uint32_t)(l++ % (uint64_t)E), 0};
+    evs[e++] = (ev_t){0, (uint32_t)(r % (uint64_t)E), r};
+  }
+  nev = e;
+  char name[64];
+  domain_name(name, sizeof name, "trace");
+  const uint64_t pages = w.nkeys; /* unbounded: no eviction */
+  pid_t pid[64];
+  double t0 = bench_now();
+  for (int i = 0; i < E; i++) {
+    pid[i] = fork();
+    if (pid[i] == 0)
+      _exit(engine_main(&w, evs, nev, i, name, pages, (uint32_t)E + 1, ctl, hits,
+                        lat + (size_t)i * (size_t)(leaves + 1) * 2)
+                ? 1
+                : 0);
+  }
+  while (__atomic_load_n(&ctl->turn, __ATOMIC_ACQUIRE) < nev && !ctl->failed) {
+    bench_progress(b, "trace replay", (double)ctl->turn, (double)nev);
+    usleep(20000);
+  }
+  bench_progress_end(b);
+  int bad = 0;
+  for (int i = 0; i < E; i++) {
+    int st;
+    waitpid(pid[i], &st, 0);
+    bad += !WIFEXITED(st) || WEXITSTATUS(st);
+  }
+  double secs = bench_now() - t0;
+  /* the exact bound, from the same events */
+  model_t m;
+  m.mask = 1;
+  while (m.mask < 4 * w.nkeys) m.mask <<= 1;
+  m.k = calloc(m.mask, sizeof *m.k);
+  m.owner = calloc(m.mask, sizeof *m.owner);
+  m.mask--;
+  uint64_t got = 0, bound = 0, total = 0, mismatched = 0, dropped = 0;
+  for (uint64_t i = 0; i < nev && m.k && m.owner; i++) {
+    if (evs[i].leave) {
+      for (uint64_t h = 0; h <= m.mask; h++)
+        if (m.owner[h] == evs[i].engine + 1) m.owner[h] = UINT64_MAX, dropped++;
+      continue;
+    }
+    const wl_request_t *r = &w.req[evs[i].req];
+    const skv_key_t *k = w.keys + r->key0;
+    uint32_t nh = 0;
+    while (nh < r->npages && model_slot(&m, k[nh], false)) nh++;
+    for (uint32_t j = nh; j < r->npages; j++) {
+      uint64_t *o = model_slot(&m, k[j], true);
+      if (*o == 0 || *o == UINT64_MAX) {
+        *o = evs[i].engine + 1;
+        m.k[o - m.owner] = k[j].lo;
+      }
+    }
+    bound += nh;
+    got += hits[evs[i].req];
+    total += r->npages;
+    if (hits[evs[i].req] != nh && getenv("SKV_BENCH_DEBUG"))
+      fprintf(stderr, "request %llu (event %llu, engine %u, %u pages): %u hits, bound %u\n",
+              (unsigned long long)evs[i].req, (unsigned long long)i, evs[i].engine, r->npages,
+              hits[evs[i].req], nh);
+    mismatched += hits[evs[i].req] != nh;
+  }
+  int rc = bad ? SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "%d engine(s) failed", bad) : 0;
+  if (rc == 0) {
+    bench_row(b, "trace_churn/block_hit_rate", (double)got / (double)total, "ratio", "higher",
+              "exact bound for the surviving pages", (double)bound / (double)total);
+    bench_row(b, "trace_churn/requests_off_the_bound", (double)mismatched, "requests", "lower",
+              NULL, -1);
+    bench_row(b, "trace_churn/pages_dropped_by_leaves", (double)dropped, "pages", "lower", NULL,
+              -1);
+    bench_row(b, "trace_churn/requests_per_s", (double)w.nreq / secs, "req/s", "higher", NULL, -1);
+    size_t nl = 0;
+    double *dl = malloc(sizeof(double) * (size_t)leaves),
+           *al = malloc(sizeof(double) * (size_t)leaves);
+    for (int i = 0; dl && al && i < E; i++)
+      for (int k = 0; k < leaves && nl < (size_t)leaves; k++) {
+        double *p = lat + (size_t)i * (size_t)(leaves + 1) * 2 + 2 * (size_t)k;
+        if (p[0] > 0) dl[nl] = p[0], al[nl++] = p[1];
+      }
+    if (nl) {
+      bench_row(b, "trace_churn/detach_with_pages/p99", bench_percentile(dl, nl, 0.99), "ms",
+                "lower", "target (issue 18)", 50);
+      bench_row(b, "trace_churn/attach_live/p99", bench_percentile(al, nl, 0.99), "ms", "lower",
+                "target (issue 18)", 50);
+    }
+    free(dl);
+    free(al);
+    bench_config_str(b, "trace", path);
+    bench_config_int(b, "engines", E);
+    bench_config_int(b, "leaves", leaves);
+  }
+  free(m.k);
+  free(m.owner);
+  munmap(mem, shm);
+  wl_workload_free(&w);
+  return rc;
+}
+
+static int bench_domain(bench_t *b) {
+  const char *part = bench_opt(b, "--part");
+  bool all = !part || strcmp(part, "all") == 0;
+  if (all || strcmp(part, "latency") == 0) SKV_CHECK(latency(b));
+  if (all || strcmp(part, "datapath") == 0) SKV_CHECK(datapath(b));
+  if (all || strcmp(part, "trace") == 0) SKV_CHECK(replay(b));
+  return bench_report(b);
+}
+
+static const bench_optspec_t domain_opts[] = {
+    {"--part", BENCH_CHOICE, "P", "all", "what to run", 0, 0, "all,latency,datapath,trace"},
+    {"--attaches", BENCH_INT, "N", "200", "attach/detach pairs timed (each role)", 1, 100000, NULL},
+    {"--keys", BENCH_INT, "N", "64K", "keys looked up (chains of 64)", 64, 1ll << 24, NULL},
+    {"--seconds", BENCH_REAL, "S", "0.5", "lookup time of one repetition", 0.01, 60, NULL},
+    {"--batch-pages", BENCH_INT, "N", "256", "pages of one host fetch (256 KiB pages)", 1, 4096,
+     NULL},
+    {"--reps", BENCH_INT, "N", "5", "repetitions, attached and collective interleaved", 1, 16,
+     NULL},
+    {"--trace", BENCH_STR, "FILE", NULL, "Mooncake trace to replay with engines leaving", 0, 0,
+     NULL},
+    {"--engines", BENCH_INT, "N", "4", "engine processes of the replay", 1, 32, NULL},
+    {"--leaves", BENCH_INT, "N", "8", "leave-and-rejoin events spread over the replay", 0, 1000,
+     NULL},
+    {"--requests", BENCH_INT, "N", "0", "requests of the trace (0: all)", 0, 1ll << 30, NULL},
+    BENCH_OPTS_END,
+};
+
+const bench_cmd_t bench_cmd_domain = {
+    .name = "domain",
+    .run = bench_domain,
+    .summary = "elastic domain: attach/detach latency, data path vs the collective one, trace "
+               "replay with engines leaving",
+    .opts = domain_opts,
+};
