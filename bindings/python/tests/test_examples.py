@@ -60,6 +60,10 @@ BLOCKS = {
     ("docs/connector.md", "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata"):
         "NOT RUN: needs vLLM (a sketch of a connector class for it)",
     ("docs/hashing.md", "import os, struct, xxhash"): "test_hashing_reference_code",
+    ("docs/python.md", "import numpy as np"): "test_python_domain_example",
+    ("docs/reference.md", "skv_attach_opts_t o = SKV_ATTACH_OPTS_INIT;  /* an owner with pages in host memory */"):
+        "NOT RUN: an API overview with placeholders (geom, the calls in between); "
+        "tests/test_domain.c makes each call",
     ("docs/reference.md", "skv_config_t cfg = SKV_CONFIG_INIT;   /* or skv_config_init(&cfg) */"):
         "test_reference_config_snippet",
     ("docs/comm.md", "skv_comm_opts_t o = SKV_COMM_OPTS_INIT;  /* backend CUDA, 4 channels, max_bytes 64 MiB, NCCL on */"):
@@ -222,6 +226,14 @@ def test_python_errors_example():
     assert r.returncode == 0 and r.stderr == "", r
     norm = lambda s: re.sub(r"\.c:\d+", ".c:N", s.strip())
     assert norm(r.stdout) == norm(comment), (r.stdout, comment)
+
+
+def test_python_domain_example():
+    body, _ = block("docs/python.md", "import numpy as np")
+    r = subprocess.run([sys.executable, "-c", body], env=dict(os.environ, PYTHONPATH=PKG),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r
+    assert not os.path.exists("/dev/shm/symkv-doc-example"), "the domain stayed behind"
 
 
 def test_python_logging_example():
