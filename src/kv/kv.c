@@ -492,6 +492,11 @@ static int choose_path(const skv_kv_t *kv, const skv_layout_t *lay, int *path, c
                     "SKV_BACKEND_CUDA_HOST to keep pages in host memory that GPUs can read",
                     fn);
 #ifdef SKV_WITH_CUDA
+  if (!kv->cuda)
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
+                    "%s: the pages are in GPU memory and this process has no usable GPU: it can "
+                    "look them up but not fetch them",
+                    fn);
   *path = lay->device < 0 ? PATH_STAGED : PATH_DEVICE;
   return 0;
 #else
