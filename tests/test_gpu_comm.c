@@ -1,5 +1,7 @@
 /* GPU tests of the collectives (skipped without GPUs): every dtype, op and algorithm from 1
- * element to 64 MiB against float64, graph replays, two streams, timeouts, the device API. */
+ * element to 64 MiB against float64, graph replays, two streams, timeouts, the device API.
+ * They need one GPU: with fewer GPUs than PEs the PEs share them (run the MPS daemon for speed;
+ * without it they take turns on the GPU and the tests run fewer rounds, docs/comm.md). */
 #define _GNU_SOURCE
 #include "skv_test.h"
 
@@ -260,7 +262,7 @@ ParameterizedTestParameters(gpu_comm, allreduce_matches_float64_reference) {
 }
 
 ParameterizedTest(int *npes, gpu_comm, allreduce_matches_float64_reference) {
-  SKV_TEST_REQUIRE_GPUS(2);
+  SKV_TEST_REQUIRE_GPUS(1);
   skv_test_job_t job;
   int bad = skv_test_run(&job, *npes, pe_sweep, NULL, 880000);
   cr_assert_eq(bad, 0, "%d PEs: %s", *npes, skv_test_statuses(&job));
@@ -336,7 +338,7 @@ ParameterizedTestParameters(gpu_comm, graph_replays) {
 }
 
 ParameterizedTest(int *npes, gpu_comm, graph_replays) {
-  SKV_TEST_REQUIRE_GPUS(2);
+  SKV_TEST_REQUIRE_GPUS(1);
   int replays = 1000;
   skv_test_job_t job;
   int bad = skv_test_run(&job, *npes, pe_graph, &replays, 880000);
@@ -393,7 +395,7 @@ ParameterizedTestParameters(gpu_comm, two_streams_on_two_channels) {
 }
 
 ParameterizedTest(int *npes, gpu_comm, two_streams_on_two_channels) {
-  SKV_TEST_REQUIRE_GPUS(2);
+  SKV_TEST_REQUIRE_GPUS(1);
   skv_test_job_t job;
   int bad = skv_test_run(&job, *npes, pe_streams, NULL, 880000);
   cr_assert_eq(bad, 0, "%d PEs: %s", *npes, skv_test_statuses(&job));
@@ -442,7 +444,7 @@ static int pe_missing(int rank, int npes, void *arg) {
 }
 
 Test(gpu_comm, peer_that_never_arrives_times_out, .timeout = 300) {
-  SKV_TEST_REQUIRE_GPUS(2);
+  SKV_TEST_REQUIRE_GPUS(1);
   skv_test_job_t job;
   int bad = skv_test_run(&job, 2, pe_missing, NULL, 280000);
   cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
@@ -512,7 +514,7 @@ ParameterizedTestParameters(gpu_comm, signals_barriers_and_device_api) {
 }
 
 ParameterizedTest(int *npes, gpu_comm, signals_barriers_and_device_api) {
-  SKV_TEST_REQUIRE_GPUS(2);
+  SKV_TEST_REQUIRE_GPUS(1);
   skv_test_job_t job;
   int bad = skv_test_run(&job, *npes, pe_signals, NULL, 880000);
   cr_assert_eq(bad, 0, "%d PEs: %s", *npes, skv_test_statuses(&job));

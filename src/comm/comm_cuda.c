@@ -284,6 +284,22 @@ int skv__comm_cuda_create(skv_comm_t *c) {
   d->npes = c->npes;
   d->nsm = nsm;
   d->user_slots = c->user_slots;
+  /* PEs sharing a GPU without MPS run in turns (time slices): a collective whose peers are on
+   * the same GPU waits a slice per step. Correct, far slower; said once, and the bench adapts. */
+  if (c->heap->gpu_shared_with >= 0) {
+    int mps = 0;
+    if (skv__cu.cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, ctx->device) !=
+        CUDA_SUCCESS)
+      mps = 0;
+    c->gpu_time_sliced = !mps;
+    if (!mps && c->me == 0)
+      SKV_WARN(SKV_SUBSYS_COMM,
+               "PEs %d and %d share GPU %d without MPS: their kernels take turns on it, so a "
+               "collective waits a time slice (about 2 ms) per step instead of microseconds. "
+               "Correct but slow; start the MPS daemon (nvidia-cuda-mps-control -d) before the "
+               "PEs for concurrent kernels, or give each PE its own GPU",
+               c->heap->gpu_shared_with, c->me, ctx->device);
+  }
   /* Programmatic dependent launch hides most of a kernel's launch latency behind the kernel
    * before it; SKV_COMM_PDL=0 turns it off (to compare, or if a driver mishandles it). */
   const char *pdl = skv__env(SKV_ENV_COMM_PDL);

@@ -37,6 +37,7 @@ struct skv_comm {
   /* AUTO: largest message (bytes) for one-shot, then two-shot; beyond: NCCL (or two-shot) */
   uint64_t oneshot_max, twoshot_max;
   bool has_nccl;
+  bool gpu_time_sliced;    /* cuda: a peer shares this PE's GPU without MPS (docs/comm.md) */
   bool broken;             /* a wait timed out: the Lamport buffers are no longer clean */
   skv__host_chan_t *hchan; /* host backend state (comm_host.c) */
   void *cuda;              /* CUDA backend state (comm_cuda.c) */

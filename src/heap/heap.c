@@ -87,6 +87,7 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
   if (!h) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_HEAP, "skv_heap_create: out of memory");
   h->ctx = ctx;
   h->be = be;
+  h->gpu_shared_with = -1;
   skv_heap_info_t *in = &h->info;
   in->size = sizeof *in;
   in->backend = opts->backend;

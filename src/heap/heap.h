@@ -16,6 +16,7 @@ struct skv_heap {
                            taken on the heap later, deleted by skv_heap_destroy */
   char name[SKV_COLL_NAME_CAP]; /* unique: op's name (store keys, fd exchange tag) */
   void *impl;                   /* backend state */
+  int gpu_shared_with;          /* cuda: a local PE whose GPU is this PE's too, else -1 */
 };
 
 struct skv__heap_backend {
