@@ -15,9 +15,8 @@
 
 namespace {
 
-constexpr int kThreads = 256;   /* threads per block of the all-reduce kernels */
-constexpr int kBlocksPerSm = 2; /* grid cap: leaves room for other channels' kernels on each SM */
-constexpr int kMinBlocksPerSm = 3; /* register cap (85): three blocks fit on an SM, no spills */
+constexpr int kThreads = SKV__COMM_THREADS;
+constexpr int kMinBlocksPerSm = SKV__COMM_MIN_BLOCKS_PER_SM; /* register cap (85), no spills */
 
 /* ---- memory access ------------------------------------------------------------------------ */
 
@@ -604,7 +603,7 @@ extern "C" int skv__k_allreduce(const skv__comm_dev_t *d, int alg, int dtype, in
   const uint64_t work = alg == SKV__ALG_ONESHOT ? nvec : skv__ts_cv(nvec, d->npes);
   const int block = work >= (uint64_t)kThreads ? kThreads : (int)((work + 31) / 32 * 32);
   uint64_t grid = (work + (uint64_t)block - 1) / (uint64_t)block;
-  uint64_t cap = (uint64_t)(d->nsm > 0 ? d->nsm : 1) * kBlocksPerSm;
+  uint64_t cap = (uint64_t)(d->grid_cap > 0 ? d->grid_cap : 1);
   if (cap > SKV__EPOCH_LANES) cap = SKV__EPOCH_LANES;
   if (grid > cap) grid = cap;
   if (grid < 1) grid = 1;

@@ -163,11 +163,17 @@ typedef struct skv__comm_dev {
   skv__comm_err_t *err;    /* host-mapped, device address */
   uint64_t timeout_ns;
   int32_t me, npes;
-  int32_t nsm; /* multiprocessors of the device (grid cap) */
+  int32_t nsm; /* multiprocessors of the device */
   uint32_t user_slots;
-  int32_t pdl; /* launch with programmatic dependent launch (SKV_COMM_PDL, default 1) */
-  int32_t reserved;
+  int32_t pdl;      /* launch with programmatic dependent launch (SKV_COMM_PDL, default 1) */
+  int32_t grid_cap; /* most blocks of one all-reduce kernel (skv__comm_grid_cap) */
 } skv__comm_dev_t;
+
+/* Blocks of the all-reduce kernels: 256 threads, registers capped so that 3 fit on an SM; a grid
+ * takes at most 2 per SM, leaving room for another channel's kernel. */
+#define SKV__COMM_THREADS           256
+#define SKV__COMM_BLOCKS_PER_SM     2
+#define SKV__COMM_MIN_BLOCKS_PER_SM 3
 
 enum { SKV__ALG_ONESHOT = 1, SKV__ALG_TWOSHOT = 2 };
 

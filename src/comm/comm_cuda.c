@@ -284,9 +284,29 @@ int skv__comm_cuda_create(skv_comm_t *c) {
   d->npes = c->npes;
   d->nsm = nsm;
   d->user_slots = c->user_slots;
-  /* PEs sharing a GPU without MPS run in turns (time slices): a collective whose peers are on
-   * the same GPU waits a slice per step. Correct, far slower; said once, and the bench adapts. */
-  if (c->heap->gpu_shared_with >= 0) {
+  d->grid_cap = nsm * SKV__COMM_BLOCKS_PER_SM;
+  /* Programmatic dependent launch hides most of a kernel's launch latency behind the kernel
+   * before it; SKV_COMM_PDL=0 turns it off (to compare, or if a driver mishandles it). */
+  const char *pdl = skv__env(SKV_ENV_COMM_PDL);
+  d->pdl = !(pdl && strcmp(pdl, "0") == 0);
+  /* PEs sharing a GPU (docs/comm.md, "Several PEs on one GPU"). A block of a collective spins
+   * until the same block of every peer has written, so the blocks of all PEs on the GPU must be
+   * able to sit on it at once: under MPS nothing preempts a spinning block, and a PE whose
+   * kernels filled the SMs would starve its peers' kernels for good (seen on one H100: a 64 MiB
+   * all-reduce of 2 PEs, and graphs of 20 all-reduces with programmatic dependent launch, which
+   * lets a PE's next kernels take the SMs while its current one waits, hung until the timeout).
+   * So the grids of every PE and channel together fit the resident blocks, and programmatic
+   * dependent launch is off. Without MPS the PEs take turns (time slices): a collective waits a
+   * slice per step. Correct, far slower; said once, and the bench adapts. */
+  if (c->heap->gpu_sharers > 1) {
+    int share = c->heap->gpu_sharers * (int)c->channels;
+    d->grid_cap = SKV_MAX(1, nsm * SKV__COMM_MIN_BLOCKS_PER_SM / share);
+    d->grid_cap = SKV_MIN(d->grid_cap, nsm * SKV__COMM_BLOCKS_PER_SM);
+    d->pdl = 0;
+    SKV_INFO(SKV_SUBSYS_COMM,
+             "%d PEs share GPU %d: at most %d blocks per all-reduce kernel (%d channels each), "
+             "programmatic dependent launch off",
+             c->heap->gpu_sharers, ctx->device, d->grid_cap, (int)c->channels);
     int mps = 0;
     if (skv__cu.cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, ctx->device) !=
         CUDA_SUCCESS)
@@ -300,10 +320,6 @@ int skv__comm_cuda_create(skv_comm_t *c) {
                "PEs for concurrent kernels, or give each PE its own GPU",
                c->heap->gpu_shared_with, c->me, ctx->device);
   }
-  /* Programmatic dependent launch hides most of a kernel's launch latency behind the kernel
-   * before it; SKV_COMM_PDL=0 turns it off (to compare, or if a driver mishandles it). */
-  const char *pdl = skv__env(SKV_ENV_COMM_PDL);
-  d->pdl = !(pdl && strcmp(pdl, "0") == 0);
   SKV_INFO(SKV_SUBSYS_COMM, "comm kernels on %d SMs, programmatic dependent launch %s", nsm,
            d->pdl ? "on" : "off");
 #ifdef SKV_WITH_NCCL

@@ -147,7 +147,7 @@ static int host_gather_reduce(const skv_comm_t *c, char *mine, slot_off_fn slot_
                               uint64_t per_pe, uint64_t v, const hvec_t *own, int dtype, int op,
                               host_wait_t *w, hvec_t *x) {
   uint32_t es = skv__dtype_size(dtype);
-  float acc[8];
+  float acc[8] = {0}; /* fp32 fills 4 lanes; zeros keep -Wmaybe-uninitialized quiet */
   for (int p = 0; p < c->npes; p++) {
     hvec_t y = *own;
     if (p != c->me && !slot_take(mine + slot_off(per_pe, p, v), &y, es, w)) return p;

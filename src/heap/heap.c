@@ -88,6 +88,7 @@ int skv_heap_create_ex(skv_ctx_t *ctx, const skv_heap_opts_t *opts, skv_heap_t *
   h->ctx = ctx;
   h->be = be;
   h->gpu_shared_with = -1;
+  h->gpu_sharers = 1;
   skv_heap_info_t *in = &h->info;
   in->size = sizeof *in;
   in->backend = opts->backend;

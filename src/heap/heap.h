@@ -17,6 +17,7 @@ struct skv_heap {
   char name[SKV_COLL_NAME_CAP]; /* unique: op's name (store keys, fd exchange tag) */
   void *impl;                   /* backend state */
   int gpu_shared_with;          /* cuda: a local PE whose GPU is this PE's too, else -1 */
+  int gpu_sharers;              /* cuda: PEs on this PE's GPU, itself included (1: alone) */
 };
 
 struct skv__heap_backend {

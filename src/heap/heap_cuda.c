@@ -85,9 +85,10 @@ static int gather_devices(skv_heap_t *heap, int dev, dev_rec_t *devs) {
 static int check_peer_access(skv_heap_t *heap, const dev_rec_t *devs) {
   int me = heap->ctx->device, mine = heap->info.my_pe;
   for (int i = 0; i < heap->info.npes; i++) {
-    if (i != mine && devs[i].ok && memcmp(devs[i].pci, devs[mine].pci, sizeof devs[i].pci) == 0 &&
-        heap->gpu_shared_with < 0)
-      heap->gpu_shared_with = i;
+    if (i != mine && devs[i].ok && memcmp(devs[i].pci, devs[mine].pci, sizeof devs[i].pci) == 0) {
+      if (heap->gpu_shared_with < 0) heap->gpu_shared_with = i;
+      heap->gpu_sharers++;
+    }
     if (i == mine || !devs[i].ok || memcmp(devs[i].pci, devs[mine].pci, sizeof devs[i].pci) == 0)
       continue;
     char bus[32];
