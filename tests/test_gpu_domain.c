@@ -89,6 +89,7 @@ static int pe_main(int rank, int npes, void *arg) {
   if (rank == 0) {
     for (int i = 0; i < NPAGES; i++) memcpy(host + bids[i] * pb, want + (uint64_t)i * pb, pb);
     CU_OK(cudaMemcpy(dev, host, pb * NPAGES, cudaMemcpyHostToDevice));
+    CU_OK(cudaDeviceSynchronize()); /* from pageable memory the DMA may still be under way */
     size_t ins = 0;
     PE_CHECK(skv_kv_publish(kv, ns, keys, NPAGES, dlay, bids, NULL, &ins) == 0, "publish");
     PE_CHECK(skv_kv_sync(kv) == 0, "sync");
@@ -112,6 +113,7 @@ static int pe_main(int rank, int npes, void *arg) {
       memset(host, 0xa5, pb * NPAGES); /* poisoned */
       if (rank == 1) {
         CU_OK(cudaMemset(dev, 0x5a, pb * NPAGES));
+        CU_OK(cudaDeviceSynchronize()); /* a memset is asynchronous: done before the fetch */
         PE_CHECK(skv_kv_fetch(kv, refs, NPAGES, dlay, bids, 0, NULL) == 0, "GPU fetch");
         CU_OK(cudaDeviceSynchronize());
         PE_CHECK(skv_kv_sync(kv) == 0, "sync");
