@@ -5,7 +5,7 @@ engine blocks, and saving given blocks. docs/connector.md has a worked example."
 import numpy as np
 
 from . import _lib, errors
-from .kv import Geometry, KVCache, Layout, Namespace, as_keys
+from .kv import Geometry, KVCache, Layout, Namespace, as_keys, attach as _attach
 
 __all__ = ["KVConnector"]
 
@@ -68,16 +68,41 @@ class KVConnector:
         `layout`'s shape; see symkv.Layout.from_tensors) unless `geometry` is given;
         page_tokens defaults to the engine's block size. `model` (plus `salt`) must name
         everything that changes the KV bytes: model, revision, TP shard, KV dtype."""
-        if geometry is None:
-            if kv_caches is None:
-                _lib.invalid("KVConnector.create: give kv_caches or geometry")
-            geometry = Geometry.from_kv_caches(kv_caches, layout, page_tokens)
+        geometry = cls._geometry(kv_caches, geometry, layout, page_tokens, "create")
         kv = ctx.kv_cache(geometry, pages_per_pe, backend, index_slots)
+        return cls._around(kv, kv_caches, layout, model, salt, secret, scratch_block)
+
+    @classmethod
+    def attach(cls, name, kv_caches=None, *, model, role="owner", pages_per_pe=0,
+               layout="vllm_flash", page_tokens=None, geometry=None, backend="host", salt=b"",
+               secret=None, scratch_block=None, **attach_kw):
+        """Not collective: attach this process to the elastic node domain `name` (symkv.attach;
+        created when absent) and build the connector on it. An engine worker is an "owner"
+        (pass its kv_caches: it saves and loads); a scheduler process is a "reader" with no
+        kv_caches (num_matched_tokens only; it may run without a GPU). close() detaches this
+        process alone. Other keywords go to symkv.attach (max_slots, index_slots, timeout_ms,
+        device, group). Geometry, model and salt as for create()."""
+        geometry = cls._geometry(kv_caches, geometry, layout, page_tokens, "attach")
+        kv = _attach(name, geometry, role=role, backend=backend, pages_per_pe=pages_per_pe,
+                     **attach_kw)
+        return cls._around(kv, kv_caches, layout, model, salt, secret, scratch_block)
+
+    @staticmethod
+    def _geometry(kv_caches, geometry, layout, page_tokens, what):
+        if geometry is not None:
+            return geometry
+        if kv_caches is None:
+            _lib.invalid("KVConnector.%s: give kv_caches or geometry" % what)
+        return Geometry.from_kv_caches(kv_caches, layout, page_tokens)
+
+    @classmethod
+    def _around(cls, kv, kv_caches, layout, model, salt, secret, scratch_block):
+        """The connector over `kv`, owning it and what it builds (closed with it)."""
         ns = lay = None
         try:
-            ns = Namespace(model, geometry, salt, secret)
+            ns = Namespace(model, kv.geometry, salt, secret)
             if kv_caches is not None:
-                lay = Layout.from_tensors(geometry, kv_caches, layout)
+                lay = Layout.from_tensors(kv.geometry, kv_caches, layout)
         except BaseException:
             if ns is not None:
                 ns.close()
@@ -230,7 +255,8 @@ class KVConnector:
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self):
-        """Release what create() / register_kv_caches() made (the KV cache: collective)."""
+        """Release what create() / attach() / register_kv_caches() made (create's KV cache:
+        collective; attach's: this process detaches alone)."""
         owned, self._owned = self._owned, []
         first = None
         for obj in owned:

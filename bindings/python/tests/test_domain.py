@@ -99,3 +99,38 @@ def test_a_namespace_pins_the_domain():
         with symkv.attach(name, g, role="reader", namespace=ns) as r:
             assert r.lookup(ns, keys).nhit == 0
     assert _gone(name)
+
+
+def test_connector_attach_owner_scheduler_and_second_worker():
+    """KVConnector.attach: a worker saves pages of a request; a scheduler process (a reader,
+    no KV caches) counts the tokens the node holds; a worker in a third process loads them
+    into poisoned blocks, every element checked. Nothing collective, nothing left behind."""
+    from symkv.connector import KVConnector
+    name = _name("conn")
+    caches = [np.random.default_rng(l).standard_normal((2, 16, 4, 1, 8)).astype(np.float32)
+              for l in range(2)]
+    toks = list(range(100, 124))
+    with KVConnector.attach(name, caches, model="m", pages_per_pe=16, page_tokens=8) as w:
+        assert w.kv.role == "owner" and w.block_size == 4
+        assert w.save([3, 4, 5, 6, 7, 8], toks) == 3
+        code = """
+import numpy as np, symkv
+from symkv.connector import KVConnector
+toks = list(range(100, 124))
+g = symkv.Geometry(num_layers=2, num_kv_heads=1, head_dim=8, page_tokens=8, dtype="float32")
+with KVConnector.attach(%r, geometry=g, model="m", role="reader") as s:
+    assert s.num_matched_tokens(toks) == 24 and s.num_matched_tokens(toks, max_tokens=23) == 23
+    assert s.num_matched_tokens(list(range(24))) == 0
+want = [np.random.default_rng(l).standard_normal((2, 16, 4, 1, 8)).astype(np.float32)
+        for l in range(2)]
+mine = [np.full_like(c, np.nan) for c in want]
+with KVConnector.attach(%r, mine, model="m", page_tokens=8) as w2:  # the domain's pages
+    assert w2.load([10, 11, 12, 13, 14, 15], toks) == 24
+for a, b in zip(mine, want):
+    assert (a[:, 10:16] == b[:, 3:9]).all() and np.isnan(a[:, :10]).all()
+print("ok")
+""" % (name, name)
+        r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=PKG),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r
+    assert w.kv.closed and w.namespace.closed and w.layout.closed and _gone(name)
