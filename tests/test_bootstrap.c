@@ -461,6 +461,40 @@ Test(store, wrong_token_and_bad_ranks_rejected) {
   cr_assert_eq(skv__store_server_stop(srv, 2000), 0);
 }
 
+/* HELLO of another protocol version: only a PE that presents the token learns which version the
+ * store speaks (SKV_EVERSION); without the token the answer is SKV_EAUTH and nothing more. */
+Test(store, token_checked_before_version) {
+  skv__store_server_t *srv = serve("good-token-456", 2);
+  int port = skv__store_server_port(srv);
+  for (int good = 0; good < 2; good++) {
+    const char *tok = good ? "good-token-456" : "bad-token-456";
+    int fd = raw_connect(port);
+    skv__frame_t f = {0};
+    skv__frame_begin(&f, SKV_BOOT_OP_HELLO);
+    skv__frame_u32(&f, SKV_BOOT_PROTO_VERSION + 7);
+    skv__frame_u32(&f, 1);
+    skv__frame_u32(&f, 2);
+    skv__frame_put(&f, tok, strlen(tok));
+    skv__frame_end(&f);
+    raw_send(fd, f.p, f.len);
+    char msg[600];
+    size_t n = 0;
+    int32_t st = raw_reply(fd, msg, sizeof msg - 1, &n);
+    msg[n] = '\0';
+    if (good) {
+      cr_assert_eq(st, SKV_EVERSION, "right token, other version: %d (%s)", st, msg);
+      cr_assert(strstr(msg, "protocol"), "%s", msg);
+    } else {
+      cr_assert_eq(st, SKV_EAUTH, "wrong token, other version: %d (%s)", st, msg);
+      cr_assert_null(strstr(msg, "protocol"), "the version leaked to a stranger: %s", msg);
+    }
+    cr_assert(raw_closed(fd, 3000), "connection kept after a rejected HELLO");
+    close(fd);
+    skv__frame_free(&f);
+  }
+  cr_assert_eq(skv__store_server_stop(srv, 2000), 0);
+}
+
 typedef struct getter {
   skv__store_t *st;
   const char *key;

@@ -519,6 +519,16 @@ static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
   size_t tlen = n - r.off;
   uint8_t vb[4];
   skv__put_le32(vb, SKV_BOOT_PROTO_VERSION);
+  /* The token first: a stranger learns nothing, not even the protocol version. */
+  if (!skv__consttime_eq(tok, tlen, srv->token, srv->token_len)) {
+    SKV_WARN(
+        SKV_SUBSYS_BOOT,
+        "bootstrap store: %s presented a wrong token (claiming rank %d); closing its connection",
+        c->peer, (int)rank);
+    reply_msg(c, SKV_EAUTH, "the bootstrap store rejected this PE's token");
+    conn_close(c, true);
+    return;
+  }
   if (ver != SKV_BOOT_PROTO_VERSION) {
     snprintf(msg, sizeof msg,
              "this PE speaks bootstrap protocol %u, the store speaks %u: every PE must "
@@ -526,15 +536,6 @@ static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
              ver, SKV_BOOT_PROTO_VERSION);
     SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: %s: %s; closing its connection", c->peer, msg);
     reply_msg(c, SKV_EVERSION, msg);
-    conn_close(c, true);
-    return;
-  }
-  if (!skv__consttime_eq(tok, tlen, srv->token, srv->token_len)) {
-    SKV_WARN(
-        SKV_SUBSYS_BOOT,
-        "bootstrap store: %s presented a wrong token (claiming rank %d); closing its connection",
-        c->peer, (int)rank);
-    reply_msg(c, SKV_EAUTH, "the bootstrap store rejected this PE's token");
     conn_close(c, true);
     return;
   }
