@@ -873,6 +873,50 @@ Test(store, silent_connection_closed_after_hello_timeout, .timeout = 40) {
   cr_assert_eq(skv__store_server_stop(srv, 2000), 0);
 }
 
+/* Log lines that strangers cause at will are rate-limited: 600 connections that each send
+ * garbage (a zero-length frame, a frame before HELLO, a wrong token) cost a few dozen WARN lines,
+ * not 600; the store keeps serving. */
+static int flood_warns;
+static void count_sink(void *arg, int level, unsigned subsys, const char *line) {
+  if (level == SKV_LOG_WARN) __atomic_add_fetch(&flood_warns, 1, __ATOMIC_RELAXED);
+}
+
+Test(store, hostile_flood_logs_are_rate_limited) {
+  skv_log_set_sink(count_sink, NULL);
+  skv__store_server_t *srv = serve("tok-flood-log", 1);
+  int port = skv__store_server_port(srv);
+  skv__store_t *st = join(srv, "tok-flood-log", 0, 1);
+  skv__frame_t f = {0};
+  const int conns = 600;
+  for (int i = 0; i < conns; i++) {
+    int fd = raw_connect(port);
+    if (i % 3 == 0) {
+      uint8_t zero[4] = {0};
+      raw_send(fd, zero, sizeof zero);
+    } else if (i % 3 == 1) {
+      skv__frame_begin(&f, SKV_BOOT_OP_SET);
+      skv__frame_key(&f, "x");
+      skv__frame_u32(&f, 0);
+      skv__frame_end(&f);
+      raw_send(fd, f.p, f.len);
+    } else {
+      skv__frame_hello(&f, "not-the-token", 0, 1);
+      raw_send(fd, f.p, f.len);
+    }
+    cr_assert(raw_closed(fd, 3000), "connection %d not closed", i);
+    close(fd);
+  }
+  still_serving(st, 0);
+  int warns = __atomic_load_n(&flood_warns, __ATOMIC_RELAXED);
+  skv_log_set_sink(NULL, NULL);
+  cr_assert_leq(warns, 4 * (SKV_LOG_RL_BURST + 1), "%d WARN lines for %d hostile connections",
+                warns, conns);
+  cr_assert_geq(warns, 3, "the first ones are still logged (%d)", warns);
+  skv__frame_free(&f);
+  cr_assert_eq(skv__store_close(st), 0);
+  cr_assert_eq(skv__store_server_stop(srv, 2000), 0);
+}
+
 /* ---- forked PEs -------------------------------------------------------------------------------
  */
 

@@ -387,9 +387,10 @@ int skv__fd_exchange(skv__store_t *st, const char *tag, const int *ranks, int nl
       struct ucred cred = {0, 0, 0};
       socklen_t cl = sizeof cred;
       if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0 || cred.uid != getuid()) {
-        SKV_WARN(SKV_SUBSYS_BOOT,
-                 "fd exchange \"%s\": dropped a connection from pid %d of uid %d (not this user)",
-                 tag, (int)cred.pid, (int)cred.uid);
+        SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                    "fd exchange \"%s\": dropped a connection from pid %d of uid %d (not this "
+                    "user)",
+                    tag, (int)cred.pid, (int)cred.uid);
         close(c);
         continue;
       }
@@ -406,10 +407,10 @@ int skv__fd_exchange(skv__store_t *st, const char *tag, const int *ranks, int nl
                         (int)cred.pid, timeout_ms);
           goto fail;
         }
-        SKV_WARN(SKV_SUBSYS_BOOT,
-                 "fd exchange \"%s\": dropped a connection from pid %d that sent no complete "
-                 "header within %d ms",
-                 tag, (int)cred.pid, FD_CONN_WAIT_MS);
+        SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                    "fd exchange \"%s\": dropped a connection from pid %d that sent no complete "
+                    "header within %d ms",
+                    tag, (int)cred.pid, FD_CONN_WAIT_MS);
         rc = 0;
         continue;
       }
@@ -419,10 +420,10 @@ int skv__fd_exchange(skv__store_t *st, const char *tag, const int *ranks, int nl
                 in.rank == ranks[in.local_index];
       rc = 0;
       if (!ok) {
-        SKV_WARN(SKV_SUBSYS_BOOT,
-                 "fd exchange \"%s\": dropped a connection from pid %d that is not a peer of "
-                 "this exchange (bad header or nonce, or not exactly one fd)",
-                 tag, (int)cred.pid);
+        SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                    "fd exchange \"%s\": dropped a connection from pid %d that is not a peer of "
+                    "this exchange (bad header or nonce, or not exactly one fd)",
+                    tag, (int)cred.pid);
         if (fd >= 0) close(fd);
         continue;
       }

@@ -192,8 +192,9 @@ static void send_reply(conn_t *c, int32_t status, const void *a, size_t alen, co
   size_t len = 4 + alen + blen; /* after the length field */
   wreq_t *w = malloc(sizeof *w + SKV_BOOT_FRAME_HDR + len);
   if (!w) {
-    SKV_WARN(SKV_SUBSYS_BOOT,
-             "bootstrap store: out of memory for a %zu-byte reply to %s; closing it", len, c->peer);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                "bootstrap store: out of memory for a %zu-byte reply to %s; closing it", len,
+                c->peer);
     c->kill = true;
     mark_ready(c);
     return;
@@ -205,13 +206,14 @@ static void send_reply(conn_t *c, int32_t status, const void *a, size_t alen, co
   int rc = uv_write(&w->req, (uv_stream_t *)&c->tcp, &buf, 1, on_write);
   if (rc < 0) {
     free(w);
-    SKV_INFO(SKV_SUBSYS_BOOT, "bootstrap store: reply to %s failed: %s", c->peer, uv_strerror(rc));
+    SKV_INFO_RL(SKV_SUBSYS_BOOT, "bootstrap store: reply to %s failed: %s", c->peer,
+                uv_strerror(rc));
     c->kill = true;
     mark_ready(c);
     return;
   }
   if (c->tcp.write_queue_size > WRITE_QUEUE_MAX) {
-    SKV_WARN(
+    SKV_WARN_RL(
         SKV_SUBSYS_BOOT,
         "bootstrap store: %s does not read its replies (%zu bytes queued); closing its connection",
         c->peer, c->tcp.write_queue_size);
@@ -423,9 +425,9 @@ static void on_timer(uv_timer_t *t) {
     if (c->closing) continue;
     if (!c->said_hello) {
       if (now >= c->hello_deadline) {
-        SKV_WARN(SKV_SUBSYS_BOOT,
-                 "bootstrap store: %s did not say HELLO within %d ms; closing its connection",
-                 c->peer, SKV_BOOT_HELLO_TIMEOUT_MS);
+        SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                    "bootstrap store: %s did not say HELLO within %d ms; closing its connection",
+                    c->peer, SKV_BOOT_HELLO_TIMEOUT_MS);
         conn_close(c, false);
         continue;
       }
@@ -490,10 +492,11 @@ static void park(conn_t *c, uint8_t op, int32_t timeout, const uint8_t *p, size_
 
 static void protocol_error(conn_t *c, const char *what) {
   if (c->said_hello)
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: rank %d (%s) sent %s; closing its connection",
-             c->rank, c->peer, what);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: rank %d (%s) sent %s; closing its connection",
+                c->rank, c->peer, what);
   else
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: %s sent %s; closing its connection", c->peer, what);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: %s sent %s; closing its connection", c->peer,
+                what);
   conn_close(c, false);
 }
 
@@ -521,7 +524,7 @@ static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
   skv__put_le32(vb, SKV_BOOT_PROTO_VERSION);
   /* The token first: a stranger learns nothing, not even the protocol version. */
   if (!skv__consttime_eq(tok, tlen, srv->token, srv->token_len)) {
-    SKV_WARN(
+    SKV_WARN_RL(
         SKV_SUBSYS_BOOT,
         "bootstrap store: %s presented a wrong token (claiming rank %d); closing its connection",
         c->peer, (int)rank);
@@ -534,7 +537,7 @@ static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
              "this PE speaks bootstrap protocol %u, the store speaks %u: every PE must "
              "run the same symkv version",
              ver, SKV_BOOT_PROTO_VERSION);
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: %s: %s; closing its connection", c->peer, msg);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: %s: %s; closing its connection", c->peer, msg);
     reply_msg(c, SKV_EVERSION, msg);
     conn_close(c, true);
     return;
@@ -550,7 +553,7 @@ static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
              "rank %d is already connected (from %s): two PEs were given the same rank", (int)rank,
              srv->rank_conn[rank] ? srv->rank_conn[rank]->peer : "?");
   if (msg[0]) {
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: rejected %s: %s", c->peer, msg);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: rejected %s: %s", c->peer, msg);
     reply_msg(c, SKV_EINVAL, msg);
     conn_close(c, true);
     return;
@@ -791,8 +794,9 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
                "bootstrap store: rank %d (%s) disconnected without leaving (%s); marking it dead",
                c->rank, c->peer, nread == UV_EOF ? "end of stream" : uv_strerror((int)nread));
     else if (nread == UV_ENOBUFS)
-      SKV_WARN(SKV_SUBSYS_BOOT,
-               "bootstrap store: out of memory reading from %s; closing its connection", c->peer);
+      SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                  "bootstrap store: out of memory reading from %s; closing its connection",
+                  c->peer);
     else
       SKV_TRACE(SKV_SUBSYS_BOOT, "bootstrap store: %s closed its connection", c->peer);
     conn_close(c, false);
@@ -827,13 +831,13 @@ static void peer_name(uv_tcp_t *t, char *buf, size_t cap) {
 static void on_connection(uv_stream_t *server, int status) {
   skv__store_server_t *srv = server->data;
   if (status < 0) {
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: accepting a connection failed: %s",
-             uv_strerror(status));
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: accepting a connection failed: %s",
+                uv_strerror(status));
     return;
   }
   conn_t *c = calloc(1, sizeof *c);
   if (!c) {
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: out of memory for a new connection");
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: out of memory for a new connection");
     return;
   }
   c->srv = srv;
@@ -849,9 +853,9 @@ static void on_connection(uv_stream_t *server, int status) {
   }
   peer_name(&c->tcp, c->peer, sizeof c->peer);
   if (srv->nconns > MAX_CONNS) {
-    SKV_WARN(SKV_SUBSYS_BOOT,
-             "bootstrap store: %d connections are open, the limit; closing the one from %s",
-             MAX_CONNS, c->peer);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                "bootstrap store: %d connections are open, the limit; closing the one from %s",
+                MAX_CONNS, c->peer);
     conn_close(c, false);
     return;
   }
@@ -860,8 +864,8 @@ static void on_connection(uv_stream_t *server, int status) {
   timer_want(srv, c->hello_deadline);
   int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
   if (rc != 0) {
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: reading from %s failed: %s", c->peer,
-             uv_strerror(rc));
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: reading from %s failed: %s", c->peer,
+                uv_strerror(rc));
     conn_close(c, false);
   }
   SKV_TRACE(SKV_SUBSYS_BOOT, "bootstrap store: connection from %s", c->peer);

@@ -33,10 +33,10 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   skv_key_t k = {key_hi, key_lo};
   uint64_t val = skv__val_pack((uint32_t)kv->pool.me, page, gen);
   if (skv__index_erase(&kv->index, k, val) != 0)
-    SKV_WARN(SKV_SUBSYS_KV,
-             "evicting page %u (generation %u): its index entry was not found; please report "
-             "this with the SKV_DEBUG=INFO log",
-             page, gen);
+    SKV_WARN_RL(SKV_SUBSYS_KV,
+                "evicting page %u (generation %u): its index entry was not found; please report "
+                "this with the SKV_DEBUG=INFO log",
+                page, gen);
   __atomic_add_fetch(&kv->evicted, 1, __ATOMIC_RELAXED);
 }
 
