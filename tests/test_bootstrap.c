@@ -18,8 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -915,6 +917,139 @@ Test(store, hostile_flood_logs_are_rate_limited) {
   skv__frame_free(&f);
   cr_assert_eq(skv__store_close(st), 0);
   cr_assert_eq(skv__store_server_stop(srv, 2000), 0);
+}
+
+/* An attacker (another user when the test runs as root) that holds `n` silent connections to
+ * the store's port: it opens them, then every 100 ms reopens those the store closed, until it is
+ * killed. Once it first opened them all it writes one byte to `ready_fd`: 1 when it runs as
+ * another user, 0 when it could not switch. */
+static void silent_flood(int port, int n, int ready_fd) {
+  char why[160];
+  int other = skv_test_become_other_user(n + 64, why, sizeof why);
+  int *fds = calloc((size_t)n, sizeof *fds);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bool told = false;
+  for (;;) {
+    for (int i = 0; i < n; i++) {
+      if (fds[i] > 0) {
+        char b;
+        struct pollfd pf = {.fd = fds[i], .events = POLLIN};
+        if (poll(&pf, 1, 0) == 1 && recv(fds[i], &b, 1, MSG_DONTWAIT) <= 0) {
+          close(fds[i]); /* closed by the store: reopen it */
+          fds[i] = 0;
+        }
+      }
+      if (fds[i] <= 0) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        if (fd < 0) continue;
+        if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0 && errno != EINPROGRESS) {
+          close(fd);
+          continue;
+        }
+        fds[i] = fd;
+      }
+    }
+    if (!told) {
+      uint8_t who = other == 1;
+      (void)!write(ready_fd, &who, 1);
+      told = true;
+    }
+    sleep_ms(100);
+  }
+}
+
+/* A local user holding 1,100 silent connections to rank 0's store (its port is visible in
+ * /proc/net/tcp) does not keep late PEs out, nor use up the descriptors of rank 0's process
+ * (here with RLIMIT_NOFILE 1024): unauthenticated connections have their own small budget (the
+ * oldest goes when it is full) and a short deadline, and a PE whose connection was shed before
+ * HELLO connects again. No PE is told SKV_EPEERDEAD. */
+Test(store, silent_flood_does_not_lock_out_late_pes, .timeout = 120) {
+  struct rlimit was, lim;
+  cr_assert_eq(getrlimit(RLIMIT_NOFILE, &was), 0);
+  lim = was;
+  lim.rlim_cur = 1024;
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &lim), 0);
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  enum { NPES = 4, FLOOD = 1100 };
+  skv__store_server_t *srv = serve("tok-silent-flood", NPES);
+  int port = skv__store_server_port(srv);
+  int pfd[2];
+  cr_assert_eq(pipe(pfd), 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t att = fork();
+  cr_assert_geq(att, 0);
+  if (att == 0) {
+    close(pfd[0]);
+    silent_flood(port, FLOOD, pfd[1]);
+    _exit(0);
+  }
+  close(pfd[1]);
+  uint8_t other = 0;
+  struct pollfd pf = {.fd = pfd[0], .events = POLLIN};
+  cr_assert(poll(&pf, 1, 30000) == 1 && read(pfd[0], &other, 1) == 1, "the attacker never started");
+  close(pfd[0]);
+  cr_log_info("flood of %d silent connections, %s", FLOOD,
+              other ? "from user 'nobody'" : "from this user (cannot switch users)");
+  sleep_ms(500); /* the flood is established */
+  skv__store_t *st[NPES] = {NULL};
+  int failed = 0;
+  uint64_t worst = 0;
+  char first[1024] = "";
+  /* 10 rounds over 2 s, against the attacker's reopening bursts: every PE joins, and leaves
+   * (BYE) except in the last round */
+  const int rounds = 10;
+  for (int round = 0; round < rounds; round++) {
+    for (int r = 0; r < NPES; r++) {
+      uint64_t t0 = skv__now_ms();
+      int rc = skv__store_connect("127.0.0.1", port, "tok-silent-flood", r, NPES, 10000, &st[r]);
+      if (rc != 0) {
+        if (!failed++)
+          snprintf(first, sizeof first, "rank %d, round %d: %s: %s", r, round, skv_err_name(rc),
+                   skv_last_error());
+        continue;
+      }
+      worst = SKV_MAX(worst, skv__now_ms() - t0);
+      if (round < rounds - 1) {
+        cr_assert_eq(skv__store_close(st[r]), 0, "%s", skv_last_error());
+        st[r] = NULL;
+      }
+    }
+    sleep_ms(200);
+  }
+  cr_log_info("%d PEs joined %d times each; the slowest join took %llu ms", NPES, rounds,
+              (unsigned long long)worst);
+  /* rank 0's process holds few of the flood's connections and can still open descriptors (a
+   * heap's memfds, sockets) */
+  int held = count_fds();
+  int fds[64], nfd = 0;
+  for (; nfd < 64; nfd++)
+    if ((fds[nfd] = memfd_create("skv-flood", MFD_CLOEXEC)) < 0) break;
+  int memfd_errno = errno;
+  for (int i = 0; i < nfd; i++) close(fds[i]);
+  int dead = 0;
+  for (int r = 0; r < NPES; r++) {
+    if (!st[r]) continue;
+    char key[32];
+    snprintf(key, sizeof key, "flood/%d", r);
+    cr_assert_eq(skv__store_set(st[r], key, "x", 1), 0, "%s", skv_last_error());
+    if (skv__store_check_dead(st[r], "flood/none") == SKV_EPEERDEAD) dead++;
+  }
+  kill(att, SIGKILL);
+  waitpid(att, NULL, 0);
+  for (int r = 0; r < NPES; r++)
+    if (st[r]) skv__store_close(st[r]);
+  skv__store_server_stop(srv, 2000);
+  setrlimit(RLIMIT_NOFILE, &was);
+  cr_assert_eq(failed, 0, "%d of %d joins failed under the flood; first: %s", failed, NPES * rounds,
+               first);
+  cr_assert_lt(worst, 3000, "a late PE needed %llu ms to join under the flood",
+               (unsigned long long)worst);
+  cr_assert_lt(held, 256, "rank 0's process holds %d descriptors under the flood", held);
+  cr_assert_eq(nfd, 64, "rank 0's process ran out of descriptors under the flood: %s",
+               strerror(memfd_errno));
+  cr_assert_eq(dead, 0, "a PE was told a rank died while every rank lives");
 }
 
 /* ---- forked PEs -------------------------------------------------------------------------------

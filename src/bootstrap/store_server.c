@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -32,6 +33,9 @@
  * it is answered: a well-behaved client has one request in flight, so replies stay in order.
  * SET and ADD re-check every parked request; one timer, armed for the earliest deadline
  * (parked requests, HELLO deadlines), answers timeouts and drops silent connections.
+ * Connections that have not said HELLO are also on the `pre` list, in accept order (so in
+ * deadline order): strangers can open them at will, so they have a budget of their own
+ * (pre_max), and the oldest goes when a new one would exceed it; PEs reconnect when shed.
  *
  * What can go wrong: a reply must never free or close a connection while a list is being
  * walked, so send_reply only flags a connection whose peer does not read (`kill`), and
@@ -39,11 +43,16 @@
  * `ready` list, which every libuv callback drains before returning. Memory of a closed
  * connection is freed only in its close callback, after libuv has cancelled its writes. */
 
-#define MAX_CONNS       1024
-#define READ_CHUNK      65536u
-#define WRITE_QUEUE_MAX (2u * (SKV_BOOT_MAX_FRAME + SKV_BOOT_REPLY_HDR))
-#define MAX_RANKS       (1 << 20)
-#define MSG_CAP         512
+/* Connections that have not said HELLO yet: a budget of their own, so that strangers holding
+ * connections open never keep a PE out nor use up rank 0's descriptors. When it is full the
+ * oldest goes (a PE whose connection is shed before HELLO connects again). Connections that
+ * said HELLO are one per live rank. */
+#define MAX_PRE_HELLO    64
+#define MAX_PRE_HELLO_HI 1024 /* a large job's PEs start at once: nranks of them, up to this */
+#define READ_CHUNK       65536u
+#define WRITE_QUEUE_MAX  (2u * (SKV_BOOT_MAX_FRAME + SKV_BOOT_REPLY_HDR))
+#define MAX_RANKS        (1 << 20)
+#define MSG_CAP          512
 
 typedef enum { RANK_NONE = 0, RANK_LIVE, RANK_LEFT, RANK_DEAD } rank_state_t;
 
@@ -59,6 +68,8 @@ struct conn {
   conn_t *prev, *next;   /* srv->conns */
   conn_t *pprev, *pnext; /* srv->parked */
   conn_t *rprev, *rnext; /* srv->ready */
+  conn_t *qprev, *qnext; /* srv->pre_head .. pre_tail: before HELLO, oldest first */
+  bool in_pre;
   bool parked, ready;
   char peer[80];
   int rank; /* -1 until HELLO */
@@ -88,7 +99,8 @@ struct skv__store_server {
   int nranks;
   int port;
   conn_t *conns, *parked, *ready;
-  int nconns;
+  conn_t *pre_head, *pre_tail; /* connections before HELLO, in accept order */
+  int nconns, npre, pre_max;
   skv__table_t tab;
   uint64_t timer_due;
   uint8_t *rank_state;
@@ -237,6 +249,37 @@ static void timer_want(skv__store_server_t *srv, uint64_t due) {
   uv_timer_start(&srv->timer, on_timer, due > now ? due - now : 0, 0);
 }
 
+/* ---- connections before HELLO ---------------------------------------------------------- */
+
+static void pre_add(conn_t *c) {
+  skv__store_server_t *srv = c->srv;
+  c->qnext = NULL;
+  c->qprev = srv->pre_tail;
+  if (srv->pre_tail)
+    srv->pre_tail->qnext = c;
+  else
+    srv->pre_head = c;
+  srv->pre_tail = c;
+  c->in_pre = true;
+  srv->npre++;
+}
+
+static void pre_del(conn_t *c) {
+  skv__store_server_t *srv = c->srv;
+  if (!c->in_pre) return;
+  if (c->qprev)
+    c->qprev->qnext = c->qnext;
+  else
+    srv->pre_head = c->qnext;
+  if (c->qnext)
+    c->qnext->qprev = c->qprev;
+  else
+    srv->pre_tail = c->qprev;
+  c->qprev = c->qnext = NULL;
+  c->in_pre = false;
+  srv->npre--;
+}
+
 /* ---- closing ---------------------------------------------------------------------------- */
 
 static void unpark(conn_t *c) {
@@ -273,6 +316,7 @@ static void conn_close(conn_t *c, bool after_write) {
   if (c->closing) return;
   skv__store_server_t *srv = c->srv;
   unpark(c);
+  pre_del(c);
   if (c->ready) {
     LIST_DEL(srv->ready, c, rprev, rnext);
     c->ready = false;
@@ -421,19 +465,15 @@ static void on_timer(uv_timer_t *t) {
   skv__store_server_t *srv = t->data;
   uint64_t now = uv_now(&srv->loop), next = UINT64_MAX;
   srv->timer_due = UINT64_MAX;
-  for (conn_t *c = srv->conns; c; c = c->next) {
-    if (c->closing) continue;
-    if (!c->said_hello) {
-      if (now >= c->hello_deadline) {
-        SKV_WARN_RL(SKV_SUBSYS_BOOT,
-                    "bootstrap store: %s did not say HELLO within %d ms; closing its connection",
-                    c->peer, SKV_BOOT_HELLO_TIMEOUT_MS);
-        conn_close(c, false);
-        continue;
-      }
-      next = SKV_MIN(next, c->hello_deadline);
-    }
+  /* connections before HELLO are in accept order, so in deadline order */
+  while (srv->pre_head && now >= srv->pre_head->hello_deadline) {
+    conn_t *c = srv->pre_head;
+    SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                "bootstrap store: %s did not say HELLO within %d ms; closing its connection",
+                c->peer, SKV_BOOT_HELLO_TIMEOUT_MS);
+    conn_close(c, false); /* takes it off the list */
   }
+  if (srv->pre_head) next = srv->pre_head->hello_deadline;
   conn_t *c = srv->parked;
   while (c) {
     conn_t *pn = c->pnext;
@@ -558,6 +598,7 @@ static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
     conn_close(c, true);
     return;
   }
+  pre_del(c);
   c->said_hello = true;
   c->rank = rank;
   srv->rank_conn[rank] = c;
@@ -852,15 +893,21 @@ static void on_connection(uv_stream_t *server, int status) {
     return;
   }
   peer_name(&c->tcp, c->peer, sizeof c->peer);
-  if (srv->nconns > MAX_CONNS) {
+  uint64_t now = uv_now(&srv->loop);
+  if (srv->npre >= srv->pre_max) {
+    /* The budget of unauthenticated connections is full: the oldest goes (closing a tcp
+     * handle closes its descriptor at once), never a PE that said HELLO. */
+    conn_t *old = srv->pre_head;
     SKV_WARN_RL(SKV_SUBSYS_BOOT,
-                "bootstrap store: %d connections are open, the limit; closing the one from %s",
-                MAX_CONNS, c->peer);
-    conn_close(c, false);
-    return;
+                "bootstrap store: %d connections have not said HELLO, the limit; closing the "
+                "oldest, from %s (open for %llu ms)",
+                srv->pre_max, old->peer,
+                (unsigned long long)(now + SKV_BOOT_HELLO_TIMEOUT_MS - old->hello_deadline));
+    conn_close(old, false);
   }
   uv_tcp_nodelay(&c->tcp, 1);
-  c->hello_deadline = uv_now(&srv->loop) + SKV_BOOT_HELLO_TIMEOUT_MS;
+  c->hello_deadline = now + SKV_BOOT_HELLO_TIMEOUT_MS;
+  pre_add(c);
   timer_want(srv, c->hello_deadline);
   int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
   if (rc != 0) {
@@ -981,6 +1028,12 @@ int skv__store_server_start(const char *bind_addr, int port, const char *token, 
   pthread_condattr_destroy(&ca);
   srv->nranks = nranks;
   srv->dead_rank = -1;
+  /* Room for every rank to connect at once, and never more than a quarter of the descriptors
+   * this process may open (a flood of strangers must leave rank 0 room for its heaps). */
+  srv->pre_max = SKV_MAX(MAX_PRE_HELLO, SKV_MIN(nranks, MAX_PRE_HELLO_HI));
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY)
+    srv->pre_max = (int)SKV_MIN((rlim_t)srv->pre_max, SKV_MAX(nofile.rlim_cur / 4, (rlim_t)16));
   srv->timer_due = UINT64_MAX;
   srv->token_len = strlen(token);
   srv->token = malloc(srv->token_len);
