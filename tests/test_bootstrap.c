@@ -24,7 +24,6 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 TestSuite(store, .timeout = 60);
 TestSuite(fdpass, .timeout = 60);
@@ -1461,6 +1460,29 @@ Test(fdpass, two_groups_same_tag) {
   RUN_JOB(4, pe_fdpass_groups, NULL, 30000);
 }
 
+/* The socket of local PE `index` in exchange `tag` among `nlocal` PEs whose local PE 0 is rank 0,
+ * from the store as a peer reads it (the nonce, then one random name per PE): its address and
+ * length, and the nonce; 0 when the store has no such exchange within 10 s. */
+static socklen_t exchange_socket(skv__store_t *st, const char *tag, int nlocal, int index,
+                                 uint8_t nonce[16], struct sockaddr_un *a) {
+  char key[64];
+  snprintf(key, sizeof key, "%s/nonce/0", tag);
+  void *v = NULL;
+  size_t len = 0;
+  if (skv__store_get(st, key, &v, &len, 10000) != 0 || len != 16u * ((size_t)nlocal + 1)) {
+    free(v);
+    return 0;
+  }
+  const uint8_t *name = (const uint8_t *)v + 16 * (index + 1);
+  memcpy(nonce, v, 16);
+  memset(a, 0, sizeof *a);
+  a->sun_family = AF_UNIX;
+  int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "symkv/");
+  for (int i = 0; i < 16; i++) n += snprintf(a->sun_path + 1 + n, 3, "%02x", name[i]);
+  free(v);
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
 /* An intruder that knows the socket name but not the nonce is dropped; the exchange goes on. */
 typedef struct intruder {
   skv__store_t *st;
@@ -1469,17 +1491,10 @@ typedef struct intruder {
 
 static void *intruder_main(void *arg) {
   intruder_t *in = arg;
-  void *v = NULL;
-  size_t len = 0;
-  if (skv__store_get(in->st, "intr/nonce/0", &v, &len, 10000) != 0 || len != 16) return NULL;
-  XXH128_hash_t h = XXH3_128bits(v, 16);
-  free(v);
   struct sockaddr_un a;
-  memset(&a, 0, sizeof a);
-  a.sun_family = AF_UNIX;
-  int n = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "symkv/%016llx%016llx/0",
-                   (unsigned long long)h.high64, (unsigned long long)h.low64);
-  socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+  uint8_t nonce[16];
+  socklen_t alen = exchange_socket(in->st, "intr", 2, 0, nonce, &a);
+  if (!alen) return NULL;
   int s = -1;
   for (int i = 0; i < 2000; i++) {
     s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -1553,17 +1568,10 @@ static int pe_fd_dead_peer(int rank, int npes, void *arg) {
   int ranks[SKV_TEST_MAX_PES];
   for (int i = 0; i < npes; i++) ranks[i] = i;
   if (rank == 1) { /* steps 1 to 3 of the protocol, then gone */
-    void *v = NULL;
-    size_t n = 0;
-    PE_CHECK(skv__store_get(pe.st, "dead/nonce/0", &v, &n, 20000) == 0 && n == 16, "nonce");
-    XXH128_hash_t h = XXH3_128bits(v, 16);
-    free(v);
     struct sockaddr_un a;
-    memset(&a, 0, sizeof a);
-    a.sun_family = AF_UNIX;
-    int k = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "symkv/%016llx%016llx/1",
-                     (unsigned long long)h.high64, (unsigned long long)h.low64);
-    socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)k);
+    uint8_t nonce[16];
+    socklen_t alen = exchange_socket(pe.st, "dead", npes, 1, nonce, &a);
+    PE_CHECK(alen > 0, "nonce and names");
     int l = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     PE_CHECK(mode == 0 || (bind(l, (struct sockaddr *)&a, alen) == 0 && listen(l, 16) == 0),
              "listen: %s", strerror(errno));
@@ -1594,23 +1602,49 @@ Test(fdpass, dead_peer_fails_the_others_promptly) {
   for (int mode = 0; mode < 2; mode++) RUN_JOB(4, pe_fd_dead_peer, &mode, 40000);
 }
 
+/* A PE that fails after the ready barrier (local PE 0 here, out of descriptors when it opens the
+ * socket to send its own) tells its peers through the store before it stops listening: they fail
+ * at once with its code and a message naming it, never with SKV_EPEERDEAD (every rank lives),
+ * nor after the exchange's timeout. */
+static int pe_fail_after_ready(int rank, int npes, void *arg) {
+  pe_t pe;
+  JOIN(&pe, rank, npes);
+  PE_CHECK(skv__store_barrier(pe.st, "joined", 20000) == 0, "joined");
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  int ranks[SKV_TEST_MAX_PES], peer_fds[SKV_TEST_MAX_PES];
+  for (int i = 0; i < npes; i++) ranks[i] = i;
+  int fd = memfd_create("skv-test", MFD_CLOEXEC);
+  PE_CHECK(fd >= 0, "memfd");
+  struct rlimit was;
+  if (rank == 0) /* one descriptor left: the listening socket gets it */
+    PE_CHECK(skv_test_limit_fds(1, &was) == 0, "limit: %s", strerror(errno));
+  uint64_t t0 = skv__now_ms();
+  int rc = skv__fd_exchange(pe.st, "late", ranks, npes, rank, fd, peer_fds, 8000);
+  uint64_t dt = skv__now_ms() - t0;
+  if (rank == 0) PE_CHECK(setrlimit(RLIMIT_NOFILE, &was) == 0, "restore the limit");
+  PE_CHECK(rc == -EMFILE, "rank %d: expected rank 0's EMFILE, got %s after %llu ms: %s", rank,
+           skv_err_name(rc), (unsigned long long)dt, skv_last_error());
+  PE_CHECK(dt < 4000, "rank %d failed after %llu ms, the timeout was 8000", rank,
+           (unsigned long long)dt);
+  if (rank != 0)
+    PE_CHECK(strstr(skv_last_error(), "(rank 0) failed"), "rank %d: message: %s", rank,
+             skv_last_error());
+  for (int i = 0; i < npes; i++) PE_CHECK(peer_fds[i] == -1, "peer_fds[%d] left open", i);
+  close(fd);
+  LEAVE(&pe);
+  return 0;
+}
+
+Test(fdpass, failure_after_the_barrier_is_announced) {
+  RUN_JOB(3, pe_fail_after_ready, NULL, 40000);
+}
+
 /* Connect to local PE 0 of exchange `tag` as a stranger that knows the nonce (read from the
  * store): a connected unix socket, or -1. */
 static int connect_to_pe0(skv__store_t *st, const char *tag, uint8_t nonce[16]) {
-  char key[64];
-  snprintf(key, sizeof key, "%s/nonce/0", tag);
-  void *v = NULL;
-  size_t len = 0;
-  if (skv__store_get(st, key, &v, &len, 10000) != 0 || len != 16) return -1;
-  memcpy(nonce, v, 16);
-  free(v);
-  XXH128_hash_t h = XXH3_128bits(nonce, 16);
   struct sockaddr_un a;
-  memset(&a, 0, sizeof a);
-  a.sun_family = AF_UNIX;
-  int n = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "symkv/%016llx%016llx/0",
-                   (unsigned long long)h.high64, (unsigned long long)h.low64);
-  socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+  socklen_t alen = exchange_socket(st, tag, 2, 0, nonce, &a);
+  if (!alen) return -1;
   for (int i = 0; i < 2000; i++) {
     int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (connect(s, (struct sockaddr *)&a, alen) == 0) return s;

@@ -9,14 +9,18 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -986,4 +990,169 @@ Test(kv, concurrent_stress_keeps_invariants) {
   skv_test_job_t job;
   int bad = skv_test_run(&job, 4, pe_stress, &seconds, (seconds + 60) * 1000);
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* ---- a local attacker squatting the fd exchange's socket names ---- */
+
+static volatile sig_atomic_t squat_stop;
+static void squat_term(int sig) {
+  squat_stop = 1;
+}
+
+/* Accept what PEs send to the squatter's sockets; returns the descriptors received. */
+static uint64_t squat_drain(const int *socks, size_t n) {
+  uint64_t got = 0;
+  for (size_t i = 0; i < n; i++) {
+    int c;
+    while ((c = accept4(socks[i], NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0) {
+      char hdr[64];
+      union {
+        char buf[CMSG_SPACE(sizeof(int) * 8)];
+        struct cmsghdr align;
+      } u;
+      struct iovec iov = {.iov_base = hdr, .iov_len = sizeof hdr};
+      struct msghdr m = {
+          .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+      for (int tries = 0;
+           tries < 100 && recvmsg(c, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) < 0 && errno == EAGAIN;
+           tries++)
+        usleep(100);
+      for (struct cmsghdr *cm = CMSG_FIRSTHDR(&m); cm; cm = CMSG_NXTHDR(&m, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
+        size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t j = 0; j < k; j++) {
+          int fd;
+          memcpy(&fd, CMSG_DATA(cm) + j * sizeof(int), sizeof fd);
+          close(fd);
+          got++;
+        }
+      }
+      close(c);
+    }
+  }
+  return got;
+}
+
+/* A local user (`nobody` when the tests run as root) that watches /proc/net/unix, where every
+ * user sees the names of bound abstract sockets, and binds every symkv name it can guess from
+ * those: for a name "@symkv/<x>/<i>" (a visible hash and an index) the same hash with indexes 0
+ * to 15. It listens on what it bound and takes whatever descriptors PEs send there. Writes one
+ * byte to `ready_fd` once running (1 when it runs as another user); on SIGTERM writes the names
+ * it bound and the descriptors it received (two uint64) to `out_fd` and exits. */
+static void squatter(int ready_fd, int out_fd) {
+  char why[160];
+  uint8_t other = skv_test_become_other_user(4096, why, sizeof why) == 1;
+  signal(SIGTERM, squat_term);
+  (void)!write(ready_fd, &other, 1);
+  close(ready_fd);
+  enum { CAP = 1 << 20, MAXS = 2048 };
+  char *buf = malloc(CAP);
+  static int socks[MAXS];
+  static char seen[MAXS][64];
+  size_t nsocks = 0, nseen = 0;
+  uint64_t bound = 0, stolen = 0;
+  while (!squat_stop && buf) {
+    int f = open("/proc/net/unix", O_RDONLY | O_CLOEXEC);
+    ssize_t n = 0, r;
+    while (f >= 0 && n < CAP - 1 && (r = read(f, buf + n, (size_t)(CAP - 1 - n))) > 0) n += r;
+    if (f >= 0) close(f);
+    buf[n > 0 ? n : 0] = '\0';
+    for (char *line = buf; line && *line;) {
+      char *nl = strchr(line, '\n');
+      if (nl) *nl = '\0';
+      char *at = strstr(line, " @symkv/");
+      char *slash = at ? strrchr(at + 8, '/') : NULL;
+      size_t plen = slash ? (size_t)(slash - (at + 2)) + 1 : 0; /* "symkv/<x>/" */
+      if (slash && plen < 60) {
+        bool known = false;
+        for (size_t i = 0; i < nseen && !known; i++)
+          known = strncmp(seen[i], at + 2, plen) == 0 && seen[i][plen] == '\0';
+        if (!known && nseen < MAXS) {
+          memcpy(seen[nseen], at + 2, plen);
+          seen[nseen++][plen] = '\0';
+          for (int j = 0; j < 16 && nsocks < MAXS; j++) {
+            struct sockaddr_un a;
+            memset(&a, 0, sizeof a);
+            a.sun_family = AF_UNIX;
+            int k = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "%s%d", seen[nseen - 1], j);
+            int s = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+            socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)k);
+            if (s >= 0 && bind(s, (struct sockaddr *)&a, alen) == 0 && listen(s, 64) == 0) {
+              socks[nsocks++] = s;
+              bound++;
+            } else if (s >= 0) {
+              close(s);
+            }
+          }
+        }
+      }
+      line = nl ? nl + 1 : NULL;
+    }
+    stolen += squat_drain(socks, nsocks);
+  }
+  stolen += squat_drain(socks, nsocks);
+  (void)!write(out_fd, &bound, sizeof bound);
+  (void)!write(out_fd, &stolen, sizeof stolen);
+  _exit(0);
+}
+
+static int pe_squatted(int rank, int npes, void *arg) {
+  int rounds = *(int *)arg;
+  skv_ctx_t *ctx = NULL;
+  PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init: %s", skv_last_error());
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  skv_geometry_t g = geom_make(SKV_KV_SPLIT, 1, 1, 64, 2, 16);
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.pages_per_pe = 4;
+  int failed = 0;
+  char first[600] = "";
+  for (int i = 0; i < rounds; i++) {
+    skv_kv_t *kv = NULL;
+    int rc = skv_kv_create(ctx, &g, &o, &kv);
+    if (rc != 0) {
+      if (!failed++) snprintf(first, sizeof first, "%s: %s", skv_err_name(rc), skv_last_error());
+      continue;
+    }
+    PE_CHECK(skv_kv_destroy(kv) == 0, "destroy: %s", skv_last_error());
+  }
+  PE_CHECK(failed == 0, "%d of %d skv_kv_create failed with the squatter running; first: %s",
+           failed, rounds, first);
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize: %s", skv_last_error());
+  return 0;
+}
+
+/* Abstract unix sockets have no permission check and their names are visible to every user:
+ * the fd exchange's names are random and known only through the store (which needs the job's
+ * token), and a PE sends its descriptor only to a listener of its own user. With the squatter
+ * running, every create succeeds and the squatter never receives a descriptor. */
+Test(kv, create_survives_socket_name_squatting, .timeout = 180) {
+  int pfd[2], ofd[2];
+  cr_assert(pipe(pfd) == 0 && pipe(ofd) == 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t att = fork();
+  cr_assert_geq(att, 0);
+  if (att == 0) {
+    close(pfd[0]);
+    close(ofd[0]);
+    squatter(pfd[1], ofd[1]);
+  }
+  close(pfd[1]);
+  close(ofd[1]);
+  uint8_t other = 0;
+  cr_assert_eq(read(pfd[0], &other, 1), 1, "the squatter never started");
+  close(pfd[0]);
+  cr_log_info("squatter running %s", other ? "as user 'nobody'" : "as this user (cannot switch)");
+  int rounds = 15;
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 4, pe_squatted, &rounds, 150000);
+  kill(att, SIGTERM);
+  uint64_t res[2] = {0, 0};
+  cr_assert_eq(read(ofd[0], res, sizeof res), (ssize_t)sizeof res, "no report from the squatter");
+  close(ofd[0]);
+  waitpid(att, NULL, 0);
+  cr_log_info("the squatter bound %llu names and received %llu descriptors",
+              (unsigned long long)res[0], (unsigned long long)res[1]);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+  cr_assert_eq(res[1], 0, "the squatter received %llu descriptors", (unsigned long long)res[1]);
 }
