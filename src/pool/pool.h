@@ -39,9 +39,12 @@
  *   that fails otherwise (EMFILE...) says nothing, and a PE in another PID namespace (another
  *   container sharing the host's network) is never judged: its pins stay until it unpins.
  * - A pin that meets the evictor between its CAS and its pinmask read (EVICTING, same
- *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS; not at all once the
- *   owner is dead): READY again when the evictor saw the pin, else FREE(g + 1) and the
- *   reference is stale.
+ *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS): READY again when the
+ *   evictor saw the pin, else FREE(g + 1) and the reference is stale.
+ * - The owner dies inside its own eviction (EVICTING, before or after erasing the index entry):
+ *   a pin that meets EVICTING of a dead owner undoes the eviction (CAS EVICTING(g) -> READY(g):
+ *   an eviction writes no page bytes) and pins. The key stays usable (lookups hit and fetch),
+ *   or, when the entry was already erased, is simply missing and can be published again.
  * - An owner dies: its READY pages stay readable (their memory lives while peers map it) but
  *   can no longer be evicted; the other PEs' capacity is unaffected.
  * - Pins must balance: unpinning a page the PE does not hold fails with SKV_EINVAL.
