@@ -527,7 +527,10 @@ SKV_EXTERN int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_
 /* Release pins taken by skv_kv_lookup(SKV_LOOKUP_PIN). */
 SKV_EXTERN int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n);
 
-enum { SKV_FETCH_UNPIN = 1u }; /* also release the caller's lookup pins once copied */
+/* SKV_FETCH_UNPIN: also release the caller's lookup pins once copied. Every reference must hold
+ * one of this PE's pins (a page listed k times: k pins), checked before anything is copied:
+ * otherwise SKV_EINVAL and nothing written. */
+enum { SKV_FETCH_UNPIN = 1u };
 
 /* Copy pages refs[0..n) into the engine's blocks: page i fills blocks
  * block_ids[i*m .. i*m+m) with m = page_tokens / block_tokens; the ids must be distinct (they

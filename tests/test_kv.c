@@ -942,6 +942,45 @@ Test(kv, pins_of_a_stopped_reader_expire, .timeout = 120) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* SKV_FETCH_UNPIN releases the caller's pins: a fetch with it of references the caller has not
+ * pinned (or pinned fewer times than they appear) fails with SKV_EINVAL before anything is copied,
+ * and takes nobody's pins. */
+static int pe_unpin_without_pins(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16, 30000) == 0, "fixture: %s", skv_last_error());
+  size_t ins, nhit;
+  uint64_t ids[2] = {41, 42};
+  PE_CHECK(publish_ids(&f, ids, 2, &ins) == 0 && ins == 2, "publish");
+  skv_key_t keys[2] = {key_of(&f, 41), key_of(&f, 42)};
+  skv_page_ref_t refs[2], twice[2];
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 2, 0, refs, &nhit) == 0 && nhit == 2, "lookup");
+  uint64_t blocks[2] = {5, 6};
+  uint8_t used[16] = {0};
+  engine_poison(&f.eng);
+  int rc = skv_kv_fetch(f.kv, refs, 2, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
+  PE_CHECK(rc == SKV_EINVAL && strstr(skv_last_error(), "not pinned"),
+           "unpinned references with SKV_FETCH_UNPIN: %s (%s)", skv_err_name(rc), skv_last_error());
+  PE_CHECK(untouched_outside(&f.eng, used), "the refused fetch copied bytes");
+  /* pinned once, listed twice: refused as well, and the pin is still there */
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 1,
+           "pin");
+  twice[0] = twice[1] = refs[0];
+  rc = skv_kv_fetch(f.kv, twice, 2, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
+  PE_CHECK(rc == SKV_EINVAL, "a reference pinned once, listed twice: %s", skv_err_name(rc));
+  PE_CHECK(untouched_outside(&f.eng, used), "the refused fetch copied bytes");
+  rc = skv_kv_fetch(f.kv, refs, 1, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
+  PE_CHECK(rc == 0 && block_holds(&f, 5, 41), "the pinned fetch: %s", skv_err_name(rc));
+  PE_CHECK(skv_kv_unpin(f.kv, refs, 1) == SKV_EINVAL, "the fetch released the pin");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, fetch_unpin_without_pins_copies_nothing) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_unpin_without_pins, NULL, 30000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 static int pe_bad_input(int rank, int npes, void *arg) {
   fix_t f;
   PE_CHECK(fix_init(&f, 8, 16, 30000) == 0, "fixture: %s", skv_last_error());

@@ -530,6 +530,15 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
     if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, dst, SKV__KV_FETCH, fn));
   }
 #endif
+  size_t bad = 0;
+  if (unpin && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0)
+    return SKV_FAIL(
+        SKV_EINVAL, SKV_SUBSYS_KV,
+        "%s: reference %zu (PE %u, page %u) is not pinned by this PE (or is listed more "
+        "times than it is pinned), but SKV_FETCH_UNPIN releases the caller's pins; "
+        "nothing was copied. Pin with skv_kv_lookup(SKV_LOOKUP_PIN) first, or fetch "
+        "without SKV_FETCH_UNPIN",
+        fn, bad, refs[bad].pe, refs[bad].page);
   SKV_CHECK(pin_all(kv, &b, refs, fn));
 #ifdef SKV_WITH_CUDA
   if (path == PATH_DEVICE) {

@@ -245,6 +245,26 @@ int skv__pool_held(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
   return rc;
 }
 
+int skv__pool_held_refs(skv__pool_t *p, const skv_page_ref_t *refs, size_t n, size_t *bad) {
+  /* Count each reference against this PE's pins (taken one by one, so that a page listed twice
+   * needs two), then give every one back: the counts are private to this PE, under pin_mu. */
+  int rc = 0;
+  size_t i = 0;
+  pthread_mutex_lock(&p->pin_mu);
+  for (; i < n; i++) {
+    uint32_t *c = &p->pins[(uint64_t)refs[i].pe * p->pages + refs[i].page];
+    if (*c == 0) {
+      rc = SKV_ENOTFOUND;
+      *bad = i;
+      break;
+    }
+    (*c)--;
+  }
+  while (i-- > 0) p->pins[(uint64_t)refs[i].pe * p->pages + refs[i].page]++;
+  pthread_mutex_unlock(&p->pin_mu);
+  return rc;
+}
+
 /* ---- LRU heap (owner, under mu) ------------------------------------------------------ */
 
 static void lru_push(skv__pool_t *p, uint64_t stamp, uint32_t page, uint32_t gen) {

@@ -123,6 +123,9 @@ int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page);
 /* Does this PE hold a pin on page `page` of PE `pe` at generation `gen`? 0 when it does,
  * SKV_ENOTFOUND when it holds none there, SKV_ESTALE when its pin is on another generation. */
 int skv__pool_held(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
+/* Does this PE hold a pin on every page of refs[0..n) (a page listed k times: k pins)? 0, or
+ * SKV_ENOTFOUND with *bad the first reference short of a pin. Changes nothing. */
+int skv__pool_held_refs(skv__pool_t *p, const skv_page_ref_t *refs, size_t n, size_t *bad);
 /* The page's current generation. */
 static inline uint32_t skv__pool_gen(const skv__pool_t *p, uint32_t pe, uint32_t page) {
   return skv__st_gen(__atomic_load_n(&p->meta[pe][page].state, __ATOMIC_ACQUIRE));
