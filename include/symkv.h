@@ -611,11 +611,17 @@ typedef struct skv_comm_opts {
   uint32_t version;   /* SKV_COMM_OPTS_VERSION */
   int32_t backend;    /* SKV_BACKEND_CUDA (GPU buffers, streams) or SKV_BACKEND_HOST (CPU) */
   uint32_t channels;  /* independent flag sets (one per concurrent stream), 1..64; 0: 4 */
-  uint32_t flags;     /* SKV_COMM_NO_NCCL: do not create an NCCL communicator */
+  uint32_t flags;     /* SKV_COMM_NO_NCCL, SKV_COMM_CHECKED (below) */
   uint64_t max_bytes; /* largest message of the symmetric algorithms; 0: 64 MiB */
 } skv_comm_opts_t;
 
-enum { SKV_COMM_NO_NCCL = 1u };
+/* SKV_COMM_NO_NCCL: do not create an NCCL communicator. SKV_COMM_CHECKED: checking mode, every
+ * all-reduce and barrier is checked against every peer's (kind, dtype, op, algorithm, count,
+ * channel) before it runs; a mismatch fails on every PE with SKV_EMISMATCH naming both calls
+ * (CUDA: reported by skv_comm_check, the call's kernel does nothing) and breaks the comm. Costs
+ * one flag round trip per call (docs/comm.md, "Checking mode"); SKV_COMM_CHECK=1 turns it on
+ * for every comm. Every PE must create the comm with the same setting. */
+enum { SKV_COMM_NO_NCCL = 1u, SKV_COMM_CHECKED = 2u };
 
 /* clang-format off */
 #define SKV_COMM_OPTS_INIT                                                                         \

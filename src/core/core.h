@@ -171,6 +171,7 @@ void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
   XX(ALLREDUCE_TWOSHOT_MAX, "by PE count", "0..1T bytes (K/M/G/T suffixes)",                      \
      "all-reduce AUTO: largest two-shot message")                                                \
   XX(COMM_PDL, "1", "0 or 1", "0 launches the comm kernels without programmatic dependent launch") \
+  XX(COMM_CHECK, "0", "0 or 1", "1 checks every all-reduce and barrier of every comm against every PE's (checking mode)") \
   XX(FETCH_KERNEL, "bulk", "bulk, vec or ce", "KV copy: TMA bulk copies, 16-byte loads or copy engines") \
   XX(FETCH_UNROLL, "4", "4 or 8", "KV copy kernels: 16-byte loads in flight per thread")          \
   XX(FETCH_CTAS, "4", "1..32 (occupancy caps it)", "KV copy kernels: CTAs per multiprocessor")    \

@@ -46,6 +46,7 @@ ALGO_AUTO, ALGO_ONESHOT, ALGO_TWOSHOT, ALGO_NCCL = 0, 1, 2, 3
 SIGNAL_SET, SIGNAL_ADD = 0, 1
 CMP_EQ, CMP_NE, CMP_GE, CMP_GT, CMP_LT, CMP_LE = 0, 1, 2, 3, 4, 5
 COMM_NO_NCCL = 1
+COMM_CHECKED = 2  # checking mode: every all-reduce and barrier checked against every PE's
 STORE_MAX_KEY = 256
 STORE_MAX_VALUE = 16 << 20
 

@@ -232,10 +232,11 @@ class Context(Resource):
         from .kv import KVCache
         return KVCache(self, geometry, pages_per_pe, backend, index_slots)
 
-    def comm(self, backend="host", channels=0, nccl=True, max_bytes=0):
-        """Collectives, signals and barrier (collective); see symkv.Comm."""
+    def comm(self, backend="host", channels=0, nccl=True, max_bytes=0, checked=False):
+        """Collectives, signals and barrier (collective); see symkv.Comm. checked=True: every
+        all-reduce and barrier is checked against every PE's (docs/comm.md, "Checking mode")."""
         from .comm import Comm
-        return Comm(self, backend, channels, nccl, max_bytes)
+        return Comm(self, backend, channels, nccl, max_bytes, checked)
 
     # -- closing ----------------------------------------------------------------------------
     def close(self):
