@@ -49,10 +49,10 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   skv_key_t k = {key_hi, key_lo};
   uint64_t val = skv__val_pack((uint32_t)kv->pool.me, page, gen);
   if (skv__index_erase(&kv->index, k, val) != 0)
-    SKV_WARN(SKV_SUBSYS_KV,
-             "evicting page %u (generation %u): its index entry was not found; please report "
-             "this with the SKV_DEBUG=INFO log",
-             page, gen);
+    SKV_WARN_RL(SKV_SUBSYS_KV,
+                "evicting page %u (generation %u): its index entry was not found; please report "
+                "this with the SKV_DEBUG=INFO log",
+                page, gen);
   __atomic_add_fetch(&kv->evicted, 1, __ATOMIC_RELAXED);
 }
 
@@ -665,6 +665,15 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
 #else
   SKV_UNUSED(flags);
 #endif
+  size_t bad = 0;
+  if (b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0)
+    return SKV_FAIL(
+        SKV_EINVAL, SKV_SUBSYS_KV,
+        "%s: reference %zu (PE %u, page %u) is not pinned by this PE (or is listed more "
+        "times than it is pinned), but SKV_FETCH_UNPIN releases the caller's pins; "
+        "nothing was copied. Pin with skv_kv_lookup(SKV_LOOKUP_PIN) first, or fetch "
+        "without SKV_FETCH_UNPIN",
+        fn, bad, refs[bad].pe, refs[bad].page);
   SKV_CHECK(pin_all(kv, b, refs, fn));
 #ifdef SKV_WITH_CUDA
   if (path == PATH_DEVICE) {

@@ -198,6 +198,23 @@ bool skv__pool_alive(skv__pool_t *p, int pe) {
 
 /* ---- pins ---------------------------------------------------------------------------- */
 
+/* The owner of a page died inside its own eviction, between its CAS to EVICTING(gen) and its
+ * FREE store: nobody else would ever move the page again, and its key would stay broken for the
+ * cache's life (indexed but never pinnable). Its bytes are intact (an eviction writes none), so
+ * the eviction is undone: READY(gen) again, pinnable and readable like the dead owner's other
+ * pages. If the owner had already erased the index entry, the page is simply not found any more
+ * and the key can be published again. Returns the state now. */
+static uint64_t undo_dead_eviction(skv__page_meta_t *m, uint32_t gen, uint32_t pe, uint32_t page) {
+  uint64_t expect = skv__st_make(gen, SKV_PAGE_EVICTING);
+  if (__atomic_compare_exchange_n(&m->state, &expect, skv__st_make(gen, SKV_PAGE_READY), false,
+                                  __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    SKV_WARN_RL(SKV_SUBSYS_POOL,
+                "PE %u died while evicting its page %u (generation %u): eviction undone, the page "
+                "is READY again",
+                pe, page, gen);
+  return __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
+}
+
 int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
   skv__page_meta_t *m = &p->meta[pe][page];
   uint64_t bit = 1ull << p->me;
@@ -222,7 +239,10 @@ int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
       } else { /* the evictor was descheduled in its window: let it run, if it lives */
         uint64_t now = skv__now_ms();
         if (!until) {
-          if (!skv__pool_alive(p, (int)pe)) break; /* it died there: the page stays EVICTING */
+          if (!skv__pool_alive(p, (int)pe)) {
+            st = undo_dead_eviction(m, gen, pe, page);
+            break;
+          }
           until = now + PIN_EVICTING_WAIT_MS;
         }
         if (now > until) break; /* it stopped there: stale for us */
@@ -268,6 +288,26 @@ int skv__pool_held(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
   pthread_mutex_lock(&p->pin_mu);
   uint32_t c = p->pins[(uint64_t)pe * p->pages + page];
   int rc = c == 0 ? SKV_ENOTFOUND : skv__pool_gen(p, pe, page) != gen ? SKV_ESTALE : 0;
+  pthread_mutex_unlock(&p->pin_mu);
+  return rc;
+}
+
+int skv__pool_held_refs(skv__pool_t *p, const skv_page_ref_t *refs, size_t n, size_t *bad) {
+  /* Count each reference against this PE's pins (taken one by one, so that a page listed twice
+   * needs two), then give every one back: the counts are private to this PE, under pin_mu. */
+  int rc = 0;
+  size_t i = 0;
+  pthread_mutex_lock(&p->pin_mu);
+  for (; i < n; i++) {
+    uint32_t *c = &p->pins[(uint64_t)refs[i].pe * p->pages + refs[i].page];
+    if (*c == 0) {
+      rc = SKV_ENOTFOUND;
+      *bad = i;
+      break;
+    }
+    (*c)--;
+  }
+  while (i-- > 0) p->pins[(uint64_t)refs[i].pe * p->pages + refs[i].page]++;
   pthread_mutex_unlock(&p->pin_mu);
   return rc;
 }

@@ -39,9 +39,12 @@
  *   that fails otherwise (EMFILE...) says nothing, and a PE in another PID namespace (another
  *   container sharing the host's network) is never judged: its pins stay until it unpins.
  * - A pin that meets the evictor between its CAS and its pinmask read (EVICTING, same
- *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS; not at all once the
- *   owner is dead): READY again when the evictor saw the pin, else FREE(g + 1) and the
- *   reference is stale.
+ *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS): READY again when the
+ *   evictor saw the pin, else FREE(g + 1) and the reference is stale.
+ * - The owner dies inside its own eviction (EVICTING, before or after erasing the index entry):
+ *   a pin that meets EVICTING of a dead owner undoes the eviction (CAS EVICTING(g) -> READY(g):
+ *   an eviction writes no page bytes) and pins. The key stays usable (lookups hit and fetch),
+ *   or, when the entry was already erased, is simply missing and can be published again.
  * - An owner dies: its READY pages stay readable (their memory lives while peers map it) but
  *   can no longer be evicted; the other PEs' capacity is unaffected.
  * - Pins must balance: unpinning a page the PE does not hold fails with SKV_EINVAL.
@@ -139,6 +142,9 @@ int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page);
 /* Does this PE hold a pin on page `page` of PE `pe` at generation `gen`? 0 when it does,
  * SKV_ENOTFOUND when it holds none there, SKV_ESTALE when its pin is on another generation. */
 int skv__pool_held(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
+/* Does this PE hold a pin on every page of refs[0..n) (a page listed k times: k pins)? 0, or
+ * SKV_ENOTFOUND with *bad the first reference short of a pin. Changes nothing. */
+int skv__pool_held_refs(skv__pool_t *p, const skv_page_ref_t *refs, size_t n, size_t *bad);
 /* The page's current generation. */
 static inline uint32_t skv__pool_gen(const skv__pool_t *p, uint32_t pe, uint32_t page) {
   return skv__st_gen(__atomic_load_n(&p->meta[pe][page].state, __ATOMIC_ACQUIRE));
