@@ -376,6 +376,12 @@ static int check_refs(const skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, 
   return 0;
 }
 
+/* An attached cache drops its mappings of departed owners' slots on every lookup and publish
+ * too (skv__domain_tidy), not only when it fetches. */
+static void tidy(skv_kv_t *kv) {
+  if (kv->domain) skv__domain_tidy(kv->domain, quiesce, kv);
+}
+
 int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
                   uint32_t flags, skv_page_ref_t *refs, size_t *nhit) {
   KV_CHECK_NULL(kv, "skv_kv_lookup");
@@ -386,6 +392,7 @@ int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
   SKV_ARG_CHECK(refs || n == 0, SKV_SUBSYS_KV, "skv_kv_lookup: refs is NULL with n=%zu", n);
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_LOOKUP_PIN) == 0, SKV_SUBSYS_KV,
                 "skv_kv_lookup: unknown flags 0x%x", flags);
+  tidy(kv);
   uint64_t now = skv__now_ns();
   uint64_t vals[256], asked = 0, live = 0;
   size_t done = 0, stale = 0;
@@ -753,6 +760,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
                     "SKV_ROLE_OWNER to publish",
                     fn);
   if (n == 0) return 0;
+  tidy(kv);
   int path;
   SKV_CHECK(choose_path(kv, src, &path, fn));
   size_t chunk = 1; /* pages allocated, copied and finished together */
