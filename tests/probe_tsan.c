@@ -94,13 +94,21 @@ static void fetch(pe_t *p, uint64_t id) {
   if (skv__index_lookup(&p->ix, k, &val) != 0) return;
   p->hits++;
   uint32_t pe = skv__val_pe(val), page = skv__val_page(val), gen = skv__val_gen(val);
+  const uint64_t revoked0 = skv__pool_revoked(&p->pool); /* as skv_kv_fetch does */
   if (skv__pool_pin(&p->pool, pe, page, gen) != 0) {
     p->stale++;
     return;
   }
   skv__pool_touch(&p->pool, pe, page, skv__now_ns());
   const uint8_t *d = data[pe] + (size_t)page * PAGE_BYTES;
-  for (size_t i = 0; i < PAGE_BYTES; i++) p->wrong += d[i] != pattern(id, i);
+  uint64_t wrong = 0;
+  for (size_t i = 0; i < PAGE_BYTES; i++) wrong += d[i] != pattern(id, i);
+  if (skv__pool_revoked(&p->pool) != revoked0) { /* the library reports SKV_ESTALE here */
+    p->stale++;
+    (void)skv__pool_unpin(&p->pool, pe, page);
+    return;
+  }
+  p->wrong += wrong;
   p->verified++;
   (void)skv__pool_unpin(&p->pool, pe, page);
 }
@@ -108,6 +116,9 @@ static void fetch(pe_t *p, uint64_t id) {
 static void *pe_main(void *arg) {
   pe_t *p = arg;
   while (skv__now_ms() < deadline_ms) {
+    /* as every KV call does: a PE making progress renews its pins' lease (pool.h, Leases);
+     * without it every pin would be revoked once the run outlasts SKV_PIN_LEASE_MS */
+    (void)skv__pool_renew(&p->pool);
     for (int i = 0; i < 256; i++) {
       uint64_t r = rnd(&p->seed), id = (r >> 8) % KEYS;
       if (r % 16 < 5)

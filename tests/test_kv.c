@@ -875,14 +875,11 @@ Test(kv, owner_dying_inside_its_eviction_leaves_the_key_usable) {
   cr_assert(job.status[0] == 0 && job.status[2] == 0, "survivors: %s", skv_test_statuses(&job));
 }
 
-/* A reader stopped (SIGSTOP) while it holds pins keeps them for ever today: nothing reclaims the
- * pins of a PE that lives, so the owner can never evict those pages. Pins with a bounded life,
- * renewed by a live and progressing holder (issue 25, item 2: leases), are the fix; until they
- * exist this test is skipped. It shows the problem with LEASES_IMPLEMENTED set to 1: the owner
- * cannot evict the stopped reader's pages; with leases it evicts them, reuses them, and the
- * reader, continued, gets SKV_ESTALE from its fetch (never the new bytes). */
-#define LEASES_IMPLEMENTED 0
-#define LEASE_WAIT_MS      20000 /* how long the owner tries (longer than any lease) */
+/* A reader stopped (SIGSTOP) while it holds pins: before leases nothing reclaimed the pins of a
+ * PE that lives, so the owner could never evict those pages (0 of 4 in 20 s). With leases
+ * (SKV_PIN_LEASE_MS, 1 s here) the owner evicts them once the lease ran out, reuses them, and
+ * the reader, continued, gets SKV_ESTALE from its fetch and no bytes (never the new ones). */
+#define LEASE_WAIT_MS 20000 /* how long the owner tries (longer than the lease) */
 
 static int pe_stopped_reader(int rank, int npes, void *arg) {
   fix_t f;
@@ -906,6 +903,7 @@ static int pe_stopped_reader(int rank, int npes, void *arg) {
              skv_err_name(rc));
     uint8_t used[16] = {0};
     PE_CHECK(untouched_outside(&f.eng, used), "an expired fetch wrote bytes");
+    PE_CHECK(skv_kv_unpin(f.kv, refs, 4) == 0, "unpinning revoked pins: %s", skv_last_error());
   } else {
     char v[4];
     size_t n = 0;
@@ -921,7 +919,10 @@ static int pe_stopped_reader(int rank, int npes, void *arg) {
       uint64_t other[4] = {31, 32, 33, 34};
       PE_CHECK(publish_ids(&f, other, 4, &ins) == 0 && ins == 4, "reuse");
     }
+    uint64_t took = skv__now_ms() - t0;
     kill((pid_t)reader, SIGCONT);
+    PE_CHECK(took >= 900 || evicted < 4, "evicted within %llu ms, before the 1 s lease ran out",
+             (unsigned long long)took);
     PE_CHECK(evicted == 4,
              "the owner evicted %llu of 4 pages pinned by a stopped reader in %d ms: its pins "
              "never expire",
@@ -933,12 +934,68 @@ static int pe_stopped_reader(int rank, int npes, void *arg) {
 }
 
 Test(kv, pins_of_a_stopped_reader_expire, .timeout = 120) {
-  if (!LEASES_IMPLEMENTED)
-    cr_skip_test("pins have no lease yet: a stopped reader's pins are never reclaimed (issue 25, "
-                 "item 2, leases: the elastic node domain work); set LEASES_IMPLEMENTED to see "
-                 "the owner fail to evict");
+  setenv("SKV_PIN_LEASE_MS", "1000", 1); /* read by the PEs forked below */
   skv_test_job_t job;
   int bad = skv_test_run(&job, 2, pe_stopped_reader, NULL, 90000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* The other side of leases: a reader that keeps calling (lookups of other keys every 100 ms)
+ * keeps its pins past many leases (1 s), the owner evicts none of its pinned pages in 3 s, and
+ * the reader's fetch then copies the right bytes. */
+static int pe_busy_reader(int rank, int npes, void *arg) {
+  SKV_UNUSED(arg);
+  SKV_UNUSED(npes);
+  fix_t f;
+  PE_CHECK(fix_init(&f, 4, 16, 60000) == 0, "fixture: %s", skv_last_error());
+  size_t ins, nhit;
+  uint64_t ids[4] = {41, 42, 43, 44};
+  skv_key_t keys[4];
+  for (int i = 0; i < 4; i++) keys[i] = key_of(&f, ids[i]);
+  if (rank == 0) PE_CHECK(publish_ids(&f, ids, 4, &ins) == 0 && ins == 4, "publish");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 1) {
+    skv_page_ref_t refs[4], other[1];
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 4, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 4,
+             "pin all four");
+    PE_CHECK(skv_store_set(f.ctx, "pinned", "1", 1) == 0, "tell the owner");
+    skv_key_t none = key_of(&f, 999);
+    for (uint64_t t0 = skv__now_ms(); skv__now_ms() - t0 < 3500;) {
+      PE_CHECK(skv_kv_lookup(f.kv, f.ns, &none, 1, 0, other, &nhit) == 0, "lookup");
+      usleep(100000);
+    }
+    char v[4];
+    size_t n = 0;
+    PE_CHECK(skv_store_get(f.ctx, "tried", v, sizeof v, &n) == 0, "the owner tried");
+    engine_poison(&f.eng);
+    uint64_t blocks[4] = {4, 5, 6, 7};
+    PE_CHECK(skv_kv_fetch(f.kv, refs, 4, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL) == 0,
+             "fetch with pins kept alive: %s", skv_last_error());
+    for (int i = 0; i < 4; i++)
+      PE_CHECK(block_holds(&f, blocks[i], ids[i]), "block %d has the wrong bytes", i);
+  } else {
+    char v[4];
+    size_t n = 0;
+    PE_CHECK(skv_store_get(f.ctx, "pinned", v, sizeof v, &n) == 0, "reader pinned");
+    uint64_t t0 = skv__now_ms(), evicted = 0, e = 0;
+    while (skv__now_ms() - t0 < 3000) {
+      PE_CHECK(skv_kv_evict(f.kv, 4, &e) == 0, "evict");
+      evicted += e;
+      usleep(50000);
+    }
+    PE_CHECK(evicted == 0, "the owner evicted %llu pages a busy reader pinned",
+             (unsigned long long)evicted);
+    PE_CHECK(skv_store_set(f.ctx, "tried", "1", 1) == 0, "tell the reader");
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, pins_of_a_busy_reader_outlive_their_lease, .timeout = 120) {
+  setenv("SKV_PIN_LEASE_MS", "1000", 1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_busy_reader, NULL, 90000);
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 

@@ -380,6 +380,7 @@ static int check_refs(const skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, 
  * too (skv__domain_tidy), not only when it fetches. */
 static void tidy(skv_kv_t *kv) {
   if (kv->domain) skv__domain_tidy(kv->domain, quiesce, kv);
+  (void)skv__pool_renew(&kv->pool); /* this PE makes progress: its pins' lease goes on */
 }
 
 int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
@@ -430,6 +431,7 @@ int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
 int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
   KV_CHECK_NULL(kv, "skv_kv_unpin");
   SKV_CHECK(check_refs(kv, refs, n, "skv_kv_unpin"));
+  (void)skv__pool_renew(&kv->pool);
   int rc = 0;
   for (size_t i = 0; i < n; i++) {
     int r = skv__pool_unpin(&kv->pool, refs[i].pe, refs[i].page);
@@ -673,6 +675,13 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
   SKV_UNUSED(flags);
 #endif
   size_t bad = 0;
+  if (b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0 && kv->pool.lease_lost)
+    return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
+                    "%s: reference %zu (PE %u, page %u) is no longer pinned by this PE: this "
+                    "PE's pins were revoked when it made no call for longer than its lease "
+                    "(SKV_PIN_LEASE_MS, %llu ms) while other PEs needed the pages; nothing was "
+                    "copied. Look the keys up again",
+                    fn, bad, refs[bad].pe, refs[bad].page, (unsigned long long)kv->pool.lease_ms);
   if (b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0)
     return SKV_FAIL(
         SKV_EINVAL, SKV_SUBSYS_KV,
@@ -681,6 +690,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
         "nothing was copied. Pin with skv_kv_lookup(SKV_LOOKUP_PIN) first, or fetch "
         "without SKV_FETCH_UNPIN",
         fn, bad, refs[bad].pe, refs[bad].page);
+  const uint64_t revoked0 = skv__pool_revoked(&kv->pool);
   SKV_CHECK(pin_all(kv, b, refs, fn));
 #ifdef SKV_WITH_CUDA
   if (path == PATH_DEVICE) {
@@ -691,6 +701,15 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
   }
 #endif
   int rc = copy_sync_fetch(kv, b, path, dst, block_ids, stream, fn);
+  /* This process stopped inside the copy for longer than its lease and an evictor revoked pins
+   * of ours meanwhile: a page may have been rewritten under the copy (pool.h, Leases). */
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  if (rc == 0 && skv__pool_revoked(&kv->pool) != revoked0)
+    rc = SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
+                  "%s: this PE's pin lease ran out during the copy (it made no progress for "
+                  "longer than SKV_PIN_LEASE_MS, %llu ms) and pages it pinned may have been "
+                  "reused: the destination's contents are undefined; look the keys up again",
+                  fn, (unsigned long long)kv->pool.lease_ms);
   int r2 = release(kv, b, 0, n, b->unpin_caller && rc == 0);
   return rc ? rc : r2;
 }
@@ -704,6 +723,7 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_FETCH_UNPIN) == 0, SKV_SUBSYS_KV,
                 "skv_kv_fetch: unknown flags 0x%x", flags);
   if (n == 0) return 0;
+  (void)skv__pool_renew(&kv->pool);
   int path;
   SKV_CHECK(choose_path(kv, dst, &path, fn));
   const bool unpin = (flags & SKV_FETCH_UNPIN) != 0;
