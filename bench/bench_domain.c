@@ -1,7 +1,9 @@
 /* symkv-bench domain: the elastic node domain. Attach and detach latency to a live domain (p50,
  * p99), lookups and host fetches through an attached handle against the collective path in the
- * same run, and a trace replay in which engines (processes) leave and join again, its hit rates
- * checked against the exact bound for the pages that survived. */
+ * same run, GPU fetches of a peer's pages (over NVLink with one GPU per PE) through an attached
+ * handle against the collective path, and a trace replay in which engines (processes) leave and
+ * join again, its hit rates checked against the exact bound for the pages that survived (with
+ * --backend cuda the engines keep their caches on the GPUs and fetch every hit into them). */
 #define _GNU_SOURCE
 #include "bench.h"
 #include "workload.h"
@@ -13,6 +15,13 @@
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#ifdef SKV_WITH_CUDA
+#include "cuda/device.h"
+
+#include <cuda_runtime_api.h>
+#define BCUDA(call) SKV_CUDA_CHECK((call), SKV_SUBSYS_BENCH)
+#endif
 
 #define CHAIN 64 /* keys per prefix lookup */
 
@@ -101,6 +110,8 @@ typedef struct side {
   skv_namespace_t *ns;
   skv_layout_t *lay;
   void *eng;
+  uint64_t eng_bytes;
+  int dev; /* -1: the engine cache is in host memory; else on this CUDA device */
 } side_t;
 
 /* Publish `nkeys` keys (chains of CHAIN) from `keys` into s->kv. */
@@ -150,21 +161,45 @@ static double fetch_rate(side_t *s, const skv_key_t *keys, uint64_t n, uint64_t 
   return r;
 }
 
-static int side_open(side_t *s, const skv_geometry_t *g, uint64_t blocks) {
+/* An engine cache of `blocks` blocks (one tensor, blocks of one page) in host memory (dev -1)
+ * or on CUDA device `dev`, zeroed. */
+static int side_open_on(side_t *s, const skv_geometry_t *g, uint64_t blocks, int dev) {
+  s->dev = dev;
   SKV_CHECK(skv_namespace_create("bench-domain", g, NULL, 0, "bench", 5, &s->ns));
   uint64_t lb;
   SKV_CHECK(
       skv_layout_get_preset_layer_bytes(g, SKV_LAYOUT_CONTIGUOUS, g->page_tokens, blocks, &lb));
-  s->eng = calloc(1, lb);
-  if (!s->eng) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
-  return skv_layout_create_preset(g, SKV_LAYOUT_CONTIGUOUS, g->page_tokens, blocks, &s->eng, -1,
+  s->eng_bytes = lb;
+  if (dev < 0) {
+    s->eng = calloc(1, lb);
+    if (!s->eng) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+  } else {
+#ifdef SKV_WITH_CUDA
+    BCUDA(cudaSetDevice(dev));
+    BCUDA(cudaMalloc(&s->eng, lb));
+    BCUDA(cudaMemset(s->eng, 0, lb));
+#else
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH,
+                    "GPU engine caches need a build with CUDA (configure with -DSKV_CUDA=ON)");
+#endif
+  }
+  return skv_layout_create_preset(g, SKV_LAYOUT_CONTIGUOUS, g->page_tokens, blocks, &s->eng, dev,
                                   &s->lay);
+}
+
+static int side_open(side_t *s, const skv_geometry_t *g, uint64_t blocks) {
+  return side_open_on(s, g, blocks, -1);
 }
 
 static void side_close(side_t *s) {
   skv_layout_destroy(s->lay);
   skv_namespace_destroy(s->ns);
-  free(s->eng);
+  if (s->dev < 0) free(s->eng);
+#ifdef SKV_WITH_CUDA
+  else if (s->eng)
+    (void)cudaFree(s->eng);
+#endif
+  s->eng = NULL;
 }
 
 static int datapath(bench_t *b) {
@@ -237,6 +272,194 @@ static int datapath(bench_t *b) {
   return rc ? rc : r2;
 }
 
+/* ---- GPU fetches of a peer's pages: attached against collective ----------------------------- */
+
+#ifdef SKV_WITH_CUDA
+
+/* The bytes PE 1 publishes: the same on every PE, so PE 0 checks what it fetched. */
+static void pattern(uint8_t *p, uint64_t n) {
+  uint64_t s = 0x6e766c696e6bull;
+  for (uint64_t i = 0; i + 8 <= n; i += 8) {
+    uint64_t v = bench_rand(&s);
+    memcpy(p + i, &v, 8);
+  }
+}
+
+/* PE 1 publishes `batch` pages from its GPU through both paths; PE 0 fetches all of them into
+ * its GPU (wall time of the call and a stream synchronisation, reps interleaved), then checks
+ * every byte of both copies. With one GPU per PE the pages cross NVLink. */
+static int nvlink(bench_t *b) {
+  const uint64_t batch = (uint64_t)bench_opt_int(b, "--batch-pages", 256);
+  const int reps = SKV_MIN((int)bench_opt_int(b, "--reps", 5) * 3, 48);
+  skv_geometry_t g = geom(4, 8, 128, 16); /* 256 KiB pages */
+  uint64_t pb;
+  SKV_CHECK(skv_geometry_get_page_bytes(&g, &pb));
+  skv_ctx_t *ctx;
+  SKV_CHECK(skv_init(NULL, &ctx));
+  const int me = skv_ctx_get_rank(ctx), npes = skv_ctx_get_world_size(ctx);
+  int rc = 0;
+  if (npes < 2) {
+    skv_finalize(ctx);
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH,
+                    "symkv-bench domain --part nvlink: needs 2 PEs, one per GPU "
+                    "(symkv-run -n 2 -- symkv-bench domain --part nvlink)");
+  }
+  const int dev = skv_ctx_get_device(ctx);
+  if (dev < 0) {
+    skv_finalize(ctx);
+    return dev;
+  }
+  char bus[2][32] = {{0}}, name[64] = {0};
+  side_t coll = {0}, att = {0};
+  coll.dev = att.dev = -1;
+  skv_key_t *keys = malloc(batch * sizeof *keys);
+  uint64_t *bids = malloc(batch * sizeof *bids);
+  skv_page_ref_t *rc_refs = malloc(batch * sizeof *rc_refs),
+                 *ra_refs = malloc(batch * sizeof *ra_refs);
+  double *tc = malloc(sizeof(double) * (size_t)reps), *ta = malloc(sizeof(double) * (size_t)reps);
+  uint8_t *pat = NULL, *got = NULL;
+  if (!keys || !bids || !rc_refs || !ra_refs || !tc || !ta)
+    rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+  uint64_t s = 7;
+  for (uint64_t i = 0; rc == 0 && i < batch; i++) {
+    keys[i] = (skv_key_t){bench_rand(&s) | 1, bench_rand(&s)};
+    bids[i] = i;
+  }
+  if (rc == 0 && cudaDeviceGetPCIBusId(bus[0], (int)sizeof bus[0], dev) != cudaSuccess)
+    rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cudaDeviceGetPCIBusId(%d) failed", dev);
+  if (rc == 0) { /* bus[1]: the other one of PEs 0 and 1's GPU */
+    char(*all)[32] = calloc((size_t)npes, sizeof *all);
+    rc = all ? skv_ctx_allgather(ctx, bus[0], all, sizeof bus[0])
+             : SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+    if (rc == 0 && me < 2) memcpy(bus[1], all[1 - me], sizeof bus[1]);
+    free(all);
+  }
+  if (rc == 0 && me == 0) {
+    domain_name(name, sizeof name, "nv");
+    if (strcmp(bus[0], bus[1]) == 0)
+      fprintf(stderr,
+              "symkv-bench domain: PEs 0 and 1 share GPU %s: the fetches read this GPU's own "
+              "memory, not NVLink; run with one GPU per PE\n",
+              bus[0]);
+  }
+  if (rc == 0) rc = skv_ctx_broadcast(ctx, name, sizeof name, 0);
+  if (rc == 0) rc = side_open_on(&coll, &g, batch, dev);
+  if (rc == 0) rc = side_open_on(&att, &g, batch, dev);
+  if (rc == 0) {
+    skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+    o.backend = SKV_BACKEND_CUDA;
+    o.pages_per_pe = batch;
+    rc = skv_kv_create(ctx, &g, &o, &coll.kv);
+  }
+  if (rc == 0) {
+    skv_attach_opts_t a = SKV_ATTACH_OPTS_INIT;
+    a.backend = SKV_BACKEND_CUDA;
+    a.device = dev;
+    a.pages_per_pe = batch;
+    a.max_slots = (uint32_t)SKV_MIN(npes, 64);
+    rc = skv_kv_attach(name, &g, &a, &att.kv);
+  }
+  if (rc == 0 && (me <= 1)) {
+    pat = malloc(coll.eng_bytes);
+    got = malloc(coll.eng_bytes);
+    if (!pat || !got) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+    if (rc == 0) pattern(pat, coll.eng_bytes);
+  }
+  if (rc == 0 && me == 1) { /* the owner of every page */
+    side_t *sd[2] = {&coll, &att};
+    for (int k = 0; rc == 0 && k < 2; k++) {
+      if (cudaMemcpy(sd[k]->eng, pat, sd[k]->eng_bytes, cudaMemcpyHostToDevice) != cudaSuccess)
+        rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cudaMemcpy of the pattern failed");
+      size_t ins = 0;
+      if (rc == 0)
+        rc = skv_kv_publish(sd[k]->kv, sd[k]->ns, keys, batch, sd[k]->lay, bids, NULL, &ins);
+      if (rc == 0) rc = skv_kv_sync(sd[k]->kv);
+    }
+  }
+  int r2 = skv_ctx_barrier(ctx);
+  if (rc == 0) rc = r2;
+  if (rc == 0 && me == 0) {
+    size_t nc = 0, na = 0;
+    cudaStream_t st = NULL;
+    rc = skv_kv_lookup(coll.kv, coll.ns, keys, batch, SKV_LOOKUP_PIN, rc_refs, &nc);
+    if (rc == 0) rc = skv_kv_lookup(att.kv, att.ns, keys, batch, SKV_LOOKUP_PIN, ra_refs, &na);
+    if (rc == 0 && (nc != batch || na != batch))
+      rc = SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH,
+                    "PE 0 found %zu (collective) and %zu (attached) of PE 1's %llu pages", nc, na,
+                    (unsigned long long)batch);
+    if (rc == 0 && cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess)
+      rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cudaStreamCreate failed");
+    for (int i = -1; rc == 0 && i < reps; i++) { /* interleaved; -1 warms both up */
+      for (int k = 0; rc == 0 && k < 2; k++) {
+        side_t *sd = (i + k) % 2 ? &att : &coll; /* alternate which goes first */
+        double t0 = bench_now();
+        rc = skv_kv_fetch(sd->kv, sd == &att ? ra_refs : rc_refs, batch, sd->lay, bids, 0, st);
+        if (rc == 0 && cudaStreamSynchronize(st) != cudaSuccess)
+          rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cudaStreamSynchronize failed");
+        if (i >= 0) (sd == &att ? ta : tc)[i] = bench_now() - t0;
+      }
+      bench_progress(b, "GPU fetch", i + 1, reps);
+    }
+    bench_progress_end(b);
+    uint64_t wrong = 0;
+    side_t *sd[2] = {&coll, &att};
+    for (int k = 0; rc == 0 && k < 2; k++) {
+      memset(got, 0xa5, sd[k]->eng_bytes);
+      if (cudaMemcpy(got, sd[k]->eng, sd[k]->eng_bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
+        rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cudaMemcpy of the fetched blocks failed");
+      for (uint64_t j = 0; rc == 0 && j < sd[k]->eng_bytes; j++) wrong += got[j] != pat[j];
+    }
+    if (st) (void)cudaStreamDestroy(st);
+    if (nc) (void)skv_kv_unpin(coll.kv, rc_refs, nc);
+    if (na) (void)skv_kv_unpin(att.kv, ra_refs, na);
+    if (rc == 0 && wrong)
+      rc = SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH,
+                    "%llu of the %llu fetched bytes differ from what PE 1 published",
+                    (unsigned long long)wrong, (unsigned long long)(2 * coll.eng_bytes));
+    if (rc == 0) {
+      char nm[96], sz[32];
+      snprintf(nm, sizeof nm, "fetch_gpu/attached/%sx%llu", skv__fmt_bytes(pb, sz, sizeof sz),
+               (unsigned long long)batch);
+      for (char *p = nm; *p; p++)
+        if (*p == ' ') *p = '_';
+      const double bytes = (double)(batch * pb);
+      bench_row(b, nm, bytes / bench_median(ta, (size_t)reps) / 1e9, "GB/s", "higher",
+                "collective path", bytes / bench_median(tc, (size_t)reps) / 1e9);
+      snprintf(nm, sizeof nm, "fetch_gpu/collective/%sx%llu", skv__fmt_bytes(pb, sz, sizeof sz),
+               (unsigned long long)batch);
+      for (char *p = nm; *p; p++)
+        if (*p == ' ') *p = '_';
+      bench_row(b, nm, bytes / bench_median(tc, (size_t)reps) / 1e9, "GB/s", "higher", NULL, -1);
+      bench_row(b, "fetch_gpu/bytes_checked", 2 * (double)coll.eng_bytes, "bytes", "higher", NULL,
+                -1);
+      bench_config_str(b, "gpu_pe0", bus[0]);
+      bench_config_str(b, "gpu_pe1", bus[1]);
+    }
+  }
+  r2 = skv_ctx_barrier(ctx); /* PE 1's pages stay until PE 0 is done */
+  if (rc == 0) rc = r2;
+  if (att.kv) (void)skv_kv_detach(att.kv);
+  if (coll.kv) {
+    r2 = skv_kv_destroy(coll.kv);
+    if (rc == 0) rc = r2;
+  }
+  side_close(&coll);
+  side_close(&att);
+  free(keys), free(bids), free(rc_refs), free(ra_refs), free(tc), free(ta), free(pat), free(got);
+  r2 = skv_finalize(ctx);
+  return rc ? rc : r2;
+}
+
+#else
+
+static int nvlink(bench_t *b) {
+  SKV_UNUSED(b);
+  return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH,
+                  "symkv-bench domain --part nvlink needs a build with CUDA (-DSKV_CUDA=ON)");
+}
+
+#endif
+
 /* ---- a trace replay with engines leaving and joining -------------------------------------- */
 
 /* Events of the replay, in global order: a request (engine = its index mod E), or an engine
@@ -251,6 +474,7 @@ typedef struct ctl {
   volatile uint64_t turn;
   volatile int32_t failed;
   uint32_t pad;
+  uint64_t pages_fetched, wrong_bytes; /* --backend cuda: every hit fetched and checked */
 } ctl_t;
 
 /* The exact hits when every request runs in order: a key is present when some engine still
@@ -271,16 +495,45 @@ static uint64_t *model_slot(model_t *m, skv_key_t key, bool insert) {
   }
 }
 
+/* The bytes of the page of `key`: every engine publishes and checks the same. */
+static void page_fill(uint8_t *p, uint64_t pb, skv_key_t key) {
+  for (uint64_t i = 0; i + 8 <= pb; i += 8) {
+    uint64_t v = key.lo * (i + 1) + key.hi;
+    memcpy(p + i, &v, 8);
+  }
+}
+
+/* An engine of the replay (a forked process): attaches as an owner, serves its requests in the
+ * global order (lookup, then publish the misses), leaves and attaches again when told. With
+ * `gpu` its cache is on GPU (engine mod GPUs) and every hit is fetched into it and checked. */
 static int engine_main(const wl_workload_t *w, const ev_t *evs, uint64_t nev, int me,
                        const char *name, uint64_t pages, uint32_t slots, ctl_t *ctl, uint32_t *hits,
-                       double *lat) {
+                       double *lat, bool gpu) {
   skv_geometry_t g = geom(1, 1, 16, w->page_tokens);
   side_t s = {0};
-  SKV_CHECK(side_open(&s, &g, w->max_pages));
+  skv_attach_opts_t ao = SKV_ATTACH_OPTS_INIT;
+  ao.role = SKV_ROLE_OWNER;
+  ao.pages_per_pe = pages;
+  ao.max_slots = slots;
+  uint64_t pb;
+  SKV_CHECK(skv_geometry_get_page_bytes(&g, &pb));
+  uint8_t *host = NULL, *want = NULL;
+  if (gpu) {
+#ifdef SKV_WITH_CUDA
+    int ngpu = 0;
+    BCUDA(cudaGetDeviceCount(&ngpu));
+    ao.backend = SKV_BACKEND_CUDA;
+    ao.device = me % SKV_MAX(ngpu, 1);
+    host = malloc(w->max_pages * pb);
+    want = malloc(pb);
+    if (!host || !want) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+#endif
+  }
+  SKV_CHECK(side_open_on(&s, &g, w->max_pages, gpu ? ao.device : -1));
   uint64_t *bids = malloc(sizeof(uint64_t) * w->max_pages);
   skv_page_ref_t *refs = malloc(sizeof(skv_page_ref_t) * w->max_pages);
   for (uint32_t i = 0; i < w->max_pages; i++) bids[i] = i;
-  SKV_CHECK(attach(name, &g, SKV_ROLE_OWNER, pages, slots, &s.kv));
+  SKV_CHECK(skv_kv_attach(name, &g, &ao, &s.kv));
   int nlat = 0;
   for (uint64_t e = 0; e < nev && !ctl->failed; e++) {
     if ((int)evs[e].engine != me) continue;
@@ -294,16 +547,36 @@ static int engine_main(const wl_workload_t *w, const ev_t *evs, uint64_t nev, in
       double t0 = bench_now();
       rc = skv_kv_detach(s.kv);
       double t1 = bench_now();
-      if (rc == 0) rc = attach(name, &g, SKV_ROLE_OWNER, pages, slots, &s.kv);
+      if (rc == 0) rc = skv_kv_attach(name, &g, &ao, &s.kv);
       lat[2 * nlat] = (t1 - t0) * 1e3, lat[2 * nlat + 1] = (bench_now() - t1) * 1e3;
       nlat++;
     } else {
       const wl_request_t *r = &w->req[evs[e].req];
       const skv_key_t *k = w->keys + r->key0;
       size_t nh = 0;
-      rc = skv_kv_lookup(s.kv, s.ns, k, r->npages, 0, refs, &nh);
+      rc = skv_kv_lookup(s.kv, s.ns, k, r->npages, gpu ? SKV_LOOKUP_PIN : 0, refs, &nh);
+#ifdef SKV_WITH_CUDA
+      if (rc == 0 && gpu && nh) { /* the hits into this engine's GPU, every byte checked */
+        rc = skv_kv_fetch(s.kv, refs, nh, s.lay, bids, SKV_FETCH_UNPIN, NULL);
+        if (rc == 0 && cudaMemcpy(host, s.eng, nh * pb, cudaMemcpyDeviceToHost) != cudaSuccess)
+          rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cudaMemcpy of fetched pages failed");
+        uint64_t bad = 0;
+        for (size_t j = 0; rc == 0 && j < nh; j++) {
+          page_fill(want, pb, k[j]);
+          for (uint64_t i = 0; i < pb; i++) bad += host[j * pb + i] != want[i];
+        }
+        __atomic_fetch_add(&ctl->pages_fetched, rc == 0 ? nh : 0, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&ctl->wrong_bytes, bad, __ATOMIC_RELAXED);
+      }
+      if (rc == 0 && gpu && nh < r->npages) { /* the misses' bytes into blocks 0.. */
+        for (size_t j = nh; j < r->npages; j++) page_fill(host + (j - nh) * pb, pb, k[j]);
+        if (cudaMemcpy(s.eng, host, (r->npages - nh) * pb, cudaMemcpyHostToDevice) != cudaSuccess)
+          rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cudaMemcpy of published pages failed");
+      }
+#endif
       if (rc == 0 && nh < r->npages)
         rc = skv_kv_publish(s.kv, s.ns, k + nh, r->npages - nh, s.lay, bids, NULL, NULL);
+      if (rc == 0 && gpu) rc = skv_kv_sync(s.kv); /* inserted before the next request */
       hits[evs[e].req] = (uint32_t)nh;
     }
     if (rc) {
@@ -321,6 +594,8 @@ static int engine_main(const wl_workload_t *w, const ev_t *evs, uint64_t nev, in
   side_close(&s);
   free(bids);
   free(refs);
+  free(host);
+  free(want);
   return rc;
 }
 
@@ -329,6 +604,8 @@ static int replay(bench_t *b) {
   if (!path) return 0;
   const int E = (int)bench_opt_int(b, "--engines", 4);
   const int leaves = (int)bench_opt_int(b, "--leaves", 8);
+  const char *be = bench_opt(b, "--backend");
+  const bool gpu = be && strcmp(be, "cuda") == 0;
   wl_workload_t w;
   memset(&w, 0, sizeof w);
   char err[512];
@@ -363,11 +640,14 @@ static int replay(bench_t *b) {
   double t0 = bench_now();
   for (int i = 0; i < E; i++) {
     pid[i] = fork();
-    if (pid[i] == 0)
-      _exit(engine_main(&w, evs, nev, i, name, pages, (uint32_t)E + 1, ctl, hits,
-                        lat + (size_t)i * (size_t)(leaves + 1) * 2)
-                ? 1
-                : 0);
+    if (pid[i] == 0) {
+      if (engine_main(&w, evs, nev, i, name, pages, (uint32_t)E + 1, ctl, hits,
+                      lat + (size_t)i * (size_t)(leaves + 1) * 2, gpu) == 0)
+        _exit(0);
+      fprintf(stderr, "symkv-bench domain: engine %d failed: %s\n", i, skv_last_error());
+      __atomic_store_n(&ctl->failed, 1, __ATOMIC_RELEASE); /* the others stop waiting */
+      _exit(1);
+    }
   }
   while (__atomic_load_n(&ctl->turn, __ATOMIC_ACQUIRE) < nev && !ctl->failed) {
     bench_progress(b, "trace replay", (double)ctl->turn, (double)nev);
@@ -416,6 +696,9 @@ static int replay(bench_t *b) {
     mismatched += hits[evs[i].req] != nh;
   }
   int rc = bad ? SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "%d engine(s) failed", bad) : 0;
+  if (rc == 0 && ctl->wrong_bytes)
+    rc = SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "%llu fetched bytes were wrong",
+                  (unsigned long long)ctl->wrong_bytes);
   if (rc == 0) {
     bench_row(b, "trace_churn/block_hit_rate", (double)got / (double)total, "ratio", "higher",
               "exact bound for the surviving pages", (double)bound / (double)total);
@@ -424,6 +707,11 @@ static int replay(bench_t *b) {
     bench_row(b, "trace_churn/pages_dropped_by_leaves", (double)dropped, "pages", "lower", NULL,
               -1);
     bench_row(b, "trace_churn/requests_per_s", (double)w.nreq / secs, "req/s", "higher", NULL, -1);
+    if (gpu) {
+      bench_row(b, "trace_churn/pages_fetched_to_gpu", (double)ctl->pages_fetched, "pages",
+                "higher", "hits (every one fetched)", (double)got);
+      bench_row(b, "trace_churn/wrong_bytes", (double)ctl->wrong_bytes, "bytes", "lower", NULL, -1);
+    }
     size_t nl = 0;
     double *dl = malloc(sizeof(double) * (size_t)leaves),
            *al = malloc(sizeof(double) * (size_t)leaves);
@@ -443,6 +731,7 @@ static int replay(bench_t *b) {
     bench_config_str(b, "trace", path);
     bench_config_int(b, "engines", E);
     bench_config_int(b, "leaves", leaves);
+    bench_config_str(b, "backend", gpu ? "cuda" : "host");
   }
   free(m.k);
   free(m.owner);
@@ -456,12 +745,13 @@ static int bench_domain(bench_t *b) {
   bool all = !part || strcmp(part, "all") == 0;
   if (all || strcmp(part, "latency") == 0) SKV_CHECK(latency(b));
   if (all || strcmp(part, "datapath") == 0) SKV_CHECK(datapath(b));
+  if (part && strcmp(part, "nvlink") == 0) SKV_CHECK(nvlink(b)); /* not in all: needs GPUs */
   if (all || strcmp(part, "trace") == 0) SKV_CHECK(replay(b));
   return bench_report(b);
 }
 
 static const bench_optspec_t domain_opts[] = {
-    {"--part", BENCH_CHOICE, "P", "all", "what to run", 0, 0, "all,latency,datapath,trace"},
+    {"--part", BENCH_CHOICE, "P", "all", "what to run", 0, 0, "all,latency,datapath,nvlink,trace"},
     {"--attaches", BENCH_INT, "N", "200", "attach/detach pairs timed (each role)", 1, 100000, NULL},
     {"--keys", BENCH_INT, "N", "64K", "keys looked up (chains of 64)", 64, 1ll << 24, NULL},
     {"--seconds", BENCH_REAL, "S", "0.5", "lookup time of one repetition", 0.01, 60, NULL},
@@ -475,6 +765,9 @@ static const bench_optspec_t domain_opts[] = {
     {"--leaves", BENCH_INT, "N", "8", "leave-and-rejoin events spread over the replay", 0, 1000,
      NULL},
     {"--requests", BENCH_INT, "N", "0", "requests of the trace (0: all)", 0, 1ll << 30, NULL},
+    {"--backend", BENCH_CHOICE, "B", "host",
+     "the replay's engine caches and pages: host, or cuda (GPUs, every hit fetched and checked)", 0,
+     0, "host,cuda"},
     BENCH_OPTS_END,
 };
 
