@@ -2,13 +2,17 @@
 symkv-run): a torch process group bootstraps symkv.torch, whose ops are compared with
 torch.distributed.all_reduce and an exact host reference on fresh random inputs.
 
-    pe_torch.py cpu|cuda [quick]
+    pe_torch.py cpu|cuda [quick] [inductor]
+
+quick: sizes up to 4 MiB (else one 64 MiB message too); inductor: compile with Inductor too
+(always on CUDA), beside aot_eager.
 
 cpu: gloo group, host backend. cuda: the CUDA backend on cuda:(LOCAL_RANK % GPUs); the
 reference all-reduce is NCCL when every rank has its own GPU, else gloo on CPU copies (NCCL
 refuses two ranks on one GPU). Prints "OK <rank>" at the end."""
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +22,7 @@ import symkv.torch as st
 
 where = sys.argv[1]
 quick = "quick" in sys.argv[2:]
+inductor = "inductor" in sys.argv[2:] or where == "cuda"
 rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 cuda = where == "cuda"
 if cuda:
@@ -33,8 +38,11 @@ else:
     dist.init_process_group("gloo")
 
 
+T0 = time.time()
+
+
 def log(*a):
-    print(rank, *a, flush=True)
+    print(rank, "%.1f s:" % (time.time() - T0), *a, flush=True)
 
 
 g = st.init(device=dev, timeout_ms=30000)
@@ -42,7 +50,8 @@ assert g.rank == rank and g.world_size == n, g
 assert st.default_group() is g
 
 DT = [torch.float32, torch.float16, torch.bfloat16]
-SIZES = [1, 7, 1000, 4097, 1 << 16, 1 << 20] + ([] if quick else [(64 << 20) // 4])
+SIZES = [1, 7, 1000, 4097, 1 << 16, 1 << 20]
+BIG = 64 << 20  # bytes: the largest message (max_bytes of the default Group)
 
 
 def fresh(numel, dtype, seed):
@@ -97,7 +106,9 @@ def sync():
 #    reference; every rank must hold the same bits.
 seed = 0
 for dtype in DT:
-    for numel in SIZES:
+    sizes = SIZES if quick or (not cuda and dtype != torch.bfloat16) else \
+        SIZES + [BIG // dtype.itemsize]
+    for numel in sizes:
         for op in (["sum", "max"] if numel < (1 << 20) else ["sum"]):
             seed += 1
             x = fresh(numel, dtype, seed)
@@ -177,7 +188,7 @@ a = fresh(4096, torch.bfloat16, 5)
 b = fresh(4096, torch.bfloat16, 6)
 b2 = b.clone()
 eager = f(a, b2)
-for backend in (["aot_eager", "inductor"] if cuda or not quick else ["aot_eager"]):
+for backend in (["aot_eager", "inductor"] if inductor else ["aot_eager"]):
     torch._dynamo.reset()
     fc = torch.compile(f, fullgraph=True, backend=backend)
     b3 = b.clone()
