@@ -73,12 +73,12 @@ def wait_ge(flag, value, timeout_ns):
     """Spin until this PE's int64 flag >= value (acquire: the signaller's earlier stores are
     visible after it), at most timeout_ns nanoseconds. Returns 1 when the value came, 0 on
     timeout (then the caller must not trust what it guards)."""
-    start = globaltimer(value)
+    start = globaltimer(flag)
     v = ld_acquire(flag)
     timed_out = 0
     while (v < value) & (timed_out == 0):
         v = ld_acquire(flag)
-        if globaltimer(value) - start > timeout_ns:
+        if globaltimer(flag) - start > timeout_ns:
             timed_out = 1
     return 1 - timed_out
 

@@ -31,7 +31,6 @@ if cuda:
     torch.cuda.set_device(dev)
     shared_gpu = n > ngpu
     dist.init_process_group("gloo" if shared_gpu else "nccl", device_id=None if shared_gpu else dev)
-    ref_group = dist.group.WORLD
 else:
     dev = torch.device("cpu")
     shared_gpu = False
