@@ -104,6 +104,9 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--overhead-calls", type=int, default=5000)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--symm-mem", choices=("auto", "on", "off"), default="auto",
+                    help="time torch's symm_mem one-shot (auto: only when every rank has its own "
+                    "GPU; on one shared GPU its spinning kernels may starve each other for good)")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     cuda = args.device == "cuda"
@@ -154,14 +157,24 @@ def main():
         fn(h, x.data_ptr(), y.data_ptr(), 1024, 3, 0, 0, 0, stream())
         return y
 
+    # the floor: an op with the same schema whose Python kernel does nothing (torch's dispatch
+    # into Python, which every Python-registered op pays)
+    nlib = torch.library.Library("symkv_bench", "DEF")
+    nlib.define("noop(Tensor(a!) x, int group, str op, str algo, int channel) -> ()")
+    for key in ("CPU", "CUDA"):
+        nlib.impl("noop", lambda x, gr, op, algo, ch: None, key)
+    noop = torch.ops.symkv_bench.noop
     t = host_us({"c": c_call, "c_alloc": c_call_alloc, "op_": lambda: ar_(x, gid, "sum", "auto", 0),
-                 "op": lambda: ar(x, gid, "sum", "auto", 0)}, args.overhead_calls, args.reps, sync)
+                 "op": lambda: ar(x, gid, "sum", "auto", 0),
+                 "noop": lambda: noop(x, gid, "sum", "auto", 0)}, args.overhead_calls, args.reps,
+                sync)
     tag = "%s/fp32/4KiB/%dpe" % (args.device, world)
     row("symkv/c_call/" + tag, t["c"])
     row("symkv/op_inplace/" + tag, t["op_"], "bare C call (ctypes)", t["c"])
     row("symkv/op/" + tag, t["op"], "bare C call + torch.empty_like", t["c_alloc"])
     row("symkv/overhead_inplace/" + tag, t["op_"] - t["c"], target=5.0)
     row("symkv/overhead_out_of_place/" + tag, t["op"] - t["c_alloc"], target=5.0)
+    row("torch/dispatch_to_python_noop/" + tag, t["noop"])
 
     if cuda:
         s = torch.cuda.Stream()
@@ -197,7 +210,8 @@ def main():
                 base_name = "dist.all_reduce (NCCL) in a CUDA graph"
                 row("torch/dist_all_reduce_graph/" + tg, base)
             one = float("nan")
-            if symm_mem is not None:
+            if symm_mem is not None and (args.symm_mem == "on" or
+                                         (args.symm_mem == "auto" and not shared)):
                 try:
                     inp = symm_mem.empty(numel, dtype=dtype, device=dev)
                     symm_mem.rendezvous(inp, group=dist.group.WORLD.group_name)
@@ -224,30 +238,40 @@ def main():
                 row("symkv/op_oneshot_graph/" + tg, one_g)
                 row("triton/oneshot_graph/" + tg, tri_g, "symkv op, algo=oneshot, in a graph",
                     one_g)
+            if rank == 0:
+                write_json(args, world, shared, rows, final=False)
 
     if rank == 0:
-        obj = {"bench": "torch-symkv", "host": socket.gethostname(),
-               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "command": " ".join(sys.argv),
-               "config": {"pes": world, "device": args.device, "shared_gpu": shared,
-                          "torch": torch.__version__, "reps": args.reps, "calls": args.calls},
-               "rows": rows}
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(obj, f, indent=1)
-        print("%-44s %10s unit  %-38s %10s %7s" % ("name", "value", "baseline", "baseline",
-                                                  "ratio"))
-        for r in rows:
-            if "baseline" in r:
-                print("%-44s %10.3f us    %-38s %10.3f %7.3f" % (
-                    r["name"], r["value"], r["baseline_name"], r["baseline"], r["ratio"] or 0))
-            else:
-                print("%-44s %10.3f us%s" % (r["name"], r["value"], "    (target <= %.1f)"
-                                             % r["target"] if "target" in r else ""))
+        write_json(args, world, shared, rows, final=True)
     g.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def write_json(args, world, shared, rows, final):
+    """The JSON so far (after every size: a later size that hangs loses nothing before it);
+    the table once at the end."""
+    obj = {"bench": "torch-symkv", "host": socket.gethostname(),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "command": " ".join(sys.argv),
+           "config": {"pes": world, "device": args.device, "shared_gpu": shared,
+                      "torch": torch.__version__, "reps": args.reps, "calls": args.calls},
+           "rows": rows}
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(obj, f, indent=1)
+    if not final:
+        return
+    print("%-44s %10s unit  %-38s %10s %7s" % ("name", "value", "baseline", "baseline",
+                                              "ratio"))
+    for r in rows:
+        if "baseline" in r:
+            print("%-44s %10.3f us    %-38s %10.3f %7.3f" % (
+                r["name"], r["value"], r["baseline_name"], r["baseline"], r["ratio"] or 0))
+        else:
+            print("%-44s %10.3f us%s" % (r["name"], r["value"], "    (target <= %.1f)"
+                                         % r["target"] if "target" in r else ""))
 
 
 if __name__ == "__main__":

@@ -72,8 +72,12 @@ run bench_overhead_cpu 240 python3 bench/torch_symkv.py --device cpu \
   --json-out "$OUT/torch_symkv_cpu_$kind.json"
 run bench_torch_symkv 540 trun 29631 bench/torch_symkv.py --sizes "${SKV_SIZES:-4K,64K,1M,4M}" \
   --json-out "$OUT/torch_symkv_$kind.json"
-grep -E "^(name|symkv|torch|triton)/?" "$OUT/bench_torch_symkv.log" "$OUT/bench_overhead_cpu.log" \
-  >> "$S" 2>/dev/null
+# torch's symm_mem one-shot beside the op, last and short: where the PEs share a GPU its kernels
+# spin without a timeout, and may starve each other for good (then this step's time limit ends it)
+run bench_symm_mem 150 trun 29641 bench/torch_symkv.py --sizes 4K,64K --symm-mem on --reps 5 \
+  --json-out "$OUT/torch_symkv_symm_mem_$kind.json"
+grep -hE "^(name|symkv|torch|triton)/?" "$OUT/bench_overhead_cpu.log" "$OUT/bench_torch_symkv.log" \
+  "$OUT/bench_symm_mem.log" >> "$S" 2>/dev/null
 
 if [ "$mps_started" = 1 ]; then echo quit | nvidia-cuda-mps-control; log "MPS: stopped"; fi
 log "done"
