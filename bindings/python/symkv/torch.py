@@ -125,6 +125,9 @@ class Group:
                          "dist.init_process_group first, or pass store=, rank= and world_size=")
             pg = group or dist.group.WORLD
             rank = dist.get_rank(pg)
+            if rank < 0:
+                _invalid("symkv.torch.Group: this process (global rank %d) is not in the group"
+                         % dist.get_rank())
             world_size = dist.get_world_size(pg)
             name = getattr(pg, "group_name", None) or "default"
             base = dist.distributed_c10d._get_default_store()

@@ -56,9 +56,11 @@ def exchange(src, sym, mine, got, flags, bflags, my_pe, npes, stride, fstride, e
 
 
 @triton.jit
-def barrier_then_wait_forever(flag, bflags, my_pe, fstride, epoch, timeout_ns, ok_out,
+def barrier_then_wait_forever(flag, bflags, my_pe, fstride, epoch, btimeout_ns, timeout_ns,
+                              ok_out,
                               NPES: tl.constexpr):
-    ok1 = skt.barrier(bflags, epoch, my_pe, fstride, timeout_ns, NPES)
+    # the barrier may wait for a peer still compiling this kernel: a long timeout there
+    ok1 = skt.barrier(bflags, epoch, my_pe, fstride, btimeout_ns, NPES)
     ok2 = skt.wait_ge(flag, epoch + 1000000, timeout_ns)  # nobody signals this value
     tl.store(ok_out, ok1 * 2 + ok2)
 
@@ -90,12 +92,12 @@ ok = torch.full((1,), -1, dtype=torch.int32, device=dev)
 t0 = torch.cuda.Event(enable_timing=True)
 t1 = torch.cuda.Event(enable_timing=True)
 t0.record()
-barrier_then_wait_forever[(1,)](flags[24:], flags[16:], rank, g.stride // 8, 1, 20 * 10 ** 6,
-                                ok, NPES=n)
+barrier_then_wait_forever[(1,)](flags[24:], flags[16:], rank, g.stride // 8, 1, 10 ** 10,
+                                20 * 10 ** 6, ok, NPES=n)
 t1.record()
 torch.cuda.synchronize()
 assert ok.item() == 2, ("barrier ok, then a timed-out wait", ok.item())
-assert 15 <= t0.elapsed_time(t1) < 5000, t0.elapsed_time(t1)
+assert 15 <= t0.elapsed_time(t1) < 60000, t0.elapsed_time(t1)  # includes the JIT compile
 print(rank, "barrier and wait timeout ok (%.1f ms)" % t0.elapsed_time(t1), flush=True)
 
 ar = skt.AllReduce(g, max_bytes=4 << 20, blocks=8)
