@@ -18,9 +18,11 @@ CUDA rows (bf16, microseconds per call, slowest rank, median of --reps):
   torch/symm_mem_one_shot_graph       torch.ops.symm_mem.one_shot_all_reduce in a graph
   triton/oneshot_graph                symkv.triton.AllReduce in a graph; baseline: the op with
                                       algo="oneshot" in a graph
-Overhead rows (both devices): host microseconds per call of the in-place op and of the
-out-of-place op, against the bare C call (and the C call plus torch.empty_like), interleaved
-rounds, median; target: the in-place op at most 5 us over the C call (issue 20).
+Overhead rows (both devices): host microseconds per call of the in-place and out-of-place op
+through torch.ops (torch's dispatch into the Python kernel), through the Python API
+(Group.all_reduce_ / all_reduce: the kernel called directly in plain eager mode), and of a no-op
+Python-kernel op (the dispatch floor), against the bare C call (plus torch.empty_like for the
+out-of-place ones), interleaved rounds, median; target: at most 5 us over the C call (issue 20).
 """
 import os
 
@@ -166,14 +168,19 @@ def main():
     noop = torch.ops.symkv_bench.noop
     t = host_us({"c": c_call, "c_alloc": c_call_alloc, "op_": lambda: ar_(x, gid, "sum", "auto", 0),
                  "op": lambda: ar(x, gid, "sum", "auto", 0),
-                 "noop": lambda: noop(x, gid, "sum", "auto", 0)}, args.overhead_calls, args.reps,
-                sync)
+                 "noop": lambda: noop(x, gid, "sum", "auto", 0),
+                 "api_": lambda: g.all_reduce_(x), "api": lambda: g.all_reduce(x)},
+                args.overhead_calls, args.reps, sync)
     tag = "%s/fp32/4KiB/%dpe" % (args.device, world)
     row("symkv/c_call/" + tag, t["c"])
     row("symkv/op_inplace/" + tag, t["op_"], "bare C call (ctypes)", t["c"])
     row("symkv/op/" + tag, t["op"], "bare C call + torch.empty_like", t["c_alloc"])
+    row("symkv/api_inplace/" + tag, t["api_"], "bare C call (ctypes)", t["c"])
+    row("symkv/api/" + tag, t["api"], "bare C call + torch.empty_like", t["c_alloc"])
     row("symkv/overhead_inplace/" + tag, t["op_"] - t["c"], target=5.0)
     row("symkv/overhead_out_of_place/" + tag, t["op"] - t["c_alloc"], target=5.0)
+    row("symkv/overhead_api_inplace/" + tag, t["api_"] - t["c"], target=5.0)
+    row("symkv/overhead_api_out_of_place/" + tag, t["api"] - t["c_alloc"], target=5.0)
     row("torch/dispatch_to_python_noop/" + tag, t["noop"])
 
     if cuda:

@@ -204,12 +204,18 @@ class Group:
         self._fn(self._h, x.data_ptr(), out.data_ptr(), n, dt, o, a, channel, stream)
 
     def all_reduce(self, x, op="sum", algo="auto", channel=0):
-        """A new tensor: op over the group's ranks of x (torch.ops.symkv.all_reduce)."""
+        """A new tensor: op over the group's ranks of x (torch.ops.symkv.all_reduce; in plain
+        eager mode its kernel is called directly, see _eager)."""
+        if _eager(x):
+            return _all_reduce(x, self.id, op, algo, channel)
         return torch.ops.symkv.all_reduce(x, self.id, op, algo, channel)
 
     def all_reduce_(self, x, op="sum", algo="auto", channel=0):
         """x reduced in place (torch.ops.symkv.all_reduce_); returns x."""
-        torch.ops.symkv.all_reduce_(x, self.id, op, algo, channel)
+        if _eager(x):
+            _all_reduce_(x, self.id, op, algo, channel)
+        else:
+            torch.ops.symkv.all_reduce_(x, self.id, op, algo, channel)
         return x
 
     # -- symmetric tensors ---------------------------------------------------------------------
@@ -396,15 +402,29 @@ def _all_reduce__fake(x, group, op="sum", algo="auto", channel=0):
     return None
 
 
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def _eager(x):
+    """Whether calling the op's kernel directly is exactly what torch.ops would run: a plain
+    tensor, no autograd to record, not under torch.compile (Dynamo traces the torch.ops call:
+    is_compiling() is True there), no dispatch mode (make_fx, FakeTensorMode,
+    functionalisation) and no functorch transform. Saves torch's dispatch into a Python
+    kernel (docs/python.md, "Overhead")."""
+    return (not _is_compiling() and type(x) is torch.Tensor and not _dispatch_modes()
+            and not (x.requires_grad and torch.is_grad_enabled()) and not _functorch_active())
+
+
 def all_reduce(x, op="sum", algo="auto", channel=0, group=None):
     """torch.ops.symkv.all_reduce on `group` (default: the first Group made)."""
-    return torch.ops.symkv.all_reduce(x, (group or default_group()).id, op, algo, channel)
+    return (group or default_group()).all_reduce(x, op, algo, channel)
 
 
 def all_reduce_(x, op="sum", algo="auto", channel=0, group=None):
     """torch.ops.symkv.all_reduce_ (in place); returns x."""
-    torch.ops.symkv.all_reduce_(x, (group or default_group()).id, op, algo, channel)
-    return x
+    return (group or default_group()).all_reduce_(x, op, algo, channel)
 
 
 # -- vLLM's custom all-reduce slot -------------------------------------------------------------
@@ -442,14 +462,13 @@ class CustomAllreduce:
         """The sum over ranks as a new tensor, or None when this all-reduce is not for us."""
         if self.disabled or not self.should_custom_ar(input):
             return None
-        return torch.ops.symkv.all_reduce(input, self.group.id, "sum", self.algo, 0)
+        return self.group.all_reduce(input, "sum", self.algo)
 
     def all_reduce(self, inp, out=None, registered=False):
         if out is None:
-            return torch.ops.symkv.all_reduce(inp, self.group.id, "sum", self.algo, 0)
+            return self.group.all_reduce(inp, "sum", self.algo)
         out.copy_(inp)
-        torch.ops.symkv.all_reduce_(out, self.group.id, "sum", self.algo, 0)
-        return out
+        return self.group.all_reduce_(out, "sum", self.algo)
 
     @contextlib.contextmanager
     def capture(self):

@@ -204,6 +204,12 @@ fc(a, b.clone())
 assert len(seen) == 1 and "symkv.all_reduce" in seen[0] and "symkv.all_reduce_" in seen[0], seen
 want_h = exact(gather_cpu(a * 2 + b), "sum")
 assert same_bits(eager[1].cpu(), want_h) and same_bits(eager[2].cpu(), exact(gather_cpu(b), "max"))
+# the Python API calls the kernel directly only in plain eager mode: under make_fx (a dispatch
+# mode) it must still record the ops
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+gm = make_fx(lambda p, q: (st.all_reduce(p), st.all_reduce_(q)), tracing_mode="fake")(a, b.clone())
+traced = [str(nd.target) for nd in gm.graph.nodes]
+assert "symkv.all_reduce.default" in traced and "symkv.all_reduce_.default" in traced, traced
 log("compile ok")
 
 # 4. CUDA graphs: capture, replay on fresh inputs, same bits as eager
