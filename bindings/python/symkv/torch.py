@@ -136,7 +136,8 @@ class Group:
                 _invalid("symkv.torch.Group: store= needs rank= and world_size=")
             name, base = "store", store
         with _seq_lock:
-            key = (id(base), name)
+            # a process group's name is unique in the job; a store given is held by the caller
+            key = ("pg", name) if store is None else (id(store), name)
             n = _seq.get(key, 0)
             _seq[key] = n + 1
         st = dist.PrefixStore("symkv/%s/%d/" % (name, n), base)
