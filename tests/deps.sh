@@ -5,7 +5,8 @@
 # python3-venv is installed when python3 lacks it), never into the system's or the active python3.
 # Usage: tests/deps.sh [--python all|plot|none]
 #   all (default): pytest, numpy, xxhash (the bindings' tests), matplotlib (symkv-bench --plot);
-#                  torch too with SKV_WITH_TORCH=1 (about 5 GB, for 3 CPU-tensor tests; README)
+#                  torch and triton too with SKV_WITH_TORCH=1 (about 5 GB: symkv.torch's and
+#                  symkv.triton's CPU tests, the CPU-tensor tests; README; .ci/run sets it)
 #   plot:          matplotlib only (bench/run.sh --plot)
 #   none:          no Python packages (also SKV_WITH_PYTHON_DEPS=0)
 set -euo pipefail
@@ -56,9 +57,15 @@ if [ -n "$need" ]; then
   echo "installing Python packages into $venv:$need"
   "$py" -m pip install -q --disable-pip-version-check $need
 fi
-# torch: only the bindings' 3 CPU-tensor tests need it here (the CUDA-tensor ones need a GPU);
-# PyPI's wheel brings about 5 GB of CUDA libraries, so it is opt-in (README, "The two commands").
-if [ "$python" = all ] && [ "${SKV_WITH_TORCH:-0}" = 1 ] && ! "$py" -c "import torch" 2>/dev/null; then
-  echo "installing Python packages into $venv: torch (about 5 GB)"
-  "$py" -m pip install -q --disable-pip-version-check torch
+# torch (with the triton its Linux wheel depends on): symkv.torch's ops on CPU tensors (gloo
+# groups, torch.compile), symkv.triton's kernels compiled for sm_90 without a GPU, and the
+# CPU-tensor tests; PyPI's wheel brings about 5 GB of CUDA libraries, so it is opt-in (README,
+# "The two commands"); .ci/run opts in.
+if [ "$python" = all ] && [ "${SKV_WITH_TORCH:-0}" = 1 ]; then
+  need=""
+  for m in torch triton; do "$py" -c "import $m" 2>/dev/null || need="$need $m"; done
+  if [ -n "$need" ]; then
+    echo "installing Python packages into $venv:$need (about 5 GB)"
+    "$py" -m pip install -q --disable-pip-version-check $need
+  fi
 fi

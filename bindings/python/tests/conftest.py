@@ -114,3 +114,45 @@ def torch_or_skip(cuda=False):
     if cuda and not torch.cuda.is_available():
         pytest.skip("no CUDA device visible to torch")
     return torch
+
+
+def run_torch_pes(n, script, *args, env=None, timeout=240):
+    """Run `python3 script args` on n processes with torch.distributed's environment (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), as torchrun sets it: no symkv-run.
+    Returns a PEResult whose lines are prefixed "[rank] " like symkv-run's."""
+    import threading
+    e = dict(os.environ)
+    e.pop("SKV_RUN", None)
+    e["PYTHONPATH"] = PKG + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONUNBUFFERED"] = "1"
+    e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
+    if env:
+        e.update(env)
+    path = script if os.path.isabs(script) else os.path.join(PE_DIR, script)
+    procs = []
+    for r in range(n):
+        pe = dict(e, RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n))
+        procs.append(subprocess.Popen([sys.executable, path, *map(str, args)], env=pe,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [None] * n
+
+    def collect(r):
+        try:
+            outs[r] = procs[r].communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            procs[r].kill()
+            o, err = procs[r].communicate()
+            outs[r] = (o, err + "\n[timed out after %d s]" % timeout)
+    threads = [threading.Thread(target=collect, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    class _P:
+        returncode = max((abs(p.returncode) for p in procs), default=0)
+        stdout = "".join("".join("[%d] %s\n" % (r, l) for l in outs[r][0].splitlines())
+                         for r in range(n))
+        stderr = "".join("".join("[%d] %s\n" % (r, l) for l in outs[r][1].splitlines())
+                         for r in range(n))
+    return PEResult(_P, n)

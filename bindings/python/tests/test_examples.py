@@ -52,6 +52,11 @@ BLOCKS = {
     ("docs/python.md", "comm = ctx.comm(backend=\"host\")            # collective; backend=\"cuda\" for torch CUDA tensors"):
         "NOT RUN: an API overview with placeholders (x, n, pe, slot, value); test_comm.py calls "
         "each method",
+    ("docs/python.md", "# torch_example.py"): "test_torch_example",
+    ("docs/python.md", "torchrun --nproc-per-node 2 torch_example.py"): "test_torch_example",
+    ("docs/python.md", "SKV_LIBRARY=build/libsymkv.so .venv/bin/python3 bench/torch_symkv.py --device cpu"):
+        "test_torch_bench_command",
+    ("docs/comm.md", "import triton"): "test_comm_triton_example",
     ("docs/python.md", "tests/run.sh                                   # builds, runs the C suites, then these"):
         "test_python_pytest_command",
     ("docs/connector.md", "build/symkv-run -n 4 -- python3 connector_example.py   # SKV_LIBRARY=build/libsymkv.so, PYTHONPATH=bindings/python (or pip install ./bindings/python)"):
@@ -362,3 +367,42 @@ def test_workloads_commands(tmp_path):
 def _workloads_sample():
     doc = open(os.path.join(REPO, "docs", "workloads.md")).read()
     return re.search(r"^```\n(trace: 3993 requests.*?)^```$", doc, re.M | re.S).group(1)
+
+
+def test_torch_example(tmp_path):
+    pytest.importorskip("torch", reason="torch is not installed")
+    code, _ = block("docs/python.md", "# torch_example.py")
+    cmd, sample = block("docs/python.md", "torchrun --nproc-per-node 2 torch_example.py")
+    (tmp_path / "torch_example.py").write_text(code)
+    r = sh(cmd, str(tmp_path), PYTHONPATH=PKG, timeout=240)
+    assert r.returncode == 0, r
+    want = set(sample.splitlines())
+    # the two ranks share torchrun's stdout: a print writes the text, then the newline, so one
+    # rank's line can run into the other's
+    got = set(re.findall(r"[01](?: \[[0-9., ]+\]){3} \d\.\d", r.stdout))
+    assert got == want, r.stdout + r.stderr
+
+
+def test_torch_bench_command():
+    pytest.importorskip("torch", reason="torch is not installed")
+    need_build()
+    cmd, _ = block("docs/python.md", "SKV_LIBRARY=build/libsymkv.so .venv/bin/python3 "
+                   "bench/torch_symkv.py --device cpu")
+    r = sh(cmd.strip() + " --reps 3 --overhead-calls 500", REPO, timeout=240)
+    assert r.returncode == 0, r
+    assert "symkv/overhead_inplace/cpu/fp32/4KiB/1pe" in r.stdout, r.stdout
+
+
+def test_comm_triton_example():
+    pytest.importorskip("torch", reason="torch is not installed")
+    triton = pytest.importorskip("triton", reason="triton is not installed")
+    code, _ = block("docs/comm.md", "import triton")
+    g = {}
+    exec(compile(code, "docs/comm.md", "exec"), g)
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {"x": "*bf16", "sym": "*bf16", "flags": "*i64", "my_pe": "i32", "npes": "i32",
+           "stride": "i64", "fstride": "i64", "epoch": "i64", "out": "*fp32", "BLOCK": "constexpr"}
+    k = triton.compile(ASTSource(g["ring_sum"], sig, constexprs={"BLOCK": 1024}),
+                       target=GPUTarget("cuda", 90, 32))
+    assert "ld.acquire.sys.global.u64" in k.asm["ptx"]
