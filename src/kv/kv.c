@@ -64,7 +64,7 @@ static int backend_init(skv_kv_t *kv) {
   if (kv->data->info.backend == SKV_BACKEND_HOST) return 0; /* no GPU involved, none touched */
   skv__kvc_params_t p = {
       kv->ctx,    kv->data, &kv->geom, kv->page_bytes, kv->page_stride, (uint32_t)kv->pool.pages,
-      batch_done, kv};
+      batch_done, kv,       &kv->prof};
   return skv__kvc_create(&p, &kv->cuda);
 }
 #endif
@@ -525,9 +525,9 @@ static inline uint32_t b_page(const skv__kv_batch_t *b, size_t i) {
 /* Pin every page of the batch, or none: SKV_ESTALE naming the first stale reference. */
 static int pin_all(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t *refs,
                    const char *fn) {
-  for (size_t i = 0; i < b->n; i++) {
-    if (skv__pool_pin(&kv->pool, b_pe(b, i), b_page(b, i), refs[i].gen) == 0) continue;
-    for (size_t j = 0; j < i; j++) (void)skv__pool_unpin(&kv->pool, b_pe(b, j), b_page(b, j));
+  size_t i = 0;
+  if (skv__pool_pin_n(&kv->pool, b->pe, b->pe_step, b->page, b->page_step, &refs[0].gen, 4, b->n,
+                      &i) != 0) {
     __atomic_add_fetch(&kv->stale, 1, __ATOMIC_RELAXED);
     return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
                     "%s: reference %zu (PE %u, page %u, generation %u) is stale: the page was "
@@ -540,13 +540,9 @@ static int pin_all(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t 
 
 /* Release the fetch's pins of pages [from, to) of the batch, and the caller's with `caller`. */
 static int release(skv_kv_t *kv, const skv__kv_batch_t *b, size_t from, size_t to, bool caller) {
-  int rc = 0;
-  for (size_t i = from; i < to; i++) {
-    int r = skv__pool_unpin(&kv->pool, b_pe(b, i), b_page(b, i));
-    if (r == 0 && caller) r = skv__pool_unpin(&kv->pool, b_pe(b, i), b_page(b, i));
-    if (r && !rc) rc = r;
-  }
-  return rc;
+  if (from >= to) return 0;
+  return skv__pool_unpin_n(&kv->pool, b->pe + from * b->pe_step, b->pe_step,
+                           b->page + from * b->page_step, b->page_step, to - from, caller ? 2 : 1);
 }
 
 /* The last steps for one of this PE's pages just written with `key`'s data: READY, index
@@ -577,8 +573,14 @@ static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
 /* A stream-ordered copy completed: the steps the synchronous copies take at once. */
 static int batch_done(void *arg, const skv__kv_batch_t *b) {
   skv_kv_t *kv = arg;
-  if (b->dir == SKV__KV_FETCH) return release(kv, b, 0, b->n, b->unpin_caller);
+  const uint64_t t = skv__kp_now(&kv->prof);
+  if (b->dir == SKV__KV_FETCH) {
+    int rc = release(kv, b, 0, b->n, b->unpin_caller);
+    (void)skv__kp_lap(&kv->prof, SKV__KP_RELEASE, t);
+    return rc;
+  }
   for (size_t i = 0; i < b->n; i++) publish_finish(kv, b_page(b, i), b->keys[i]);
+  (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return 0;
 }
 
@@ -664,12 +666,15 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
                         int path, uint32_t flags, const skv_layout_t *dst,
                         const uint64_t *block_ids, void *stream, const char *fn) {
   const size_t n = b->n;
+  skv__kv_prof_t *P = &kv->prof;
+  uint64_t t = skv__kp_now(P);
 #ifdef SKV_WITH_CUDA
   if (path != PATH_HOST) {
     bool capturing;
     SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing));
     if (capturing) return capture_fetch(kv, b, refs, path, flags, dst, block_ids, stream, fn);
     if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, dst, SKV__KV_FETCH, fn));
+    t = skv__kp_lap(P, SKV__KP_BEGIN, t);
   }
 #else
   SKV_UNUSED(flags);
@@ -692,6 +697,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
         fn, bad, refs[bad].pe, refs[bad].page);
   const uint64_t revoked0 = skv__pool_revoked(&kv->pool);
   SKV_CHECK(pin_all(kv, b, refs, fn));
+  t = skv__kp_lap(P, SKV__KP_PIN, t);
 #ifdef SKV_WITH_CUDA
   if (path == PATH_DEVICE) {
     size_t queued = 0;
@@ -701,6 +707,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
   }
 #endif
   int rc = copy_sync_fetch(kv, b, path, dst, block_ids, stream, fn);
+  t = skv__kp_lap(P, SKV__KP_COPY, t);
   /* This process stopped inside the copy for longer than its lease and an evictor revoked pins
    * of ours meanwhile: a page may have been rewritten under the copy (pool.h, Leases). */
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -711,6 +718,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
                   "reused: the destination's contents are undefined; look the keys up again",
                   fn, (unsigned long long)kv->pool.lease_ms);
   int r2 = release(kv, b, 0, n, b->unpin_caller && rc == 0);
+  (void)skv__kp_lap(P, SKV__KP_RELEASE, t);
   return rc ? rc : r2;
 }
 
@@ -718,6 +726,7 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
                  const uint64_t *block_ids, uint32_t flags, void *stream) {
   const char *fn = "skv_kv_fetch";
   KV_CHECK_NULL(kv, "skv_kv_fetch");
+  const uint64_t t0 = skv__kp_now(&kv->prof);
   SKV_CHECK(check_refs(kv, refs, n, fn));
   SKV_CHECK(check_layout(kv, dst, block_ids, n, fn));
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_FETCH_UNPIN) == 0, SKV_SUBSYS_KV,
@@ -729,8 +738,10 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   const bool unpin = (flags & SKV_FETCH_UNPIN) != 0;
   const skv__kv_batch_t b = {SKV__KV_FETCH, n, &refs[0].pe, 4, &refs[0].page, 4, NULL, unpin};
   SKV_CHECK(map_begin(kv, &b));
+  (void)skv__kp_lap(&kv->prof, SKV__KP_CHECK, t0);
   int rc = fetch_mapped(kv, &b, refs, path, flags, dst, block_ids, stream, fn);
   map_end(kv);
+  (void)skv__kp_lap(&kv->prof, SKV__KP_CALL, t0);
   return rc;
 }
 
@@ -743,6 +754,7 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   const uint32_t me = (uint32_t)kv->pool.me, m = src->blocks_per_page;
   const uint64_t pb = kv->page_bytes;
   int rc = 0;
+  uint64_t t = skv__kp_now(&kv->prof);
   for (size_t q = 0; q < k; q++) {
     void *to = path == PATH_HOST ? skv__kv_page(kv, me, pages[q]) : buf + q * pb;
     skv__copy_blocks_to_page(src, to, block_ids + idx[q] * m, nt);
@@ -756,12 +768,14 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
 #else
   SKV_UNUSED(stream), SKV_UNUSED(fn);
 #endif
+  t = skv__kp_lap(&kv->prof, SKV__KP_COPY, t);
   for (size_t q = 0; q < k; q++) {
     if (rc)
       skv__pool_release(&kv->pool, pages[q]);
     else
       *inserted += (size_t)publish_finish(kv, pages[q], keys[idx[q]]);
   }
+  (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return rc;
 }
 
@@ -770,6 +784,8 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
                    size_t *ninserted) {
   const char *fn = "skv_kv_publish";
   KV_CHECK_NULL(kv, "skv_kv_publish");
+  skv__kv_prof_t *P = &kv->prof;
+  const uint64_t t0 = skv__kp_now(P);
   if (ninserted) *ninserted = 0;
   SKV_CHECK(check_ns(kv, ns, fn));
   SKV_CHECK(check_keys(keys, n, fn));
@@ -783,6 +799,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   tidy(kv);
   int path;
   SKV_CHECK(choose_path(kv, src, &path, fn));
+  uint64_t t = skv__kp_lap(P, SKV__KP_CHECK, t0);
   size_t chunk = 1; /* pages allocated, copied and finished together */
 #ifdef SKV_WITH_CUDA
   if (path != PATH_HOST) {
@@ -796,6 +813,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
                       fn);
     if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, src, SKV__KV_PUBLISH, fn));
     chunk = path == PATH_DEVICE ? n : SKV_MIN(n, skv__kvc_stage_pages(kv->cuda));
+    t = skv__kp_lap(P, SKV__KP_BEGIN, t);
   }
 #endif
   uint32_t page1;
@@ -810,16 +828,21 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   const bool nt = path == PATH_HOST && (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
   size_t inserted = 0;
   for (size_t i = 0; i < n && rc == 0;) {
-    size_t k = 0;
+    size_t k = 0, got = 0;
+    t = skv__kp_now(P);
     for (; i < n && k < chunk; i++) {
       uint64_t val;
-      if (skv__index_lookup(&kv->index, keys[i], &val) == 0) continue; /* cached already */
+      if (skv__index_lookup(&kv->index, keys[i], &val) != 0) idx[k++] = i; /* not cached yet */
+    }
+    t = skv__kp_lap(P, SKV__KP_LOOKUP, t);
+    for (; got < k; got++) {
       uint32_t gen;
       uint64_t ev = 0;
-      rc = skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &pages[k], &gen, &ev);
+      rc = skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &pages[got], &gen, &ev);
       if (rc) break; /* what was allocated is still published */
-      idx[k++] = i;
     }
+    t = skv__kp_lap(P, SKV__KP_ALLOC, t);
+    k = got;
     if (k == 0) break;
     int r = 0;
     if (path != PATH_DEVICE) {
@@ -845,6 +868,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   free(pkeys);
   free(buf);
   if (ninserted) *ninserted = inserted;
+  (void)skv__kp_lap(P, SKV__KP_CALL, t0);
   return rc;
 }
 
@@ -858,7 +882,10 @@ int skv_kv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted) {
 int skv_kv_sync(skv_kv_t *kv) {
   KV_CHECK_NULL(kv, "skv_kv_sync");
 #ifdef SKV_WITH_CUDA
-  return skv__kvc_sync(kv->cuda);
+  const uint64_t t = skv__kp_now(&kv->prof);
+  int rc = skv__kvc_sync(kv->cuda);
+  (void)skv__kp_lap(&kv->prof, SKV__KP_SYNC, t);
+  return rc;
 #else
   return 0;
 #endif

@@ -7,6 +7,7 @@
 #include "heap/heap.h"
 #include "kv/keys.h"
 #include "kv/kv_cuda.h"
+#include "kv/kv_prof.h"
 #include "index/index.h"
 #include "kv/layout.h"
 #include "pool/pool.h"
@@ -26,6 +27,7 @@ struct skv_kv {
   skv__domain_t *domain; /* an attached cache's domain (skv_kv_attach), else NULL */
   /* this PE's counters */
   uint64_t lookups, lookup_hits, published, deduplicated, evicted, stale, index_full;
+  skv__kv_prof_t prof; /* where the data path's time goes (off unless switched on) */
 };
 
 /* Address of a page (host-visible for host heaps, device address for cuda heaps). */

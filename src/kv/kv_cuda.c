@@ -148,17 +148,21 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
   skv__kvc_plan_t pl;
   SKV_CHECK(skv__kvc_plan(kc, lay, b->dir, &pl, fn));
   const uint32_t m = lay->blocks_per_page;
+  skv__kv_prof_t *P = kc->p.prof;
   for (size_t off = 0; off < b->n; off += pl.ppl) {
     uint32_t k = (uint32_t)SKV_MIN((size_t)pl.ppl, b->n - off);
     skv__kvc_slot_t *s;
+    uint64_t t = skv__kp_now(P);
     SKV_CHECK(skv__kvc_slot_get(kc, &s, fn));
+    t = skv__kp_lap(P, SKV__KP_SLOT, t);
     s->unpin_caller = b->unpin_caller;
-    if (b->keys)
-      for (uint32_t j = 0; j < k; j++) s->keys[j] = b->keys[off + j];
+    if (b->keys) memcpy(s->keys, b->keys + off, k * sizeof *s->keys);
     skv__kvc_fill(s, &pl, lay, b, off, k, idx ? block_ids : block_ids + off * m,
                   idx ? idx + off : NULL);
+    t = skv__kp_lap(P, SKV__KP_STAGE, t);
     bool consumed;
     int rc = skv__kvc_enqueue(kc, s, &pl, stream, &consumed, fn);
+    (void)skv__kp_lap(P, SKV__KP_LAUNCH, t);
     if (consumed) *queued = off + k;
     if (rc) {
       if (!consumed) skv__kvc_slot_put(kc, s);

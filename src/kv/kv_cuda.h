@@ -9,6 +9,7 @@
 #include "kv/layout.h"
 
 #include "kernels/kv_copy.h"
+#include "kv/kv_prof.h"
 
 /* A batch of pages: page i is (pe[i * pe_step], page[i * page_step]) (a step of 0 repeats one
  * value: publish passes its own PE so). What a stream-ordered copy hands back to the protocol
@@ -43,6 +44,7 @@ typedef struct skv__kvc_params {
   uint32_t pages_per_pe;
   skv__kv_done_cb done;
   void *done_arg;
+  skv__kv_prof_t *prof; /* the cache's phase counters */
 } skv__kvc_params_t;
 
 /* Argument slots, the completion thread, the kernels loaded. */

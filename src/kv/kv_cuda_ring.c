@@ -82,7 +82,9 @@ static void slot_complete_locked(skv__kvc_t *kc, skv__kvc_slot_t *s) {
   if (kc->closed) return; /* the cache is gone: nothing left to update */
   const uint32_t *pp = (const uint32_t *)(s->args + s->refs_off);
   skv__kv_batch_t b = {s->dir, s->n, pp, 2, pp + 1, 2, s->keys, s->unpin_caller};
+  const uint64_t t = skv__kp_now(kc->p.prof);
   int r = kc->p.done(kc->p.done_arg, &b);
+  (void)skv__kp_lap(kc->p.prof, SKV__KP_COMPLETE, t);
   if (r) note_err_locked(kc, r);
 }
 

@@ -168,6 +168,15 @@ uint64_t skv__pool_revoked(const skv__pool_t *p);
  * READY with that generation. */
 int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
 int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page);
+/* The same for page i = (pe[i * pe_step], page[i * page_step]) of a batch, at generation
+ * gen[i * gen_step]: all or none (the first failure, with *bad its index, after the pins taken
+ * were released). */
+int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
+                    size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, size_t *bad);
+/* Release `times` (1 or 2) pins on every page of a batch; every page is tried, the first failure
+ * returned. */
+int skv__pool_unpin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
+                      size_t page_step, size_t n, int times);
 
 /* Does this PE hold a pin on page `page` of PE `pe` at generation `gen`? 0 when it does,
  * SKV_ENOTFOUND when it holds none there, SKV_ESTALE when its pin is on another generation. */
