@@ -28,9 +28,10 @@ typedef struct skv__kv_batch {
 enum { SKV__KV_FETCH = 0, SKV__KV_PUBLISH = 1 }; /* = SKV_KV_COPY_FETCH, _PUBLISH */
 
 /* The protocol's step after a stream-ordered copy completed (release the fetch's pins, or make
- * the published pages READY and index them). Called once per copy, with the backend's lock held,
- * from the completion thread or a caller's thread; returns 0 or the first failure (kept for
- * skv__kvc_sync). Never called after skv__kvc_destroy began. */
+ * the published pages READY and index them). Called once per launch, without the backend's
+ * lock, from the completion thread or a caller's thread (two launches' steps may run at once);
+ * returns 0 or the first failure (kept for skv__kvc_sync). Never called after skv__kvc_destroy
+ * began. */
 typedef int (*skv__kv_done_cb)(void *arg, const skv__kv_batch_t *done);
 
 typedef struct skv__kvc skv__kvc_t;
