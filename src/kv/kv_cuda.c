@@ -56,6 +56,7 @@ int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out) {
   kc->device = p->ctx->device;
   kc->npes = (uint32_t)p->heap->info.npes;
   kc->me = (uint32_t)p->heap->info.my_pe;
+  kc->this_gpu = p->heap->gpu_same_pes | 1ull << kc->me;
   SKV_CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&kc->sms, cudaDevAttrMultiProcessorCount, kc->device),
                       SKV_SUBSYS_KV, rc, fail);
   SKV_CUDA_CHECK_GOTO((cudaError_t)skv__kv_copy_preload(), SKV_SUBSYS_KV, rc, fail);
