@@ -476,11 +476,14 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
 
 enum { PATH_HOST, PATH_STAGED, PATH_DEVICE };
 
-/* Device publish: pages per launch. A batch of more is published launch by launch: the pages
- * of the next launch are looked up and allocated (the caller's thread) while the previous
- * launches copy (the GPU) and are completed, their keys inserted (the completion thread), where
- * one launch of the whole batch did the three one after the other (publish_e2e/64KiB/x1024 on
- * one H100 was 0.088 x cudaMemcpyAsync + sync, nearly all of it host work per page). */
+/* Device publish: pages per launch, PUB_CHUNK or a quarter of the batch, whichever is more. A
+ * larger batch is published launch by launch: the pages of the next launch are looked up and
+ * allocated (the caller's thread) while the previous launches copy (the GPU) and are completed,
+ * their keys inserted (the completion thread), where one launch of the whole batch did the three
+ * one after the other (publish_e2e/64KiB/x1024 on one H100 was 0.088 x cudaMemcpyAsync + sync,
+ * nearly all of it host work per page). At most 4 launches more than one per argument slot's
+ * worth of pages: a publish takes few of the 8 ring slots, so it does not wait for the stream
+ * where it did not before. */
 #define PUB_CHUNK 256
 /* Keys ahead whose index home slot is prefetched while one is looked up (misses of a
  * publish's keys are independent: their memory latencies overlap). */
@@ -825,7 +828,8 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
                       "(it is stream-ordered)",
                       fn);
     if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, src, SKV__KV_PUBLISH, fn));
-    chunk = SKV_MIN(n, path == PATH_DEVICE ? PUB_CHUNK : skv__kvc_stage_pages(kv->cuda));
+    chunk = SKV_MIN(n, path == PATH_DEVICE ? SKV_MAX((size_t)PUB_CHUNK, (n + 3) / 4)
+                                           : skv__kvc_stage_pages(kv->cuda));
     t = skv__kp_lap(P, SKV__KP_BEGIN, t);
   }
 #endif
@@ -835,10 +839,12 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   const bool on_stack = chunk <= PUB_CHUNK; /* no allocation per call */
   uint32_t *pages = on_stack ? pages_s : malloc(chunk * sizeof *pages);
   size_t *idx = on_stack ? idx_s : malloc(chunk * sizeof *idx);
-  skv_key_t *pkeys = path == PATH_DEVICE ? pkeys_s : NULL; /* device chunks: PUB_CHUNK at most */
+  skv_key_t *pkeys = path != PATH_DEVICE ? NULL
+                     : on_stack          ? pkeys_s
+                                         : malloc(chunk * sizeof *pkeys);
   char *buf = path == PATH_STAGED ? malloc(chunk * kv->page_bytes) : NULL;
   int rc = 0;
-  if (!pages || !idx || (path == PATH_STAGED && !buf))
+  if (!pages || !idx || (path == PATH_DEVICE && !pkeys) || (path == PATH_STAGED && !buf))
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for %zu pages", fn, chunk);
   const bool nt = path == PATH_HOST && (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
   size_t inserted = 0;
@@ -880,6 +886,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   if (!on_stack) {
     free(pages);
     free(idx);
+    free(pkeys);
   }
   free(buf);
   if (ninserted) *ninserted = inserted;
