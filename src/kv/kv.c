@@ -559,14 +559,14 @@ static int release(skv_kv_t *kv, const skv__kv_batch_t *b, size_t from, size_t t
 }
 
 /* The last steps for one of this PE's pages just written with `key`'s data: READY, index
- * insert, then LRU (inserted) or free (deduplicated, or no index slot). 1 when inserted. */
-static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
+ * insert, then free it (deduplicated, or no index slot) or return 1: inserted, for the caller
+ * to commit to the LRU. */
+static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key) {
   const int me = kv->pool.me;
   skv__pool_ready(&kv->pool, page, key.hi, key.lo);
   uint32_t gen = skv__pool_gen(&kv->pool, (uint32_t)me, page);
   int r = skv__index_insert(&kv->index, key, skv__val_pack((uint32_t)me, page, gen), me);
   if (r == 0) {
-    skv__pool_commit(&kv->pool, page);
     __atomic_add_fetch(&kv->published, 1, __ATOMIC_RELAXED);
     return 1;
   }
@@ -582,6 +582,13 @@ static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
   return 0;
 }
 
+/* publish_index, then the LRU for an inserted page. 1 when inserted. */
+static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
+  if (!publish_index(kv, page, key)) return 0;
+  skv__pool_commit(&kv->pool, page);
+  return 1;
+}
+
 #ifdef SKV_WITH_CUDA
 /* A stream-ordered copy completed: the steps the synchronous copies take at once. */
 static int batch_done(void *arg, const skv__kv_batch_t *b) {
@@ -592,9 +599,15 @@ static int batch_done(void *arg, const skv__kv_batch_t *b) {
     (void)skv__kp_lap(&kv->prof, SKV__KP_RELEASE, t);
     return rc;
   }
+  uint32_t ins[64]; /* inserted pages, committed to the LRU 64 at a time (one lock) */
+  size_t nins = 0;
   for (size_t i = 0; i < b->n; i++) {
     if (i + PUB_AHEAD < b->n) skv__index_prefetch(&kv->index, b->keys[i + PUB_AHEAD]);
-    publish_finish(kv, b_page(b, i), b->keys[i]);
+    if (publish_index(kv, b_page(b, i), b->keys[i])) ins[nins++] = b_page(b, i);
+    if (nins == SKV_ARRAY_LEN(ins) || (i + 1 == b->n && nins)) {
+      skv__pool_commit_n(&kv->pool, ins, nins);
+      nins = 0;
+    }
   }
   (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return 0;
@@ -857,12 +870,9 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
       if (skv__index_lookup(&kv->index, keys[i], &val) != 0) idx[k++] = i; /* not cached yet */
     }
     t = skv__kp_lap(P, SKV__KP_LOOKUP, t);
-    for (; got < k; got++) {
-      uint32_t gen;
-      uint64_t ev = 0;
-      rc = skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &pages[got], &gen, &ev);
-      if (rc) break; /* what was allocated is still published */
-    }
+    uint64_t ev = 0;
+    rc = skv__pool_alloc_n(&kv->pool, skv__kv_evict_cb, kv, pages, k, &got, &ev);
+    /* on a failure, what was allocated is still published */
     t = skv__kp_lap(P, SKV__KP_ALLOC, t);
     k = got;
     if (k == 0) break;

@@ -548,28 +548,58 @@ static void recycle_retired(skv__pool_t *p) {
   }
 }
 
-int skv__pool_alloc(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
-                    uint32_t *gen, uint64_t *nevicted) {
-  pthread_mutex_lock(&p->mu);
+/* Take one page (mu held): false when none is free or evictable. */
+static bool alloc_locked(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
+                         uint32_t *gen, uint64_t *nevicted) {
   if (p->nfree == 0 && p->nretired) recycle_retired(p);
   if (p->nfree == 0 && evict_lru(p, evict, arg)) (*nevicted)++;
-  if (p->nfree == 0) {
-    pthread_mutex_unlock(&p->mu);
-    return SKV_FAIL(
-        SKV_ENOSPC, SKV_SUBSYS_POOL,
-        "no free page on PE %d: all %llu pages are pinned or being written; unpin pages "
-        "(skv_kv_unpin / SKV_FETCH_UNPIN) or create the cache with more pages_per_pe",
-        p->me, (unsigned long long)p->pages);
-  }
+  if (p->nfree == 0) return false;
   uint32_t pg = p->free_stack[--p->nfree];
   skv__page_meta_t *m = &p->meta[p->me][pg];
   uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
   SKV_ASSERT(skv__st_state(st) == SKV_PAGE_FREE);
   __atomic_store_n(&m->state, skv__st_make(skv__st_gen(st), SKV_PAGE_WRITING), __ATOMIC_RELEASE);
-  pthread_mutex_unlock(&p->mu);
   *page = pg;
   *gen = skv__st_gen(st);
-  return 0;
+  return true;
+}
+
+static int alloc_failed(const skv__pool_t *p) {
+  return SKV_FAIL(SKV_ENOSPC, SKV_SUBSYS_POOL,
+                  "no free page on PE %d: all %llu pages are pinned or being written; unpin pages "
+                  "(skv_kv_unpin / SKV_FETCH_UNPIN) or create the cache with more pages_per_pe",
+                  p->me, (unsigned long long)p->pages);
+}
+
+int skv__pool_alloc(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
+                    uint32_t *gen, uint64_t *nevicted) {
+  pthread_mutex_lock(&p->mu);
+  bool ok = alloc_locked(p, evict, arg, page, gen, nevicted);
+  pthread_mutex_unlock(&p->mu);
+  return ok ? 0 : alloc_failed(p);
+}
+
+/* Batches take mu once per POOL_RUN pages (allocations and commits), where a lock and an unlock
+ * per page were: a publish's completion commits pages while its caller allocates the next
+ * launch's, and both would hand the lock back and forth per page. A run bounds the other's wait
+ * (an allocation may evict, an index erase each). */
+#define POOL_RUN 64
+
+int skv__pool_alloc_n(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *pages,
+                      size_t n, size_t *got, uint64_t *nevicted) {
+  bool ok = true;
+  *got = 0;
+  while (*got < n && ok) {
+    const size_t end = SKV_MIN(n, *got + POOL_RUN);
+    pthread_mutex_lock(&p->mu);
+    for (; *got < end; (*got)++) {
+      uint32_t gen;
+      ok = alloc_locked(p, evict, arg, &pages[*got], &gen, nevicted);
+      if (!ok) break;
+    }
+    pthread_mutex_unlock(&p->mu);
+  }
+  return ok ? 0 : alloc_failed(p);
 }
 
 void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo) {
@@ -589,6 +619,19 @@ void skv__pool_commit(skv__pool_t *p, uint32_t page) {
   pthread_mutex_lock(&p->mu);
   lru_push(p, lu, page, gen);
   pthread_mutex_unlock(&p->mu);
+}
+
+void skv__pool_commit_n(skv__pool_t *p, const uint32_t *pages, size_t n) {
+  for (size_t i = 0; i < n;) {
+    const size_t end = SKV_MIN(n, i + POOL_RUN);
+    pthread_mutex_lock(&p->mu);
+    for (; i < end; i++) {
+      skv__page_meta_t *m = &p->meta[p->me][pages[i]];
+      uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
+      lru_push(p, __atomic_load_n(&m->last_use, __ATOMIC_RELAXED), pages[i], gen);
+    }
+    pthread_mutex_unlock(&p->mu);
+  }
 }
 
 void skv__pool_release(skv__pool_t *p, uint32_t page) {
