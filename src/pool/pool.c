@@ -291,7 +291,8 @@ static uint64_t live_pins(skv__pool_t *p, skv__page_meta_t *m, uint32_t page) {
 }
 
 /* Pin one page, pin_mu held. */
-static int pin_locked(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
+static inline __attribute__((always_inline)) int pin_locked(skv__pool_t *p, uint32_t pe,
+                                                            uint32_t page, uint32_t gen) {
   skv__page_meta_t *m = &p->meta[pe][page];
   uint64_t bit = 1ull << p->me;
   int rc = 0;
@@ -344,7 +345,8 @@ int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
 }
 
 /* Unpin one page, pin_mu held: 0, or SKV_EINVAL (not pinned by us; nothing logged). */
-static int unpin_locked(skv__pool_t *p, uint32_t pe, uint32_t page) {
+static inline __attribute__((always_inline)) int unpin_locked(skv__pool_t *p, uint32_t pe,
+                                                              uint32_t page) {
   uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
   if (*c == 0 && (p->forgot[pe] || p->lease_lost))
     return 0; /* dropped with its incarnation, or with a lease that ran out: nothing to release */
@@ -377,6 +379,11 @@ int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page) {
 
 int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
                     size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, size_t *bad) {
+  if (n == 1) { /* the one-page call costs what skv__pool_pin does (no run loop) */
+    int rc = skv__pool_pin(p, pe[0], page[0], gen[0]);
+    if (rc) *bad = 0;
+    return rc;
+  }
   int rc = 0;
   size_t i = 0;
   while (i < n && rc == 0) {
@@ -396,13 +403,17 @@ int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const ui
 
 int skv__pool_unpin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
                       size_t page_step, size_t n, int times) {
+  if (n == 1 && times == 1) return skv__pool_unpin(p, pe[0], page[0]);
   size_t bad = n;
   for (size_t i = 0; i < n;) {
     const size_t end = SKV_MIN(n, i + PIN_RUN);
     pthread_mutex_lock(&p->pin_mu);
-    for (; i < end; i++)
-      for (int t = 0; t < times; t++)
-        if (unpin_locked(p, pe[i * pe_step], page[i * page_step]) && bad == n) bad = i;
+    for (; i < end; i++) {
+      const uint32_t e = pe[i * pe_step], pg = page[i * page_step];
+      int r = unpin_locked(p, e, pg);
+      if (times == 2 && r == 0) r = unpin_locked(p, e, pg);
+      if (r && bad == n) bad = i;
+    }
     pthread_mutex_unlock(&p->pin_mu);
   }
   return bad < n ? unpin_failed(pe[bad * pe_step], page[bad * page_step]) : 0;
@@ -549,8 +560,10 @@ static void recycle_retired(skv__pool_t *p) {
 }
 
 /* Take one page (mu held): false when none is free or evictable. */
-static bool alloc_locked(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
-                         uint32_t *gen, uint64_t *nevicted) {
+static inline __attribute__((always_inline)) bool alloc_locked(skv__pool_t *p,
+                                                               skv__pool_evict_cb evict, void *arg,
+                                                               uint32_t *page, uint32_t *gen,
+                                                               uint64_t *nevicted) {
   if (p->nfree == 0 && p->nretired) recycle_retired(p);
   if (p->nfree == 0 && evict_lru(p, evict, arg)) (*nevicted)++;
   if (p->nfree == 0) return false;
@@ -587,6 +600,12 @@ int skv__pool_alloc(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_
 
 int skv__pool_alloc_n(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *pages,
                       size_t n, size_t *got, uint64_t *nevicted) {
+  if (n == 1) { /* as skv__pool_alloc (no run loop) */
+    uint32_t gen;
+    int rc = skv__pool_alloc(p, evict, arg, pages, &gen, nevicted);
+    *got = rc == 0;
+    return rc;
+  }
   bool ok = true;
   *got = 0;
   while (*got < n && ok) {
