@@ -866,7 +866,8 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     t = skv__kp_now(P);
     for (; i < n && k < chunk; i++) {
       uint64_t val;
-      if (i + PUB_AHEAD < n) skv__index_prefetch(&kv->index, keys[i + PUB_AHEAD]);
+      if (chunk > 1 && i + PUB_AHEAD < n) /* lookups back to back (not one per copied page) */
+        skv__index_prefetch(&kv->index, keys[i + PUB_AHEAD]);
       if (skv__index_lookup(&kv->index, keys[i], &val) != 0) idx[k++] = i; /* not cached yet */
     }
     t = skv__kp_lap(P, SKV__KP_LOOKUP, t);
