@@ -700,7 +700,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
 #ifdef SKV_WITH_CUDA
   if (path != PATH_HOST) {
     bool capturing;
-    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing));
+    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing, false));
     if (capturing) return capture_fetch(kv, b, refs, path, flags, dst, block_ids, stream, fn);
     if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, dst, SKV__KV_FETCH, fn));
     t = skv__kp_lap(P, SKV__KP_BEGIN, t);
@@ -833,7 +833,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
 #ifdef SKV_WITH_CUDA
   if (path != PATH_HOST) {
     bool capturing;
-    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing));
+    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing, true));
     if (capturing)
       return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
                       "%s cannot be captured in a CUDA graph: a replay would write into pages "

@@ -121,13 +121,13 @@ void skv__kvc_destroy(skv__kvc_t *kc) {
   kc_free(kc);
 }
 
-int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing) {
+int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing, bool reap) {
   SKV_CHECK(skv__cuda_use(kc->p.ctx));
   *capturing = false;
   SKV_CHECK(skv__cuda_capturing(stream, capturing));
-  /* what completed since the last call goes first: its pins, and its pages (a deduplicated
-   * page freed now is one fewer to evict) */
-  if (!*capturing) skv__kvc_reap(kc);
+  /* a publish completes what completed since the last call first: keys inserted now are found
+   * by its dedup lookups, and a deduplicated page freed now is one fewer to evict */
+  if (reap && !*capturing) skv__kvc_reap(kc);
   return 0;
 }
 

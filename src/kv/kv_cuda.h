@@ -53,8 +53,10 @@ int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out);
 /* Stops the completion thread; slots of copies still pending on a stuck stream are leaked. */
 void skv__kvc_destroy(skv__kvc_t *kc);
 /* Every call's first step: the PE's device current on this thread, whether `stream` is being
- * captured into a CUDA graph, and (when not) the completion of what has completed. */
-int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing);
+ * captured into a CUDA graph, and (when not, with `reap`: publish) the completion of what has
+ * completed. A fetch leaves that to the completion thread: the previous fetch's unpins (1024
+ * pages: tens of us) were paid by the next call in a loop of fetches. */
+int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing, bool reap);
 /* Can `lay` be copied to (dir SKV__KV_PUBLISH) or from with the kernels? Checked before any pin
  * is taken or page allocated (a layout on another GPU, too many blocks per page...). */
 int skv__kvc_check(skv__kvc_t *kc, const skv_layout_t *lay, int dir, const char *fn);

@@ -18,8 +18,9 @@
  * (cudaEventQuery, sleeping 2 us doubling to 100 us while any is pending, on a condition
  * variable while none is) and, once a launch's event has completed, runs the protocol's `done`
  * on the slot's batch (kv.c releases its pins or indexes its pages) and hands the slot back.
- * Callers do the same for what has completed: each copy first, a call waiting for a slot, and
- * skv__kvc_sync; each use of a slot has a sequence number, so one completion never counts
+ * Callers do the same for what has completed: each publish first, a call waiting for a slot,
+ * and skv__kvc_sync (a fetch leaves it to the thread: its caller should not pay the previous
+ * fetch's unpins); each use of a slot has a sequence number, so one completion never counts
  * twice. The caller's stream carries nothing but the copy and an event (a host callback on the
  * stream cost it microseconds per launch: docs/gpu.md).
  *
