@@ -485,6 +485,7 @@ enum { PATH_HOST, PATH_STAGED, PATH_DEVICE };
  * worth of pages: a publish takes few of the 8 ring slots, so it does not wait for the stream
  * where it did not before. */
 #define PUB_CHUNK 256
+int skv__kv_pub_split = 4;
 /* Keys ahead whose index home slot is prefetched while one is looked up (misses of a
  * publish's keys are independent: their memory latencies overlap). */
 #define PUB_AHEAD 4
@@ -841,8 +842,10 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
                       "(it is stream-ordered)",
                       fn);
     if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, src, SKV__KV_PUBLISH, fn));
-    chunk = SKV_MIN(n, path == PATH_DEVICE ? SKV_MAX((size_t)PUB_CHUNK, (n + 3) / 4)
-                                           : skv__kvc_stage_pages(kv->cuda));
+    const size_t split = (size_t)SKV_MAX(1, __atomic_load_n(&skv__kv_pub_split, __ATOMIC_RELAXED));
+    chunk = SKV_MIN(n, path != PATH_DEVICE ? skv__kvc_stage_pages(kv->cuda)
+                       : split == 1        ? n
+                                           : SKV_MAX((size_t)PUB_CHUNK, (n + split - 1) / split));
     t = skv__kp_lap(P, SKV__KP_BEGIN, t);
   }
 #endif
