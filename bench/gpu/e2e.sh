@@ -41,7 +41,7 @@ grep -E "Synthesis|FAIL" "$OUT/test_gpu_kv.log" | head -20 | tee -a "$S"
 
 run fetch 120 "$R" -n 2 --timeout 115 -- "$SB" fetch --quick --no-variants \
   --json-out "$OUT/fetch_e2e_1gpu_mps.json"
-grep -E '^\[0\] (fetch_e2e|publish_e2e|fetch_latency_e2e|fetch_local/|publish/|fetch/64KiB/x1024 |breakdown/)' \
+grep -E '^\[0\] (fetch_e2e|publish_e2e|publish_one_launch|fetch_latency|gpu_floor/|fetch_local/|publish/|fetch/|breakdown/)' \
   "$OUT/fetch.log" | tee -a "$S"
 
 run trace 45 "$R" -n 2 --timeout 40 -- "$SB" trace bench/data/mooncake_synthetic_trace.jsonl \
