@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 21 on one GPU: what an engine pays end to end. Two PEs share GPU 0 under the MPS daemon
-# (started here, stopped at the end): the GPU KV tests, `symkv-bench fetch --quick` (the e2e
-# rows, their breakdown/ROW/PHASE rows, the host backend's e2e rows, fetch_local and publish
-# against the local copy engine) and the trace replay with the cuda backend. Logs and JSON
+# (started here, stopped at the end): `symkv-bench fetch --quick` (the e2e rows, their
+# breakdown/ROW/PHASE rows, the host backend's e2e rows, fetch_local and publish against the
+# local copy engine), the GPU KV tests and the trace replay with the cuda backend, at most
+# 130 + 70 + 35 s. Logs and JSON
 # under $OUT, the rows that matter in $OUT/summary.txt. Under 4 minutes. From the repository
 # root on the GPU host, with the build folder and the runtime libraries carried:
 #   bench/gpu/e2e.sh BUILD_DIR LIB_DIR
@@ -36,15 +37,15 @@ run() { # name timeout cmd...
 }
 R="$B/symkv-run"; SB="$B/bench/symkv-bench"
 
-run test_gpu_kv 70 "$B/tests/test_gpu_kv" -j1
-grep -E "Synthesis|FAIL" "$OUT/test_gpu_kv.log" | head -20 | tee -a "$S"
-
-run fetch 120 "$R" -n 2 --timeout 115 -- "$SB" fetch --quick --no-variants \
+run fetch 130 "$R" -n 2 --timeout 125 -- "$SB" fetch --quick --no-variants \
   --json-out "$OUT/fetch_e2e_1gpu_mps.json"
 grep -E '^\[0\] (fetch_e2e|publish_e2e|publish_one_launch|fetch_latency|gpu_floor/|fetch_local/|publish/|fetch/|breakdown/)' \
   "$OUT/fetch.log" | tee -a "$S"
 
-run trace 45 "$R" -n 2 --timeout 40 -- "$SB" trace bench/data/mooncake_synthetic_trace.jsonl \
+run test_gpu_kv 70 "$B/tests/test_gpu_kv" -j1
+grep -E "Synthesis|FAIL" "$OUT/test_gpu_kv.log" | head -20 | tee -a "$S"
+
+run trace 35 "$R" -n 2 --timeout 30 -- "$SB" trace bench/data/mooncake_synthetic_trace.jsonl \
   --backend cuda --json-out "$OUT/trace_cuda_1gpu_mps.json"
 grep -E 'fetch_gbps|Error|error' "$OUT/trace.log" | head -5 | tee -a "$S"
 log "done"
