@@ -10,12 +10,237 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* ---- where an end-to-end call's time goes (both backends) ----------------------------------- */
+
+/* The phases of `reps` profiled calls (the cache's counters, kv_prof.h), plus what the bench
+ * itself saw (`extra`, seconds summed over the calls: -1 for none): one row per phase that ran,
+ * in us per call, against the whole call. */
+typedef struct breakdown {
+  double ns[SKV__KP_N], n[SKV__KP_N];
+  double gpu_wait, completion_wait; /* seconds per call: stream sync, skv_kv_sync after it */
+  int calls;
+} breakdown_t;
+
+static void breakdown_take(const skv_kv_t *kv, breakdown_t *bd, int calls) {
+  for (int i = 0; i < SKV__KP_N; i++) {
+    bd->ns[i] = (double)__atomic_load_n(&kv->prof.ns[i], __ATOMIC_RELAXED);
+    bd->n[i] = (double)__atomic_load_n(&kv->prof.n[i], __ATOMIC_RELAXED);
+  }
+  bd->calls = calls;
+}
+
+static void breakdown_rows(bench_t *b, const char *row, const breakdown_t *bd) {
+  if (bd->calls <= 0 || bd->n[SKV__KP_CALL] <= 0) return;
+  char name[160];
+  const double call_us = bd->ns[SKV__KP_CALL] / bd->calls / 1e3;
+  for (int i = 0; i < SKV__KP_N; i++) {
+    if (bd->n[i] <= 0) continue;
+    snprintf(name, sizeof name, "breakdown/%s/%s", row, skv__kp_name(i));
+    bench_row(b, name, bd->ns[i] / bd->calls / 1e3, "us", "lower",
+              i == SKV__KP_CALL ? NULL : "the whole call", i == SKV__KP_CALL ? -1 : call_us);
+  }
+  if (bd->gpu_wait >= 0) {
+    snprintf(name, sizeof name, "breakdown/%s/gpu_wait", row);
+    bench_row(b, name, bd->gpu_wait * 1e6, "us", "lower", "the whole call", call_us);
+  }
+  if (bd->completion_wait >= 0) {
+    snprintf(name, sizeof name, "breakdown/%s/completion_wait", row);
+    bench_row(b, name, bd->completion_wait * 1e6, "us", "lower", "the whole call", call_us);
+  }
+}
+
+/* Host backend, end to end: rank 0 fetches random 64 KiB pages of PE 1 (or its own with one
+ * PE) into random blocks of a host engine layout, and publishes random blocks under fresh keys
+ * into a full pool (every page allocated evicts one), wall time of each call against memcpy of
+ * the same number of bytes between the same buffers, interleaved in this run. Then the same
+ * calls again with the cache's phase counters on, for the breakdown. */
+#define HE_POOL   3072u /* pages per PE: 192 MiB */
+#define HE_BLOCKS 2048u
+
+typedef struct host_e2e {
+  double fetch, fetch_mc, lat, lat_mc, pub, pub_mc; /* seconds, medians */
+  breakdown_t bd_fetch, bd_lat, bd_pub;
+} host_e2e_t;
+
+static void he_shuffle(uint64_t *v, uint64_t n, uint64_t k, uint64_t *s) {
+  for (uint64_t i = 0; i < k && i + 1 < n; i++) {
+    uint64_t j = i + bench_rand(s) % (n - i), t = v[i];
+    v[i] = v[j];
+    v[j] = t;
+  }
+}
+
+static int host_e2e(bench_t *b, skv_ctx_t *ctx, int reps, host_e2e_t *res) {
+  const int rank = skv_ctx_get_rank(ctx), npes = skv_ctx_get_world_size(ctx);
+  const int peer = npes > 1 ? (rank + 1) % npes : rank;
+  skv_geometry_t g = SKV_GEOMETRY_INIT; /* 64 KiB: 16 tokens x 8 heads x 128 x bf16, 1 layer */
+  g.kv_kind = SKV_KV_SPLIT;
+  g.num_layers = 1;
+  g.num_kv_heads = 8;
+  g.head_dim = 128;
+  g.elem_bytes = 2;
+  g.page_tokens = 16;
+  const uint64_t ps = 64u << 10, big = 1024, small = 16;
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.backend = SKV_BACKEND_HOST;
+  o.pages_per_pe = HE_POOL;
+  skv_kv_t *kv;
+  SKV_CHECK(skv_kv_create(ctx, &g, &o, &kv));
+  skv_namespace_t *ns = NULL;
+  skv_layout_t *lay = NULL;
+  void *layer = NULL;
+  skv_key_t *keys = malloc(HE_POOL * sizeof *keys);
+  uint64_t *blocks = malloc(HE_POOL * sizeof *blocks), *pi = malloc(HE_POOL * sizeof *pi);
+  uint64_t *bi = malloc(HE_BLOCKS * sizeof *bi);
+  skv_page_ref_t *refs = malloc(HE_POOL * sizeof *refs), *sel = malloc(big * sizeof *sel);
+  uint64_t lb = 0, rng = 0x40e2e000ull + (uint64_t)rank, pub_next = 0;
+  int rc = keys && blocks && pi && bi && refs && sel
+               ? 0
+               : SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "fetch: out of memory");
+  if (rc == 0) rc = skv_namespace_create("bench-fetch-host", &g, NULL, 0, "bench", 5, &ns);
+  if (rc == 0)
+    rc = skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, HE_BLOCKS, &lb);
+  if (rc == 0) {
+    layer = aligned_alloc(4096, SKV_ALIGN_UP(lb, 4096));
+    if (!layer) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "fetch: out of memory");
+  }
+  if (rc == 0) {
+    for (uint64_t i = 0; i < lb / 8; i++) ((uint64_t *)layer)[i] = bench_rand(&rng) | 1;
+    rc = skv_layout_create_preset(&g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, HE_BLOCKS, &layer, -1, &lay);
+  }
+  /* every PE fills its pool */
+  for (uint64_t i = 0; i < HE_POOL && rc == 0; i++) {
+    const uint64_t id = ((uint64_t)rank << 40) | i;
+    skv_namespace_hash_bytes(ns, &id, sizeof id, &keys[i]);
+    blocks[i] = i % HE_BLOCKS;
+  }
+  size_t got = 0;
+  if (rc == 0) rc = skv_kv_publish(kv, ns, keys, HE_POOL, lay, blocks, NULL, &got);
+  if (rc == 0) rc = skv_ctx_barrier(ctx);
+  for (uint64_t i = 0; i < HE_POOL && rc == 0; i++) {
+    const uint64_t id = ((uint64_t)peer << 40) | i;
+    skv_namespace_hash_bytes(ns, &id, sizeof id, &keys[i]);
+  }
+  if (rc == 0) rc = skv_kv_lookup(kv, ns, keys, HE_POOL, 0, refs, &got);
+  if (rc == 0 && got != HE_POOL)
+    rc = SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "fetch: PE %d's pool: found %zu of %u pages",
+                  peer, got, HE_POOL);
+  for (uint64_t i = 0; i < HE_POOL; i++) pi[i] = i;
+  for (uint64_t i = 0; i < HE_BLOCKS; i++) bi[i] = i;
+    /* One call of `what` (0 fetch 1024, 1 fetch 16, 2 publish 1024) on fresh random pages and
+     * blocks, and the memcpy of its bytes; seconds of each. */
+#define HE_PICK(n)                                                              \
+  do {                                                                          \
+    he_shuffle(pi, HE_POOL, (n), &rng);                                         \
+    he_shuffle(bi, HE_BLOCKS, (n), &rng);                                       \
+    for (uint64_t q = 0; q < (n); q++) sel[q] = refs[pi[q]], blocks[q] = bi[q]; \
+  } while (0)
+  double t[3][64], m[3][64];
+  const int nrep[3] = {reps, 4 * reps > 64 ? 64 : 4 * reps, reps};
+  breakdown_t *bds[3] = {&res->bd_fetch, &res->bd_lat, &res->bd_pub};
+  /* fetches first: the publishes evict pages (with one PE, the pages fetched) */
+  for (int what = 0; what < 3 && rc == 0; what++)
+    for (int prof = 0; prof < 2 && rc == 0; prof++) {
+      if (rank == 0) skv__kp_reset(&kv->prof, prof == 1);
+      const uint64_t n = what == 1 ? small : big;
+      const char *peer_pages = skv__kv_page(kv, (uint32_t)peer, 0);
+      char *own = skv__kv_page(kv, (uint32_t)rank, 0);
+      for (int r = 0; r < 2 + nrep[what] && rc == 0 && rank == 0; r++) {
+        HE_PICK(n);
+        double t0 = bench_now();
+        if (what < 2) {
+          rc = skv_kv_fetch(kv, sel, n, lay, blocks, 0, NULL);
+        } else {
+          for (uint64_t q = 0; q < n; q++) {
+            const uint64_t id = ((uint64_t)rank << 40) | (1ull << 39) | pub_next++;
+            skv_namespace_hash_bytes(ns, &id, sizeof id, &keys[q]);
+          }
+          size_t ins = 0;
+          rc = skv_kv_publish(kv, ns, keys, n, lay, blocks, NULL, &ins);
+          if (rc == 0 && ins != n)
+            rc = SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_BENCH, "publish: %zu of %llu inserted", ins,
+                          (unsigned long long)n);
+        }
+        double t1 = bench_now();
+        /* the same bytes, contiguous, between the same two buffers (random places) */
+        char *eng = (char *)layer + (bi[0] % (HE_BLOCKS - n)) * ps;
+        if (what < 2)
+          memcpy(eng, peer_pages + (pi[0] % (HE_POOL - n)) * kv->page_stride, n * ps);
+        else
+          memcpy(own + (pi[0] % (HE_POOL - n)) * kv->page_stride, eng, n * ps);
+        double t2 = bench_now();
+        if (r >= 2 && !prof) t[what][r - 2] = t1 - t0, m[what][r - 2] = t2 - t1;
+        if (r == 1 && prof) skv__kp_reset(&kv->prof, true); /* the warm-ups do not count */
+      }
+      if (rank == 0 && prof) {
+        breakdown_take(kv, bds[what], nrep[what]);
+        bds[what]->gpu_wait = bds[what]->completion_wait = -1;
+        skv__kp_reset(&kv->prof, false);
+      }
+    }
+#undef HE_PICK
+  if (rc == 0 && rank == 0) {
+    res->fetch = bench_median(t[0], (size_t)nrep[0]);
+    res->fetch_mc = bench_median(m[0], (size_t)nrep[0]);
+    res->lat = bench_median(t[1], (size_t)nrep[1]);
+    res->lat_mc = bench_median(m[1], (size_t)nrep[1]);
+    res->pub = bench_median(t[2], (size_t)nrep[2]);
+    res->pub_mc = bench_median(m[2], (size_t)nrep[2]);
+  }
+  int r2 = skv_ctx_barrier(ctx);
+  if (rc == 0) rc = r2;
+  SKV_UNUSED(b);
+  skv_layout_destroy(lay);
+  free(layer);
+  free(keys);
+  free(blocks);
+  free(pi);
+  free(bi);
+  free(refs);
+  free(sel);
+  skv_namespace_destroy(ns);
+  r2 = skv_kv_destroy(kv);
+  return rc ? rc : r2;
+}
+
+static void host_e2e_rows(bench_t *b, const host_e2e_t *h) {
+  const double big = 64.0 * 1024 * 1024;
+  bench_row(b, "fetch_e2e_host/64KiB/x1024", big / h->fetch / 1e9, "GB/s", "higher",
+            "memcpy of 64 MiB, peer's heap to the engine's, wall", big / h->fetch_mc / 1e9);
+  bench_row(b, "fetch_latency_e2e_host/64KiB/x16", h->lat * 1e6, "us", "lower",
+            "memcpy of 1 MiB, peer's heap to the engine's, wall", h->lat_mc * 1e6);
+  bench_row(b, "publish_e2e_host/64KiB/x1024", big / h->pub / 1e9, "GB/s", "higher",
+            "memcpy of 64 MiB, the engine's to own heap, wall", big / h->pub_mc / 1e9);
+  breakdown_rows(b, "fetch_e2e_host/64KiB/x1024", &h->bd_fetch);
+  breakdown_rows(b, "fetch_latency_e2e_host/64KiB/x16", &h->bd_lat);
+  breakdown_rows(b, "publish_e2e_host/64KiB/x1024", &h->bd_pub);
+}
+
 #ifndef SKV_WITH_CUDA
 
 static int bench_fetch(bench_t *b) {
-  SKV_UNUSED(b);
-  return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH,
-                  "symkv-bench fetch needs a build with CUDA (configure with -DSKV_CUDA=ON)");
+  const char *be = bench_opt(b, "--backend");
+  if (be && strcmp(be, "cuda") == 0)
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH,
+                    "symkv-bench fetch --backend cuda needs a build with CUDA (configure with "
+                    "-DSKV_CUDA=ON); --backend host runs without");
+  skv_ctx_t *ctx;
+  SKV_CHECK(skv_init(NULL, &ctx));
+  host_e2e_t h;
+  memset(&h, 0, sizeof h);
+  const int reps = (int)bench_opt_int(b, "--reps", bench_flag(b, "--quick") ? 10 : 15);
+  int rc = host_e2e(b, ctx, reps, &h);
+  if (rc == 0 && skv_ctx_get_rank(ctx) == 0) {
+    bench_config_int(b, "pes", skv_ctx_get_world_size(ctx));
+    bench_config_int(b, "reps", reps);
+    bench_config_str(b, "timing_host",
+                     "wall time of each call, memcpy of the same bytes after it, fresh random "
+                     "pages and blocks each repetition; median");
+    host_e2e_rows(b, &h);
+    rc = bench_report(b);
+  }
+  int r2 = skv_finalize(ctx);
+  return rc ? rc : r2;
 }
 
 #else
@@ -393,6 +618,29 @@ static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *se
   return 0;
 }
 
+/* time_e2e's calls again (the same pages; for publish, fresh keys) with the cache's phase
+ * counters on: where the time of a call and its completion goes, per call. */
+static int breakdown_e2e(fb_t *f, int method, const batch_t *bt, int reps, breakdown_t *bd) {
+  double gpu = 0, comp = 0;
+  SKV_CHECK(skv_kv_sync(f->kv));
+  for (int r = 0; r < WARM + reps; r++) {
+    if (r == WARM) skv__kp_reset(&f->kv->prof, true), gpu = comp = 0;
+    BCUDA(cudaStreamSynchronize(f->st));
+    SKV_CHECK(run_op(f, method, bt, r));
+    double h1 = bench_now();
+    BCUDA(cudaStreamSynchronize(f->st));
+    double h2 = bench_now();
+    if (method == M_PUBLISH) SKV_CHECK(skv_kv_sync(f->kv));
+    gpu += h2 - h1;
+    comp += bench_now() - h2;
+  }
+  breakdown_take(f->kv, bd, reps);
+  skv__kp_reset(&f->kv->prof, false);
+  bd->gpu_wait = gpu / reps;
+  bd->completion_wait = method == M_PUBLISH ? comp / reps : -1;
+  return skv_kv_sync(f->kv);
+}
+
 /* ---- the command ---------------------------------------------------------------------------- */
 
 static int parse_list(const char *s, uint64_t *out, int cap, int *n) {
@@ -469,6 +717,23 @@ static int bench_fetch(bench_t *b) {
 
   skv_ctx_t *ctx;
   SKV_CHECK(skv_init(NULL, &ctx));
+  const char *be = bench_opt(b, "--backend");
+  const bool want_host = !be || strcmp(be, "cuda") != 0, want_cuda = !be || strcmp(be, "host") != 0;
+  host_e2e_t he;
+  memset(&he, 0, sizeof he);
+  if (want_host) {
+    int hr = host_e2e(b, ctx, reps, &he);
+    if (hr == 0 && !want_cuda && skv_ctx_get_rank(ctx) == 0) {
+      bench_config_int(b, "pes", skv_ctx_get_world_size(ctx));
+      bench_config_int(b, "reps", reps);
+      host_e2e_rows(b, &he);
+      hr = bench_report(b);
+    }
+    if (hr || !want_cuda) {
+      int r2 = skv_finalize(ctx);
+      return hr ? hr : r2;
+    }
+  }
   fb_t f;
   memset(&f, 0, sizeof f);
   f.b = b;
@@ -525,6 +790,11 @@ static int bench_fetch(bench_t *b) {
          e2e_big_batch = 0, b2b_fetch = 0, b2b_ce = 0, b2b_empty = 0, e2e_big_pub = 0,
          e2e_big_ce_local = 0;
   int have_lat = 0;
+  breakdown_t bd_big_fetch, bd_fetch, bd_big_pub;
+  double e2e_big_pub_one = 0, t_pub_one = 0; /* publish of 64 KiB x1024 as one launch */
+  memset(&bd_big_fetch, 0, sizeof bd_big_fetch);
+  memset(&bd_fetch, 0, sizeof bd_fetch);
+  memset(&bd_big_pub, 0, sizeof bd_big_pub);
 
   for (int si = 0; si < nsizes && rc == 0; si++) {
     rc = fb_setup(&f, sizes[si], max_bytes);
@@ -548,6 +818,7 @@ static int bench_fetch(bench_t *b) {
         }
         if (rc == 0 && c->ps == (64u << 10) && c->n == 1024) {
           rc = time_e2e(&f, M_FETCH, &bt, reps, &e2e_big_fetch);
+          if (rc == 0) rc = breakdown_e2e(&f, M_FETCH, &bt, reps, &bd_big_fetch);
           if (rc == 0) rc = time_e2e(&f, M_CE, &bt, reps, &e2e_big_ce);
           if (rc == 0 && time_e2e(&f, M_CE_BATCH, &bt, reps, &e2e_big_batch) != 0)
             e2e_big_batch = 0;
@@ -555,6 +826,7 @@ static int bench_fetch(bench_t *b) {
         if (rc == 0 && c->ps == (64u << 10) && c->n == 16) {
           rc = time_op(&f, M_EMPTY, &bt, reps, &floor_empty);
           if (rc == 0) rc = time_e2e(&f, M_FETCH, &bt, reps, &e2e_fetch);
+          if (rc == 0) rc = breakdown_e2e(&f, M_FETCH, &bt, reps, &bd_fetch);
           if (rc == 0) rc = time_e2e(&f, M_CE, &bt, reps, &e2e_ce);
           batch_t bb; /* back to back: fresh pages, MAX_REPS batches */
           if (rc == 0) rc = batch_make(&f, &bb, c->n, MAX_REPS);
@@ -604,6 +876,15 @@ static int bench_fetch(bench_t *b) {
         rc = time_variant(&f, &mapped, &def_var, M_PUBLISH, &bt, reps, &c->t_pub_mapped);
       if (rc == 0 && c->ps == (64u << 10) && c->n == 1024) {
         rc = time_e2e(&f, M_PUBLISH, &bt, reps, &e2e_big_pub);
+        if (rc == 0) rc = breakdown_e2e(&f, M_PUBLISH, &bt, reps, &bd_big_pub);
+        /* the same as one launch (as before publishes were split): e2e and GPU time */
+        const int split = skv__kv_pub_split;
+        skv__kv_pub_split = 1;
+        if (rc == 0) rc = time_e2e(&f, M_PUBLISH, &bt, reps, &e2e_big_pub_one);
+        if (rc == 0) rc = skv_kv_sync(f.kv);
+        if (rc == 0) rc = time_op(&f, M_PUBLISH, &bt, reps, &t_pub_one);
+        if (rc == 0) rc = skv_kv_sync(f.kv);
+        skv__kv_pub_split = split;
         if (rc == 0) rc = time_e2e(&f, M_CE_LOCAL, &bt, reps, &e2e_big_ce_local);
       }
       batch_free(&bt, reps);
@@ -714,6 +995,19 @@ static int bench_fetch(bench_t *b) {
       bench_row(b, "publish_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_pub / 1e9, "GB/s",
                 "higher", "cudaMemcpyAsync 64 MiB contiguous local + sync, wall",
                 (64.0 * 1024 * 1024) / e2e_big_ce_local / 1e9);
+    if (e2e_big_pub_one > 0 && e2e_big_pub > 0)
+      bench_row(b, "publish_e2e_one_launch/64KiB/x1024",
+                (64.0 * 1024 * 1024) / e2e_big_pub_one / 1e9, "GB/s", "higher",
+                "publish_e2e (split into launches)", (64.0 * 1024 * 1024) / e2e_big_pub / 1e9);
+    for (int i = 0; i < ncells && t_pub_one > 0; i++)
+      if (cells[i].ps == (64u << 10) && cells[i].n == 1024 && cells[i].t_pub > 0)
+        bench_row(b, "publish_one_launch/64KiB/x1024", (64.0 * 1024 * 1024) / t_pub_one / 1e9,
+                  "GB/s", "higher", "publish (split into launches)",
+                  (64.0 * 1024 * 1024) / cells[i].t_pub / 1e9);
+    if (want_host) host_e2e_rows(b, &he);
+    breakdown_rows(b, "fetch_e2e/64KiB/x1024", &bd_big_fetch);
+    breakdown_rows(b, "fetch_latency_e2e/64KiB/x16", &bd_fetch);
+    breakdown_rows(b, "publish_e2e/64KiB/x1024", &bd_big_pub);
     char base[64], vn[48];
     snprintf(base, sizeof base, "variant %s",
              skv__kv_variant_name(&variants_list[0], vn, sizeof vn));
@@ -753,6 +1047,10 @@ static const bench_optspec_t fetch_opts[] = {
     {"--reps", BENCH_INT, "N", "15", "repetitions, the median is reported", 10, 64, NULL},
     {"--layout", BENCH_CHOICE, "L", "nhd", "the engine's layout", 0, 0, "nhd,hnd,flashinfer"},
     {"--no-variants", BENCH_FLAG, NULL, NULL, "skip the kernel variants", 0, 0, NULL},
+    {"--backend", BENCH_CHOICE, "B", "both",
+     "host: the host backend's e2e rows only; cuda: the GPU "
+     "rows only",
+     0, 0, "host,cuda,both"},
     BENCH_OPTS_END,
 };
 

@@ -463,6 +463,68 @@ Test(kv, lru_eviction_respects_pins) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* The batched pool steps of the data path (issue 21): pins of a batch all or none, allocation
+ * of n pages stopping at the first that fails, commits of n pages to the LRU. */
+static int pe_batched_pool_steps(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 64, 30000) == 0, "fixture: %s", skv_last_error());
+  skv__pool_t *p = &f.kv->pool;
+  uint64_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  size_t ins, nhit, bad = 99;
+  PE_CHECK(publish_ids(&f, ids, 8, &ins) == 0 && ins == 8, "fill");
+  skv_key_t k3 = key_of(&f, 3);
+  skv_page_ref_t r[2];
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k3, 1, SKV_LOOKUP_PIN, r, &nhit) == 0 && nhit == 1, "pin 3");
+  /* all or none: the second reference is stale, the first keeps only the lookup's pin */
+  r[1] = r[0];
+  r[1].gen++;
+  PE_CHECK(skv__pool_pin_n(p, &r[0].pe, 4, &r[0].page, 4, &r[0].gen, 4, 2, &bad) == SKV_ESTALE &&
+               bad == 1,
+           "stale pin in a batch: bad %zu", bad);
+  PE_CHECK(skv__pool_pinned_own(p) == 1, "pins after the failed batch: %llu",
+           (unsigned long long)skv__pool_pinned_own(p));
+  PE_CHECK(skv__pool_pin_n(p, &r[0].pe, 4, &r[0].page, 4, &r[0].gen, 4, 1, &bad) == 0, "pin");
+  /* 10 pages asked of 8, one pinned: 7 come (each evicting), then SKV_ENOSPC */
+  uint32_t pages[10];
+  size_t got = 0;
+  uint64_t ev = 0;
+  PE_CHECK(skv__pool_alloc_n(p, skv__kv_evict_cb, f.kv, pages, 10, &got, &ev) == SKV_ENOSPC &&
+               got == 7 && ev == 7,
+           "alloc_n: got %zu evicted %llu", got, (unsigned long long)ev);
+  for (size_t i = 0; i < got; i++) {
+    PE_CHECK(pages[i] != r[0].page, "the pinned page was allocated");
+    for (size_t j = 0; j < i; j++) PE_CHECK(pages[i] != pages[j], "page %u twice", pages[i]);
+  }
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k3, 1, 0, r + 1, &nhit) == 0 && nhit == 1, "3 stays");
+  /* 3 of them READY, indexed and committed together: the LRU has exactly those to evict */
+  for (size_t i = 0; i < 3; i++) {
+    skv_key_t k = key_of(&f, 100 + i);
+    skv__pool_ready(p, pages[i], k.hi, k.lo);
+    uint32_t gen = skv__pool_gen(p, (uint32_t)p->me, pages[i]);
+    PE_CHECK(skv__index_insert(&f.kv->index, k, skv__val_pack((uint32_t)p->me, pages[i], gen),
+                               p->me) == 0,
+             "insert");
+  }
+  skv__pool_commit_n(p, pages, 3);
+  for (size_t i = 3; i < got; i++) skv__pool_release(p, pages[i]);
+  uint64_t n = 0;
+  PE_CHECK(skv_kv_evict(f.kv, 100, &n) == 0 && n == 3, "evicted %llu, expected the 3 committed",
+           (unsigned long long)n);
+  PE_CHECK(skv__pool_unpin_n(p, &r[0].pe, 4, &r[0].page, 4, 1, 2) == 0, "unpin both pins");
+  PE_CHECK(skv__pool_unpin_n(p, &r[0].pe, 4, &r[0].page, 4, 1, 1) == SKV_EINVAL,
+           "a third unpin is refused");
+  PE_CHECK(skv_kv_evict(f.kv, 100, &n) == 0 && n == 1, "page 3 evictable once unpinned");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, batched_pool_steps_keep_the_protocol) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_batched_pool_steps, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 typedef struct toucher {
   skv__pool_t *pool;
   uint64_t pages;

@@ -343,11 +343,13 @@ static const int split_presets[] = {SKV_LAYOUT_VLLM_FLASH_NHD, SKV_LAYOUT_VLLM_F
 
 Test(layout, every_preset_roundtrips, .timeout = 60) {
   uint64_t seed = skv_test_seed(), rng = seed;
-  /* Llama-like shard, two blocks per page, and one block per page; head_dim 64 fp32; fp8. */
-  const skv_geometry_t gs[] = {geom_make(SKV_KV_SPLIT, 4, 8, 128, 2, 32),
-                               geom_make(SKV_KV_SPLIT, 2, 2, 64, 4, 16),
-                               geom_make(SKV_KV_SPLIT, 3, 4, 128, 1, 8)};
-  const uint32_t bts[] = {16, 16, 2};
+  /* Llama-like shard, two blocks per page, and one block per page; head_dim 64 fp32; fp8;
+   * short rows of 32 and 16 bytes (HND's gathering path when streaming). */
+  const skv_geometry_t gs[] = {
+      geom_make(SKV_KV_SPLIT, 4, 8, 128, 2, 32), geom_make(SKV_KV_SPLIT, 2, 2, 64, 4, 16),
+      geom_make(SKV_KV_SPLIT, 3, 4, 128, 1, 8), geom_make(SKV_KV_SPLIT, 2, 4, 16, 2, 16),
+      geom_make(SKV_KV_SPLIT, 1, 8, 8, 2, 16)};
+  const uint32_t bts[] = {16, 16, 2, 8, 16};
   for (size_t gi = 0; gi < SKV_ARRAY_LEN(gs); gi++)
     for (size_t pi = 0; pi < SKV_ARRAY_LEN(split_presets); pi++) {
       cache_t c;

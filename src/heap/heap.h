@@ -18,6 +18,7 @@ struct skv_heap {
   void *impl;                   /* backend state */
   int gpu_shared_with;          /* cuda: a local PE whose GPU is this PE's too, else -1 */
   int gpu_sharers;              /* cuda: PEs on this PE's GPU, itself included (1: alone) */
+  uint64_t gpu_same_pes;        /* cuda: bit i when local PE i (not this one) uses this GPU */
 };
 
 struct skv__heap_backend {

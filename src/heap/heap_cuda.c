@@ -88,6 +88,7 @@ static int check_peer_access(skv_heap_t *heap, const dev_rec_t *devs) {
     if (i != mine && devs[i].ok && memcmp(devs[i].pci, devs[mine].pci, sizeof devs[i].pci) == 0) {
       if (heap->gpu_shared_with < 0) heap->gpu_shared_with = i;
       heap->gpu_sharers++;
+      heap->gpu_same_pes |= 1ull << i;
     }
     if (i == mine || !devs[i].ok || memcmp(devs[i].pci, devs[mine].pci, sizeof devs[i].pci) == 0)
       continue;

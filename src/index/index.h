@@ -159,6 +159,12 @@ void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard,
 
 /* 0 and *val on a hit, SKV_ENOTFOUND on a miss. */
 int skv__index_lookup(const skv__index_t *ix, skv_key_t key, uint64_t *val);
+/* Prefetch key's home slot: a lookup, insert or erase of it follows soon (a batch's keys'
+ * memory latencies then overlap). Same shard and home as index.c's. */
+static inline void skv__index_prefetch(const skv__index_t *ix, skv_key_t k) {
+  __builtin_prefetch(
+      &ix->slots[(k.hi >> 32) % (uint64_t)ix->nshards][k.lo & (ix->slots_per_shard - 1)]);
+}
 /* Batched prefix lookup: vals[0..*nhit) of the leading keys found (prefetches ahead). */
 void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, size_t n,
                               uint64_t *vals, size_t *nhit);

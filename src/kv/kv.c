@@ -64,7 +64,7 @@ static int backend_init(skv_kv_t *kv) {
   if (kv->data->info.backend == SKV_BACKEND_HOST) return 0; /* no GPU involved, none touched */
   skv__kvc_params_t p = {
       kv->ctx,    kv->data, &kv->geom, kv->page_bytes, kv->page_stride, (uint32_t)kv->pool.pages,
-      batch_done, kv};
+      batch_done, kv,       &kv->prof};
   return skv__kvc_create(&p, &kv->cuda);
 }
 #endif
@@ -476,6 +476,20 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
 
 enum { PATH_HOST, PATH_STAGED, PATH_DEVICE };
 
+/* Device publish: pages per launch, PUB_CHUNK or a quarter of the batch, whichever is more. A
+ * larger batch is published launch by launch: the pages of the next launch are looked up and
+ * allocated (the caller's thread) while the previous launches copy (the GPU) and are completed,
+ * their keys inserted (the completion thread), where one launch of the whole batch did the three
+ * one after the other (publish_e2e/64KiB/x1024 on one H100 was 0.088 x cudaMemcpyAsync + sync,
+ * nearly all of it host work per page). At most 4 launches more than one per argument slot's
+ * worth of pages: a publish takes few of the 8 ring slots, so it does not wait for the stream
+ * where it did not before. */
+#define PUB_CHUNK 256
+int skv__kv_pub_split = 4;
+/* Keys ahead whose index home slot is prefetched while one is looked up (misses of a
+ * publish's keys are independent: their memory latencies overlap). */
+#define PUB_AHEAD 4
+
 /* A fetch's batch reads (pe, page) straight from the caller's references, 4 words apart. */
 _Static_assert(sizeof(skv_page_ref_t) == 4 * sizeof(uint32_t), "a reference is 4 words");
 
@@ -525,9 +539,9 @@ static inline uint32_t b_page(const skv__kv_batch_t *b, size_t i) {
 /* Pin every page of the batch, or none: SKV_ESTALE naming the first stale reference. */
 static int pin_all(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t *refs,
                    const char *fn) {
-  for (size_t i = 0; i < b->n; i++) {
-    if (skv__pool_pin(&kv->pool, b_pe(b, i), b_page(b, i), refs[i].gen) == 0) continue;
-    for (size_t j = 0; j < i; j++) (void)skv__pool_unpin(&kv->pool, b_pe(b, j), b_page(b, j));
+  size_t i = 0;
+  if (skv__pool_pin_n(&kv->pool, b->pe, b->pe_step, b->page, b->page_step, &refs[0].gen, 4, b->n,
+                      &i) != 0) {
     __atomic_add_fetch(&kv->stale, 1, __ATOMIC_RELAXED);
     return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
                     "%s: reference %zu (PE %u, page %u, generation %u) is stale: the page was "
@@ -540,24 +554,20 @@ static int pin_all(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t 
 
 /* Release the fetch's pins of pages [from, to) of the batch, and the caller's with `caller`. */
 static int release(skv_kv_t *kv, const skv__kv_batch_t *b, size_t from, size_t to, bool caller) {
-  int rc = 0;
-  for (size_t i = from; i < to; i++) {
-    int r = skv__pool_unpin(&kv->pool, b_pe(b, i), b_page(b, i));
-    if (r == 0 && caller) r = skv__pool_unpin(&kv->pool, b_pe(b, i), b_page(b, i));
-    if (r && !rc) rc = r;
-  }
-  return rc;
+  if (from >= to) return 0;
+  return skv__pool_unpin_n(&kv->pool, b->pe + from * b->pe_step, b->pe_step,
+                           b->page + from * b->page_step, b->page_step, to - from, caller ? 2 : 1);
 }
 
 /* The last steps for one of this PE's pages just written with `key`'s data: READY, index
- * insert, then LRU (inserted) or free (deduplicated, or no index slot). 1 when inserted. */
-static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
+ * insert, then free it (deduplicated, or no index slot) or return 1: inserted, for the caller
+ * to commit to the LRU. */
+static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key) {
   const int me = kv->pool.me;
   skv__pool_ready(&kv->pool, page, key.hi, key.lo);
   uint32_t gen = skv__pool_gen(&kv->pool, (uint32_t)me, page);
   int r = skv__index_insert(&kv->index, key, skv__val_pack((uint32_t)me, page, gen), me);
   if (r == 0) {
-    skv__pool_commit(&kv->pool, page);
     __atomic_add_fetch(&kv->published, 1, __ATOMIC_RELAXED);
     return 1;
   }
@@ -573,12 +583,34 @@ static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
   return 0;
 }
 
+/* publish_index, then the LRU for an inserted page. 1 when inserted. */
+static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
+  if (!publish_index(kv, page, key)) return 0;
+  skv__pool_commit(&kv->pool, page);
+  return 1;
+}
+
 #ifdef SKV_WITH_CUDA
 /* A stream-ordered copy completed: the steps the synchronous copies take at once. */
 static int batch_done(void *arg, const skv__kv_batch_t *b) {
   skv_kv_t *kv = arg;
-  if (b->dir == SKV__KV_FETCH) return release(kv, b, 0, b->n, b->unpin_caller);
-  for (size_t i = 0; i < b->n; i++) publish_finish(kv, b_page(b, i), b->keys[i]);
+  const uint64_t t = skv__kp_now(&kv->prof);
+  if (b->dir == SKV__KV_FETCH) {
+    int rc = release(kv, b, 0, b->n, b->unpin_caller);
+    (void)skv__kp_lap(&kv->prof, SKV__KP_RELEASE, t);
+    return rc;
+  }
+  uint32_t ins[64]; /* inserted pages, committed to the LRU 64 at a time (one lock) */
+  size_t nins = 0;
+  for (size_t i = 0; i < b->n; i++) {
+    if (i + PUB_AHEAD < b->n) skv__index_prefetch(&kv->index, b->keys[i + PUB_AHEAD]);
+    if (publish_index(kv, b_page(b, i), b->keys[i])) ins[nins++] = b_page(b, i);
+    if (nins == SKV_ARRAY_LEN(ins) || (i + 1 == b->n && nins)) {
+      skv__pool_commit_n(&kv->pool, ins, nins);
+      nins = 0;
+    }
+  }
+  (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return 0;
 }
 
@@ -664,12 +696,15 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
                         int path, uint32_t flags, const skv_layout_t *dst,
                         const uint64_t *block_ids, void *stream, const char *fn) {
   const size_t n = b->n;
+  skv__kv_prof_t *P = &kv->prof;
+  uint64_t t = skv__kp_now(P);
 #ifdef SKV_WITH_CUDA
   if (path != PATH_HOST) {
     bool capturing;
-    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing));
+    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing, false));
     if (capturing) return capture_fetch(kv, b, refs, path, flags, dst, block_ids, stream, fn);
     if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, dst, SKV__KV_FETCH, fn));
+    t = skv__kp_lap(P, SKV__KP_BEGIN, t);
   }
 #else
   SKV_UNUSED(flags);
@@ -692,6 +727,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
         fn, bad, refs[bad].pe, refs[bad].page);
   const uint64_t revoked0 = skv__pool_revoked(&kv->pool);
   SKV_CHECK(pin_all(kv, b, refs, fn));
+  t = skv__kp_lap(P, SKV__KP_PIN, t);
 #ifdef SKV_WITH_CUDA
   if (path == PATH_DEVICE) {
     size_t queued = 0;
@@ -701,6 +737,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
   }
 #endif
   int rc = copy_sync_fetch(kv, b, path, dst, block_ids, stream, fn);
+  t = skv__kp_lap(P, SKV__KP_COPY, t);
   /* This process stopped inside the copy for longer than its lease and an evictor revoked pins
    * of ours meanwhile: a page may have been rewritten under the copy (pool.h, Leases). */
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -711,6 +748,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
                   "reused: the destination's contents are undefined; look the keys up again",
                   fn, (unsigned long long)kv->pool.lease_ms);
   int r2 = release(kv, b, 0, n, b->unpin_caller && rc == 0);
+  (void)skv__kp_lap(P, SKV__KP_RELEASE, t);
   return rc ? rc : r2;
 }
 
@@ -718,6 +756,7 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
                  const uint64_t *block_ids, uint32_t flags, void *stream) {
   const char *fn = "skv_kv_fetch";
   KV_CHECK_NULL(kv, "skv_kv_fetch");
+  const uint64_t t0 = skv__kp_now(&kv->prof);
   SKV_CHECK(check_refs(kv, refs, n, fn));
   SKV_CHECK(check_layout(kv, dst, block_ids, n, fn));
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_FETCH_UNPIN) == 0, SKV_SUBSYS_KV,
@@ -729,8 +768,10 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   const bool unpin = (flags & SKV_FETCH_UNPIN) != 0;
   const skv__kv_batch_t b = {SKV__KV_FETCH, n, &refs[0].pe, 4, &refs[0].page, 4, NULL, unpin};
   SKV_CHECK(map_begin(kv, &b));
+  (void)skv__kp_lap(&kv->prof, SKV__KP_CHECK, t0);
   int rc = fetch_mapped(kv, &b, refs, path, flags, dst, block_ids, stream, fn);
   map_end(kv);
+  (void)skv__kp_lap(&kv->prof, SKV__KP_CALL, t0);
   return rc;
 }
 
@@ -743,6 +784,7 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   const uint32_t me = (uint32_t)kv->pool.me, m = src->blocks_per_page;
   const uint64_t pb = kv->page_bytes;
   int rc = 0;
+  uint64_t t = skv__kp_now(&kv->prof);
   for (size_t q = 0; q < k; q++) {
     void *to = path == PATH_HOST ? skv__kv_page(kv, me, pages[q]) : buf + q * pb;
     skv__copy_blocks_to_page(src, to, block_ids + idx[q] * m, nt);
@@ -756,12 +798,14 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
 #else
   SKV_UNUSED(stream), SKV_UNUSED(fn);
 #endif
+  t = skv__kp_lap(&kv->prof, SKV__KP_COPY, t);
   for (size_t q = 0; q < k; q++) {
     if (rc)
       skv__pool_release(&kv->pool, pages[q]);
     else
       *inserted += (size_t)publish_finish(kv, pages[q], keys[idx[q]]);
   }
+  (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return rc;
 }
 
@@ -770,6 +814,8 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
                    size_t *ninserted) {
   const char *fn = "skv_kv_publish";
   KV_CHECK_NULL(kv, "skv_kv_publish");
+  skv__kv_prof_t *P = &kv->prof;
+  const uint64_t t0 = skv__kp_now(P);
   if (ninserted) *ninserted = 0;
   SKV_CHECK(check_ns(kv, ns, fn));
   SKV_CHECK(check_keys(keys, n, fn));
@@ -783,11 +829,12 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   tidy(kv);
   int path;
   SKV_CHECK(choose_path(kv, src, &path, fn));
+  uint64_t t = skv__kp_lap(P, SKV__KP_CHECK, t0);
   size_t chunk = 1; /* pages allocated, copied and finished together */
 #ifdef SKV_WITH_CUDA
   if (path != PATH_HOST) {
     bool capturing;
-    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing));
+    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing, true));
     if (capturing)
       return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
                       "%s cannot be captured in a CUDA graph: a replay would write into pages "
@@ -795,14 +842,22 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
                       "(it is stream-ordered)",
                       fn);
     if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, src, SKV__KV_PUBLISH, fn));
-    chunk = path == PATH_DEVICE ? n : SKV_MIN(n, skv__kvc_stage_pages(kv->cuda));
+    const size_t split = (size_t)SKV_MAX(1, __atomic_load_n(&skv__kv_pub_split, __ATOMIC_RELAXED));
+    chunk = SKV_MIN(n, path != PATH_DEVICE ? skv__kvc_stage_pages(kv->cuda)
+                       : split == 1        ? n
+                                           : SKV_MAX((size_t)PUB_CHUNK, (n + split - 1) / split));
+    t = skv__kp_lap(P, SKV__KP_BEGIN, t);
   }
 #endif
-  uint32_t page1;
-  size_t idx1;
-  uint32_t *pages = chunk == 1 ? &page1 : malloc(chunk * sizeof *pages);
-  size_t *idx = chunk == 1 ? &idx1 : malloc(chunk * sizeof *idx);
-  skv_key_t *pkeys = path == PATH_DEVICE ? malloc(chunk * sizeof *pkeys) : NULL;
+  uint32_t pages_s[PUB_CHUNK];
+  size_t idx_s[PUB_CHUNK];
+  skv_key_t pkeys_s[PUB_CHUNK];
+  const bool on_stack = chunk <= PUB_CHUNK; /* no allocation per call */
+  uint32_t *pages = on_stack ? pages_s : malloc(chunk * sizeof *pages);
+  size_t *idx = on_stack ? idx_s : malloc(chunk * sizeof *idx);
+  skv_key_t *pkeys = path != PATH_DEVICE ? NULL
+                     : on_stack          ? pkeys_s
+                                         : malloc(chunk * sizeof *pkeys);
   char *buf = path == PATH_STAGED ? malloc(chunk * kv->page_bytes) : NULL;
   int rc = 0;
   if (!pages || !idx || (path == PATH_DEVICE && !pkeys) || (path == PATH_STAGED && !buf))
@@ -810,16 +865,20 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   const bool nt = path == PATH_HOST && (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
   size_t inserted = 0;
   for (size_t i = 0; i < n && rc == 0;) {
-    size_t k = 0;
+    size_t k = 0, got = 0;
+    t = skv__kp_now(P);
     for (; i < n && k < chunk; i++) {
       uint64_t val;
-      if (skv__index_lookup(&kv->index, keys[i], &val) == 0) continue; /* cached already */
-      uint32_t gen;
-      uint64_t ev = 0;
-      rc = skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &pages[k], &gen, &ev);
-      if (rc) break; /* what was allocated is still published */
-      idx[k++] = i;
+      if (chunk > 1 && i + PUB_AHEAD < n) /* lookups back to back (not one per copied page) */
+        skv__index_prefetch(&kv->index, keys[i + PUB_AHEAD]);
+      if (skv__index_lookup(&kv->index, keys[i], &val) != 0) idx[k++] = i; /* not cached yet */
     }
+    t = skv__kp_lap(P, SKV__KP_LOOKUP, t);
+    uint64_t ev = 0;
+    rc = skv__pool_alloc_n(&kv->pool, skv__kv_evict_cb, kv, pages, k, &got, &ev);
+    /* on a failure, what was allocated is still published */
+    t = skv__kp_lap(P, SKV__KP_ALLOC, t);
+    k = got;
     if (k == 0) break;
     int r = 0;
     if (path != PATH_DEVICE) {
@@ -838,13 +897,14 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     }
     if (r) rc = r;
   }
-  if (chunk != 1) {
+  if (!on_stack) {
     free(pages);
     free(idx);
+    free(pkeys);
   }
-  free(pkeys);
   free(buf);
   if (ninserted) *ninserted = inserted;
+  (void)skv__kp_lap(P, SKV__KP_CALL, t0);
   return rc;
 }
 
@@ -858,7 +918,10 @@ int skv_kv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted) {
 int skv_kv_sync(skv_kv_t *kv) {
   KV_CHECK_NULL(kv, "skv_kv_sync");
 #ifdef SKV_WITH_CUDA
-  return skv__kvc_sync(kv->cuda);
+  const uint64_t t = skv__kp_now(&kv->prof);
+  int rc = skv__kvc_sync(kv->cuda);
+  (void)skv__kp_lap(&kv->prof, SKV__KP_SYNC, t);
+  return rc;
 #else
   return 0;
 #endif

@@ -7,6 +7,7 @@
 #include "heap/heap.h"
 #include "kv/keys.h"
 #include "kv/kv_cuda.h"
+#include "kv/kv_prof.h"
 #include "index/index.h"
 #include "kv/layout.h"
 #include "pool/pool.h"
@@ -26,6 +27,7 @@ struct skv_kv {
   skv__domain_t *domain; /* an attached cache's domain (skv_kv_attach), else NULL */
   /* this PE's counters */
   uint64_t lookups, lookup_hits, published, deduplicated, evicted, stale, index_full;
+  skv__kv_prof_t prof; /* where the data path's time goes (off unless switched on) */
 };
 
 /* Address of a page (host-visible for host heaps, device address for cuda heaps). */
@@ -33,6 +35,10 @@ static inline void *skv__kv_page(const skv_kv_t *kv, uint32_t pe, uint32_t page)
   return skv__heap_addr(kv->data, (int)pe,
                         kv->data->info.data_offset + (uint64_t)page * kv->page_stride);
 }
+
+/* Device publish: the launches a large batch is split into, at most (kv.c, PUB_CHUNK); 1: one
+ * launch per argument slot's worth of pages, as before. symkv-bench fetch compares the two. */
+extern int skv__kv_pub_split;
 
 /* Evict callback for the pool: erase the page's index entry. */
 void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, uint64_t key_lo);

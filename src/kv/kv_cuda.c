@@ -56,6 +56,7 @@ int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out) {
   kc->device = p->ctx->device;
   kc->npes = (uint32_t)p->heap->info.npes;
   kc->me = (uint32_t)p->heap->info.my_pe;
+  kc->this_gpu = p->heap->gpu_same_pes | 1ull << kc->me;
   SKV_CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&kc->sms, cudaDevAttrMultiProcessorCount, kc->device),
                       SKV_SUBSYS_KV, rc, fail);
   SKV_CUDA_CHECK_GOTO((cudaError_t)skv__kv_copy_preload(), SKV_SUBSYS_KV, rc, fail);
@@ -120,13 +121,13 @@ void skv__kvc_destroy(skv__kvc_t *kc) {
   kc_free(kc);
 }
 
-int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing) {
+int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing, bool reap) {
   SKV_CHECK(skv__cuda_use(kc->p.ctx));
   *capturing = false;
   SKV_CHECK(skv__cuda_capturing(stream, capturing));
-  /* what completed since the last call goes first: its pins, and its pages (a deduplicated
-   * page freed now is one fewer to evict) */
-  if (!*capturing) skv__kvc_reap(kc);
+  /* a publish completes what completed since the last call first: keys inserted now are found
+   * by its dedup lookups, and a deduplicated page freed now is one fewer to evict */
+  if (reap && !*capturing) skv__kvc_reap(kc);
   return 0;
 }
 
@@ -148,17 +149,21 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
   skv__kvc_plan_t pl;
   SKV_CHECK(skv__kvc_plan(kc, lay, b->dir, &pl, fn));
   const uint32_t m = lay->blocks_per_page;
+  skv__kv_prof_t *P = kc->p.prof;
   for (size_t off = 0; off < b->n; off += pl.ppl) {
     uint32_t k = (uint32_t)SKV_MIN((size_t)pl.ppl, b->n - off);
     skv__kvc_slot_t *s;
+    uint64_t t = skv__kp_now(P);
     SKV_CHECK(skv__kvc_slot_get(kc, &s, fn));
+    t = skv__kp_lap(P, SKV__KP_SLOT, t);
     s->unpin_caller = b->unpin_caller;
-    if (b->keys)
-      for (uint32_t j = 0; j < k; j++) s->keys[j] = b->keys[off + j];
+    if (b->keys) memcpy(s->keys, b->keys + off, k * sizeof *s->keys);
     skv__kvc_fill(s, &pl, lay, b, off, k, idx ? block_ids : block_ids + off * m,
                   idx ? idx + off : NULL);
+    t = skv__kp_lap(P, SKV__KP_STAGE, t);
     bool consumed;
     int rc = skv__kvc_enqueue(kc, s, &pl, stream, &consumed, fn);
+    (void)skv__kp_lap(P, SKV__KP_LAUNCH, t);
     if (consumed) *queued = off + k;
     if (rc) {
       if (!consumed) skv__kvc_slot_put(kc, s);

@@ -9,6 +9,7 @@
 #include "kv/layout.h"
 
 #include "kernels/kv_copy.h"
+#include "kv/kv_prof.h"
 
 /* A batch of pages: page i is (pe[i * pe_step], page[i * page_step]) (a step of 0 repeats one
  * value: publish passes its own PE so). What a stream-ordered copy hands back to the protocol
@@ -27,9 +28,10 @@ typedef struct skv__kv_batch {
 enum { SKV__KV_FETCH = 0, SKV__KV_PUBLISH = 1 }; /* = SKV_KV_COPY_FETCH, _PUBLISH */
 
 /* The protocol's step after a stream-ordered copy completed (release the fetch's pins, or make
- * the published pages READY and index them). Called once per copy, with the backend's lock held,
- * from the completion thread or a caller's thread; returns 0 or the first failure (kept for
- * skv__kvc_sync). Never called after skv__kvc_destroy began. */
+ * the published pages READY and index them). Called once per launch, without the backend's
+ * lock, from the completion thread or a caller's thread (two launches' steps may run at once);
+ * returns 0 or the first failure (kept for skv__kvc_sync). Never called after skv__kvc_destroy
+ * began. */
 typedef int (*skv__kv_done_cb)(void *arg, const skv__kv_batch_t *done);
 
 typedef struct skv__kvc skv__kvc_t;
@@ -43,6 +45,7 @@ typedef struct skv__kvc_params {
   uint32_t pages_per_pe;
   skv__kv_done_cb done;
   void *done_arg;
+  skv__kv_prof_t *prof; /* the cache's phase counters */
 } skv__kvc_params_t;
 
 /* Argument slots, the completion thread, the kernels loaded. */
@@ -50,8 +53,10 @@ int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out);
 /* Stops the completion thread; slots of copies still pending on a stuck stream are leaked. */
 void skv__kvc_destroy(skv__kvc_t *kc);
 /* Every call's first step: the PE's device current on this thread, whether `stream` is being
- * captured into a CUDA graph, and (when not) the completion of what has completed. */
-int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing);
+ * captured into a CUDA graph, and (when not, with `reap`: publish) the completion of what has
+ * completed. A fetch leaves that to the completion thread: the previous fetch's unpins (1024
+ * pages: tens of us) were paid by the next call in a loop of fetches. */
+int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing, bool reap);
 /* Can `lay` be copied to (dir SKV__KV_PUBLISH) or from with the kernels? Checked before any pin
  * is taken or page allocated (a layout on another GPU, too many blocks per page...). */
 int skv__kvc_check(skv__kvc_t *kc, const skv_layout_t *lay, int dir, const char *fn);

@@ -36,7 +36,8 @@ struct skv__kvc {
   skv_geometry_t geom;
   int device, sms;
   uint32_t npes, me;
-  uint8_t *pinned; /* the slots, then the error word */
+  uint64_t this_gpu; /* bit i: PE i's pages are in this GPU's memory (this PE's, and sharers') */
+  uint8_t *pinned;   /* the slots, then the error word */
   uint8_t *pinned_dev;
   uint8_t *mirrors; /* device memory: one argument mirror per slot */
   uint32_t *err, *err_dev;
@@ -87,7 +88,7 @@ typedef struct skv__kvc_plan {
   uint32_t bid_bytes;   /* 4 or 8 */
   uint32_t ppl;         /* pages per launch */
   bool ce;              /* fetch with the copy engines (dense runs, not capturing) */
-  bool local;           /* the launch's pages are all this PE's (set by skv__kvc_fill) */
+  bool local;           /* the launch's pages are all in this GPU's memory (set by skv__kvc_fill) */
 } skv__kvc_plan_t;
 
 /* Describe copies between the cache's pages and `lay` (a device layout on this PE's GPU). */

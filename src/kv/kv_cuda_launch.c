@@ -14,11 +14,11 @@
  * call. Small batches (up to SKV_KV_COPY_INLINE_BYTES of arguments, e.g. 300 pages of one
  * block) travel in the kernel's parameters. Larger ones of a batch that reads a peer's pages are
  * read by the kernels from the slot over PCIe, a few bytes per 8 KiB chunk, which the NVLink
- * transfer hides; a batch that stays in this GPU (publish; a fetch of this PE's own pages) would
- * wait on those reads instead, so its arguments are first copied to the slot's device mirror,
- * one DMA on the caller's stream (docs/gpu.md has the measurements behind both choices).
- * Batches larger than a slot (beyond SKV__KVC_MAX_PAGES pages, or fewer when pages have many
- * blocks) are split into several launches by the caller.
+ * transfer hides; a batch that stays in this GPU (publish; a fetch of this PE's own pages, or of
+ * pages of PEs sharing this GPU) would wait on those reads instead, so its arguments are first
+ * copied to the slot's device mirror, one DMA on the caller's stream (docs/gpu.md has the
+ * measurements behind both choices). Batches larger than a slot (beyond SKV__KVC_MAX_PAGES pages,
+ * or fewer when pages have many blocks) are split into several launches by the caller.
  *
  * The copy is the process-wide variant's (kv_cuda_variant.c): "bulk" (default), the TMA
  * kernel for 16-byte aligned runs of 128 bytes and more, else the vec kernel; "vec"; or "ce",
@@ -107,14 +107,17 @@ void skv__kvc_fill(skv__kvc_slot_t *s, skv__kvc_plan_t *pl, const skv_layout_t *
   uint64_t *bases = (uint64_t *)s->args;
   for (uint32_t t = 0; t < pl->d.ntensors; t++) bases[t] = (uint64_t)(uintptr_t)lay->base[t];
   uint32_t *pp = (uint32_t *)(s->args + pl->bases_bytes);
-  const uint32_t me = s->kc->me;
-  bool local = true;
+  const uint64_t here = s->kc->this_gpu;
+  uint64_t pes = 0;
   for (uint32_t q = 0; q < k; q++) {
     const uint32_t pe = b->pe[(off + q) * b->pe_step];
     pp[2 * q] = pe;
     pp[2 * q + 1] = b->page[(off + q) * b->page_step];
-    local = local && pe == me;
+    pes |= 1ull << (pe & 63);
   }
+  /* pages of PEs on this GPU only (its own, or of PEs sharing it): nothing crosses NVLink to
+   * hide the kernel's argument reads over PCIe behind, so they go to the device mirror */
+  const bool local = (pes & ~here) == 0;
   pl->local = local;
   const uint32_t m = pl->d.blocks_per_page;
   uint8_t *bp = s->args + pl->bases_bytes + 8 * (size_t)k;

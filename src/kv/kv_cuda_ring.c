@@ -18,8 +18,9 @@
  * (cudaEventQuery, sleeping 2 us doubling to 100 us while any is pending, on a condition
  * variable while none is) and, once a launch's event has completed, runs the protocol's `done`
  * on the slot's batch (kv.c releases its pins or indexes its pages) and hands the slot back.
- * Callers do the same for what has completed: each copy first, a call waiting for a slot, and
- * skv__kvc_sync; each use of a slot has a sequence number, so one completion never counts
+ * Callers do the same for what has completed: each publish first, a call waiting for a slot,
+ * and skv__kvc_sync (a fetch leaves it to the thread: its caller should not pay the previous
+ * fetch's unpins); each use of a slot has a sequence number, so one completion never counts
  * twice. The caller's stream carries nothing but the copy and an event (a host callback on the
  * stream cost it microseconds per launch: docs/gpu.md).
  *
@@ -28,9 +29,12 @@
  * - A stream that never completes (blocked on an event, a hung kernel): calls that need a slot
  *   and skv__kvc_sync time out with SKV_ETIMEDOUT; at destroy the completion thread is stopped
  *   and the slots of launches still pending are leaked (a kernel may still read them).
- * - The completion thread queries events without the lock and completes launches with it; no
- *   thread holds the lock across a CUDA call. A query failing with an error other than "not
- *   ready" (a broken context) completes the launch anyway and records the error for
+ * - The completion thread (and a caller completing what completed) queries events without the
+ *   lock, takes the completed launches off the pending list with it, runs their protocol
+ *   steps without it (launches of different slots may complete on two threads at once: the
+ *   pool and the index are safe for that), then hands the slots back with it. No thread
+ *   holds the lock across a CUDA call or a protocol step. A query failing with an error other than
+ * "not ready" (a broken context) completes the launch anyway and records the error for
  *   skv__kvc_sync: the pins go, since no copy will ever run again. */
 
 static void note_err_locked(skv__kvc_t *kc, int err) {
@@ -77,19 +81,25 @@ void skv__kvc_slot_put(skv__kvc_t *kc, skv__kvc_slot_t *s) {
   pthread_mutex_unlock(&kc->mu);
 }
 
-/* A launch completed, with kc->mu held: the protocol's step on its batch. */
-static void slot_complete_locked(skv__kvc_t *kc, skv__kvc_slot_t *s) {
-  if (kc->closed) return; /* the cache is gone: nothing left to update */
+/* A launch completed: the protocol's step on its batch (kc->mu not held: the slot is on no
+ * list, so nothing else touches it). Returns 0 or the step's failure. */
+static int slot_complete(skv__kvc_t *kc, skv__kvc_slot_t *s) {
   const uint32_t *pp = (const uint32_t *)(s->args + s->refs_off);
   skv__kv_batch_t b = {s->dir, s->n, pp, 2, pp + 1, 2, s->keys, s->unpin_caller};
+  const uint64_t t = skv__kp_now(kc->p.prof);
   int r = kc->p.done(kc->p.done_arg, &b);
-  if (r) note_err_locked(kc, r);
+  (void)skv__kp_lap(kc->p.prof, SKV__KP_COMPLETE, t);
+  return r;
 }
 
 void skv__kvc_slot_done(skv__kvc_slot_t *s) {
   skv__kvc_t *kc = s->kc;
   pthread_mutex_lock(&kc->mu);
-  slot_complete_locked(kc, s);
+  const bool closed = kc->closed;
+  pthread_mutex_unlock(&kc->mu);
+  int r = closed ? 0 : slot_complete(kc, s); /* closed: the cache is gone, nothing to update */
+  pthread_mutex_lock(&kc->mu);
+  if (r) note_err_locked(kc, r);
   slot_put_locked(kc, s);
   pthread_mutex_unlock(&kc->mu);
 }
@@ -122,6 +132,8 @@ int skv__kvc_reap_locked(skv__kvc_t *kc) {
   }
   if (any) (void)cudaGetLastError();
   pthread_mutex_lock(&kc->mu);
+  /* take the completed launches off the pending list (this thread completes them) */
+  skv__kvc_slot_t *mine[SKV__KVC_RING_SLOTS];
   int done = 0;
   for (int i = 0; i < n && any; i++) {
     if (st[i] == cudaErrorNotReady) continue;
@@ -136,9 +148,20 @@ int skv__kvc_reap_locked(skv__kvc_t *kc) {
                "released",
                cudaGetErrorString(st[i]), cudaGetErrorName(st[i]));
     }
-    slot_complete_locked(kc, snap[i]);
-    slot_put_locked(kc, snap[i]);
-    done++;
+    mine[done++] = snap[i];
+  }
+  if (done == 0) return 0;
+  /* The protocol's steps without the lock: a caller taking a slot, or enqueueing its next
+   * launch, does not wait for the unpins or index inserts of 1024 pages (the lock was held
+   * across them before). The slots are still counted in flight, so skv__kvc_sync waits. */
+  const bool closed = kc->closed;
+  pthread_mutex_unlock(&kc->mu);
+  int r[SKV__KVC_RING_SLOTS];
+  for (int i = 0; i < done; i++) r[i] = closed ? 0 : slot_complete(kc, mine[i]);
+  pthread_mutex_lock(&kc->mu);
+  for (int i = 0; i < done; i++) {
+    if (r[i]) note_err_locked(kc, r[i]);
+    slot_put_locked(kc, mine[i]);
   }
   return done;
 }

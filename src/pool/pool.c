@@ -290,11 +290,12 @@ static uint64_t live_pins(skv__pool_t *p, skv__page_meta_t *m, uint32_t page) {
   return pins;
 }
 
-int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
+/* Pin one page, pin_mu held. */
+static inline __attribute__((always_inline)) int pin_locked(skv__pool_t *p, uint32_t pe,
+                                                            uint32_t page, uint32_t gen) {
   skv__page_meta_t *m = &p->meta[pe][page];
   uint64_t bit = 1ull << p->me;
   int rc = 0;
-  pthread_mutex_lock(&p->pin_mu);
   uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
   if (*c > 0) {
     /* Our pin keeps the page from changing: its current generation is the pinned one. */
@@ -333,31 +334,89 @@ int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
       p->pinned_pages++;
     }
   }
+  return rc;
+}
+
+int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
+  pthread_mutex_lock(&p->pin_mu);
+  int rc = pin_locked(p, pe, page, gen);
   pthread_mutex_unlock(&p->pin_mu);
   return rc;
 }
 
-int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page) {
-  pthread_mutex_lock(&p->pin_mu);
+/* Unpin one page, pin_mu held: 0, or SKV_EINVAL (not pinned by us; nothing logged). */
+static inline __attribute__((always_inline)) int unpin_locked(skv__pool_t *p, uint32_t pe,
+                                                              uint32_t page) {
   uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
-  if (*c == 0 && (p->forgot[pe] || p->lease_lost)) {
-    /* dropped with its incarnation, or with a lease that ran out: nothing left to release */
-    pthread_mutex_unlock(&p->pin_mu);
-    return 0;
-  }
-  if (*c == 0) {
-    pthread_mutex_unlock(&p->pin_mu);
-    return SKV_FAIL(
-        SKV_EINVAL, SKV_SUBSYS_POOL,
-        "unpin of page %u of PE %u, which this PE does not hold pinned (unbalanced unpin?)", page,
-        pe);
-  }
+  if (*c == 0 && (p->forgot[pe] || p->lease_lost))
+    return 0; /* dropped with its incarnation, or with a lease that ran out: nothing to release */
+  if (*c == 0) return SKV_EINVAL;
   if (--*c == 0) {
     __atomic_fetch_and(&p->meta[pe][page].pinmask, ~(1ull << p->me), __ATOMIC_RELEASE);
     p->pinned_pages--;
   }
-  pthread_mutex_unlock(&p->pin_mu);
   return 0;
+}
+
+static int unpin_failed(uint32_t pe, uint32_t page) {
+  return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_POOL,
+                  "unpin of page %u of PE %u, which this PE does not hold pinned (unbalanced "
+                  "unpin?)",
+                  page, pe);
+}
+
+int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page) {
+  pthread_mutex_lock(&p->pin_mu);
+  int rc = unpin_locked(p, pe, page);
+  pthread_mutex_unlock(&p->pin_mu);
+  return rc ? unpin_failed(pe, page) : 0;
+}
+
+/* Batches take pin_mu once per PIN_RUN pages: a lock and an unlock per page were a third of a
+ * pin's cost (symkv-bench fetch's breakdown), and the completion thread's unpins of the previous
+ * batch contend for the same lock; a bounded run keeps the other thread's wait short. */
+#define PIN_RUN 64
+
+int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
+                    size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, size_t *bad) {
+  if (n == 1) { /* the one-page call costs what skv__pool_pin does (no run loop) */
+    int rc = skv__pool_pin(p, pe[0], page[0], gen[0]);
+    if (rc) *bad = 0;
+    return rc;
+  }
+  int rc = 0;
+  size_t i = 0;
+  while (i < n && rc == 0) {
+    const size_t end = SKV_MIN(n, i + PIN_RUN);
+    pthread_mutex_lock(&p->pin_mu);
+    for (; i < end; i++) {
+      rc = pin_locked(p, pe[i * pe_step], page[i * page_step], gen[i * gen_step]);
+      if (rc) break;
+    }
+    pthread_mutex_unlock(&p->pin_mu);
+  }
+  if (rc == 0) return 0;
+  *bad = i;
+  (void)skv__pool_unpin_n(p, pe, pe_step, page, page_step, i, 1);
+  return rc;
+}
+
+int skv__pool_unpin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
+                      size_t page_step, size_t n, int times) {
+  if (n == 1 && times == 1) return skv__pool_unpin(p, pe[0], page[0]);
+  size_t bad = n;
+  for (size_t i = 0; i < n;) {
+    const size_t end = SKV_MIN(n, i + PIN_RUN);
+    pthread_mutex_lock(&p->pin_mu);
+    for (; i < end; i++) {
+      const uint32_t e = pe[i * pe_step], pg = page[i * page_step];
+      int r = unpin_locked(p, e, pg);
+      if (times == 2 && r == 0) r = unpin_locked(p, e, pg);
+      if (r && bad == n) bad = i;
+    }
+    pthread_mutex_unlock(&p->pin_mu);
+  }
+  return bad < n ? unpin_failed(pe[bad * pe_step], page[bad * page_step]) : 0;
 }
 
 int skv__pool_held(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
@@ -500,28 +559,66 @@ static void recycle_retired(skv__pool_t *p) {
   }
 }
 
-int skv__pool_alloc(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
-                    uint32_t *gen, uint64_t *nevicted) {
-  pthread_mutex_lock(&p->mu);
+/* Take one page (mu held): false when none is free or evictable. */
+static inline __attribute__((always_inline)) bool alloc_locked(skv__pool_t *p,
+                                                               skv__pool_evict_cb evict, void *arg,
+                                                               uint32_t *page, uint32_t *gen,
+                                                               uint64_t *nevicted) {
   if (p->nfree == 0 && p->nretired) recycle_retired(p);
   if (p->nfree == 0 && evict_lru(p, evict, arg)) (*nevicted)++;
-  if (p->nfree == 0) {
-    pthread_mutex_unlock(&p->mu);
-    return SKV_FAIL(
-        SKV_ENOSPC, SKV_SUBSYS_POOL,
-        "no free page on PE %d: all %llu pages are pinned or being written; unpin pages "
-        "(skv_kv_unpin / SKV_FETCH_UNPIN) or create the cache with more pages_per_pe",
-        p->me, (unsigned long long)p->pages);
-  }
+  if (p->nfree == 0) return false;
   uint32_t pg = p->free_stack[--p->nfree];
   skv__page_meta_t *m = &p->meta[p->me][pg];
   uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
   SKV_ASSERT(skv__st_state(st) == SKV_PAGE_FREE);
   __atomic_store_n(&m->state, skv__st_make(skv__st_gen(st), SKV_PAGE_WRITING), __ATOMIC_RELEASE);
-  pthread_mutex_unlock(&p->mu);
   *page = pg;
   *gen = skv__st_gen(st);
-  return 0;
+  return true;
+}
+
+static int alloc_failed(const skv__pool_t *p) {
+  return SKV_FAIL(SKV_ENOSPC, SKV_SUBSYS_POOL,
+                  "no free page on PE %d: all %llu pages are pinned or being written; unpin pages "
+                  "(skv_kv_unpin / SKV_FETCH_UNPIN) or create the cache with more pages_per_pe",
+                  p->me, (unsigned long long)p->pages);
+}
+
+int skv__pool_alloc(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
+                    uint32_t *gen, uint64_t *nevicted) {
+  pthread_mutex_lock(&p->mu);
+  bool ok = alloc_locked(p, evict, arg, page, gen, nevicted);
+  pthread_mutex_unlock(&p->mu);
+  return ok ? 0 : alloc_failed(p);
+}
+
+/* Batches take mu once per POOL_RUN pages (allocations and commits), where a lock and an unlock
+ * per page were: a publish's completion commits pages while its caller allocates the next
+ * launch's, and both would hand the lock back and forth per page. A run bounds the other's wait
+ * (an allocation may evict, an index erase each). */
+#define POOL_RUN 64
+
+int skv__pool_alloc_n(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *pages,
+                      size_t n, size_t *got, uint64_t *nevicted) {
+  if (n == 1) { /* as skv__pool_alloc (no run loop) */
+    uint32_t gen;
+    int rc = skv__pool_alloc(p, evict, arg, pages, &gen, nevicted);
+    *got = rc == 0;
+    return rc;
+  }
+  bool ok = true;
+  *got = 0;
+  while (*got < n && ok) {
+    const size_t end = SKV_MIN(n, *got + POOL_RUN);
+    pthread_mutex_lock(&p->mu);
+    for (; *got < end; (*got)++) {
+      uint32_t gen;
+      ok = alloc_locked(p, evict, arg, &pages[*got], &gen, nevicted);
+      if (!ok) break;
+    }
+    pthread_mutex_unlock(&p->mu);
+  }
+  return ok ? 0 : alloc_failed(p);
 }
 
 void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo) {
@@ -541,6 +638,19 @@ void skv__pool_commit(skv__pool_t *p, uint32_t page) {
   pthread_mutex_lock(&p->mu);
   lru_push(p, lu, page, gen);
   pthread_mutex_unlock(&p->mu);
+}
+
+void skv__pool_commit_n(skv__pool_t *p, const uint32_t *pages, size_t n) {
+  for (size_t i = 0; i < n;) {
+    const size_t end = SKV_MIN(n, i + POOL_RUN);
+    pthread_mutex_lock(&p->mu);
+    for (; i < end; i++) {
+      skv__page_meta_t *m = &p->meta[p->me][pages[i]];
+      uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
+      lru_push(p, __atomic_load_n(&m->last_use, __ATOMIC_RELAXED), pages[i], gen);
+    }
+    pthread_mutex_unlock(&p->mu);
+  }
 }
 
 void skv__pool_release(skv__pool_t *p, uint32_t page) {

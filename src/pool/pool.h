@@ -168,6 +168,15 @@ uint64_t skv__pool_revoked(const skv__pool_t *p);
  * READY with that generation. */
 int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
 int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page);
+/* The same for page i = (pe[i * pe_step], page[i * page_step]) of a batch, at generation
+ * gen[i * gen_step]: all or none (the first failure, with *bad its index, after the pins taken
+ * were released). */
+int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
+                    size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, size_t *bad);
+/* Release `times` (1 or 2) pins on every page of a batch; every page is tried, the first failure
+ * returned. */
+int skv__pool_unpin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
+                      size_t page_step, size_t n, int times);
 
 /* Does this PE hold a pin on page `page` of PE `pe` at generation `gen`? 0 when it does,
  * SKV_ENOTFOUND when it holds none there, SKV_ESTALE when its pin is on another generation. */
@@ -186,10 +195,15 @@ typedef void (*skv__pool_evict_cb)(void *arg, uint32_t page, uint32_t gen, uint6
                                    uint64_t key_lo);
 int skv__pool_alloc(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *page,
                     uint32_t *gen, uint64_t *nevicted);
+/* The same for n pages into pages[0..*got): stops at the first that fails (SKV_ENOSPC; the pages
+ * taken are the caller's). */
+int skv__pool_alloc_n(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint32_t *pages,
+                      size_t n, size_t *got, uint64_t *nevicted);
 /* Owner: WRITING -> READY with its key, so that pins can succeed once the key is indexed. */
 void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo);
 /* Owner: the page's key is in the index: make it an eviction candidate (LRU). */
 void skv__pool_commit(skv__pool_t *p, uint32_t page);
+void skv__pool_commit_n(skv__pool_t *p, const uint32_t *pages, size_t n);
 /* Owner: WRITING or READY-but-never-indexed -> FREE (a deduplicated or failed publish). */
 void skv__pool_release(skv__pool_t *p, uint32_t page);
 /* Owner leaving an elastic domain: take every READY page out of service: READY -> EVICTING,
