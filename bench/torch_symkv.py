@@ -51,6 +51,8 @@ from torch_symm_mem import fmt_size, parse_size  # noqa: E402
 def slowest(us, device):
     t = torch.tensor([us if us == us else -1.0], dtype=torch.float64)
     if dist.is_initialized():
+        if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+            t = t.to(device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     v = t.item()
     return float("nan") if v < 0 else v

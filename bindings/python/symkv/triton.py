@@ -21,7 +21,9 @@ from . import _lib
 def peer_ptr(ptr, my_pe, pe, stride):
     """PE `pe`'s copy of heap pointer `ptr` of this PE; `stride` is the heap's PE stride in
     elements of ptr's type (Group.stride // element size)."""
-    return ptr + (pe - my_pe).to(tl.int64) * stride
+    # tl.cast, not .to(): Triton passes an int argument equal to 1 as a Python int constant
+    # (specialisation), which has no .to (rank 1's my_pe failed to compile on Triton 3.6)
+    return ptr + (tl.cast(pe, tl.int64) - tl.cast(my_pe, tl.int64)) * stride
 
 
 @triton.jit

@@ -43,6 +43,11 @@ def test_oneshot_kernel_compiles_with_the_promised_ordering():
     assert "%globaltimer" in ptx                                   # the timeout's clock
     assert "bar.sync" in ptx                                       # block barrier before signals
     assert "multimem" not in ptx                                   # never NVLink multicast
+    # Triton passes an int argument equal to 1 as a constant (specialisation): PE 1's kernel
+    # must compile too (peer_ptr called .to() on it, which failed on PE 1 only)
+    sig1 = dict(sig, my_pe="constexpr")
+    ptx1 = _compile(triton, skt._oneshot_kernel, sig1, {"NPES": 2, "BLOCK": 2048, "my_pe": 1})
+    assert "ld.acquire.sys.global.u64" in ptx1
 
 
 def test_device_functions_compile_in_a_user_kernel():
