@@ -16,9 +16,7 @@ struct skv_cluster {
   char node[SKV__CL_NAME_CAP], prefix[SKV__CL_NAME_CAP];
   bool remote;
   uint64_t nonce;
-  pthread_mutex_t mu; /* lookups and fetches (the fetching worker, the staging buffer) */
-  char *staging;
-  size_t staging_cap;
+  pthread_mutex_t mu; /* lookups and fetches (the fetching worker and its buffer) */
   uint64_t lookups, local_hits, remote_hits, remote_pages, remote_bytes, remote_stale,
       peer_failures;
 #if SKV_WITH_CLUSTER
@@ -175,7 +173,6 @@ int skv_cluster_leave(skv_cluster_t *cl) {
   free(cl->peer_checked_ms);
 #endif
   pthread_mutex_destroy(&cl->mu);
-  free(cl->staging);
   free(cl);
   return 0;
 }
@@ -323,15 +320,6 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
                     " bytes, this cache %" PRIu64 " (another geometry)",
                     skv__xfer_peer_name(cl->x, peer), pb, cl->kv->page_bytes);
   const size_t chunk = (size_t)SKV_MAX(1, SKV_MIN(k, (64ull << 20) / pb));
-  if (cl->staging_cap < chunk * pb) {
-    free(cl->staging);
-    cl->staging = NULL;
-    cl->staging_cap = 0;
-    if (posix_memalign((void **)&cl->staging, 4096, chunk * pb) != 0)
-      return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory (%zu bytes)",
-                      chunk * pb);
-    cl->staging_cap = chunk * pb;
-  }
   uint32_t pages[256], gens[256];
   const uint32_t m = dst->blocks_per_page;
   for (size_t done = 0; done < k;) {
@@ -341,7 +329,8 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
       gens[j] = refs[idx[done + j]].gen;
     }
     size_t bad = 0;
-    int rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, cl->staging, &bad);
+    const void *got = NULL;
+    int rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, &got, &bad);
     if (rc) {
       if (rc == SKV_ESTALE) __atomic_add_fetch(&cl->remote_stale, 1, __ATOMIC_RELAXED);
       if (rc == SKV_EPEERDEAD) __atomic_add_fetch(&cl->peer_failures, 1, __ATOMIC_RELAXED);
@@ -349,7 +338,7 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
     }
     const bool nt = c * pb >= SKV_COPY_STREAM_BYTES;
     for (size_t j = 0; j < c; j++)
-      skv__copy_page_to_blocks(dst, cl->staging + j * pb, block_ids + idx[done + j] * m, nt);
+      skv__copy_page_to_blocks(dst, (const char *)got + j * pb, block_ids + idx[done + j] * m, nt);
     if (nt) skv__copy_stream_fence();
     __atomic_add_fetch(&cl->remote_pages, c, __ATOMIC_RELAXED);
     __atomic_add_fetch(&cl->remote_bytes, c * pb, __ATOMIC_RELAXED);

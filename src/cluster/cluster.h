@@ -48,13 +48,14 @@ uint32_t skv__xfer_npeers(const skv__xfer_t *x);
 void skv__xfer_peer_retry(skv__xfer_t *x, uint32_t peer);
 uint64_t skv__xfer_peer_nonce(const skv__xfer_t *x, uint32_t peer);
 
-/* Read pages page[i] (whose directory generation is gen[i]) of `peer`, i < n, into
- * dst + i * page_bytes, then their state words: SKV_ESTALE (*bad: the first) when a page is not
+/* Read pages page[i] (whose directory generation is gen[i]) of `peer`, i < n, into a
+ * registered buffer of the xfer (*out + i * page_bytes, valid until the next call), then their
+ * state words: SKV_ESTALE (*bad: the first) when a page is not
  * READY with its generation after its bytes were read; SKV_EPEERDEAD when the peer failed or
  * did not answer within the timeout (its endpoint is then closed). Not thread-safe (the
  * caller serialises). */
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
-                        size_t n, void *dst, size_t *bad);
+                        size_t n, const void **out, size_t *bad);
 uint64_t skv__xfer_page_bytes(const skv__xfer_t *x, uint32_t peer);
 
 /* ---- dir.c: the Redis directory --------------------------------------------------------- */

@@ -276,9 +276,11 @@ static void *dir_main(void *arg) {
       else
         ops = o, ops_cap = nops;
     }
-    memcpy(ops, d->q, nops * sizeof(*ops));
-    memmove(d->q, d->q + nops, (d->nq - nops) * sizeof(*d->q));
-    d->nq -= nops;
+    if (nops) {
+      memcpy(ops, d->q, nops * sizeof(*ops));
+      memmove(d->q, d->q + nops, (d->nq - nops) * sizeof(*d->q));
+      d->nq -= nops;
+    }
     if (full || refresh) {
       if (d->exported > extra_cap) {
         dir_op_t *o = realloc(extra, d->exported * sizeof(*o));

@@ -37,6 +37,8 @@
 
 #define XFER_MAGIC     0x736b76636c757331ull /* "skvclus1" */
 #define XFER_MAX_PEERS 1024
+#define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread spins 20 ms after a request */
+#define SERVE_POLL_MS  1                 /* and then sleeps at most this long (see serve_main) */
 
 typedef struct xfer_rec {
   uint64_t magic, nonce;
@@ -68,6 +70,9 @@ struct skv__xfer {
   uint32_t npeers;
   uint64_t *words; /* state words read back */
   size_t words_cap;
+  char *staging; /* where pages are read into: registered, so that UCX reads zero-copy */
+  size_t staging_cap;
+  ucp_mem_h staging_mh;
 };
 
 static int ucx_fail(ucs_status_t st, const char *what) {
@@ -80,8 +85,19 @@ static void *serve_main(void *arg) {
   skv__xfer_t *x = arg;
   int efd = -1;
   if (ucp_worker_get_efd(x->serve, &efd) != UCS_OK) efd = -1;
+  uint64_t busy_until = 0;
   while (!__atomic_load_n(&x->stop, __ATOMIC_ACQUIRE)) {
-    while (ucp_worker_progress(x->serve)) {
+    /* Spin while requests come (a TCP get is several messages that each wait for this
+     * thread: sleeping between them costs a wake-up each), sleep after SPIN_NS of quiet. */
+    if (ucp_worker_progress(x->serve)) {
+      while (ucp_worker_progress(x->serve)) {
+      }
+      busy_until = skv__now_ns() + SERVE_SPIN_NS;
+      continue;
+    }
+    if (skv__now_ns() < busy_until) {
+      SKV_CPU_RELAX();
+      continue;
     }
     if (efd < 0) {
       struct timespec ts = {0, 200000};
@@ -91,7 +107,7 @@ static void *serve_main(void *arg) {
     ucs_status_t st = ucp_worker_arm(x->serve);
     if (st == UCS_ERR_BUSY) continue;
     struct pollfd pfd = {.fd = efd, .events = POLLIN};
-    (void)poll(&pfd, 1, 100);
+    (void)poll(&pfd, 1, SERVE_POLL_MS);
   }
   return NULL;
 }
@@ -248,11 +264,13 @@ void skv__xfer_destroy(skv__xfer_t *x) {
     free(x->peers[i]->blob);
     free(x->peers[i]);
   }
+  if (x->staging_mh) ucp_mem_unmap(x->ctx, x->staging_mh);
   if (x->mh_pages) ucp_mem_unmap(x->ctx, x->mh_pages);
   if (x->mh_meta) ucp_mem_unmap(x->ctx, x->mh_meta);
   if (x->fetch) ucp_worker_destroy(x->fetch);
   if (x->serve) ucp_worker_destroy(x->serve);
   if (x->ctx) ucp_cleanup(x->ctx);
+  free(x->staging);
   free(x->words);
   free(x->blob);
   free(x);
@@ -364,8 +382,34 @@ static int flush_peer(skv__xfer_t *x, xfer_peer_t *p, uint64_t deadline_ms, cons
                   p->name, what, ucs_status_string(st ? st : UCS_ERR_ENDPOINT_TIMEOUT));
 }
 
+/* A registered buffer of at least `bytes` (grown, never shrunk). */
+static int staging(skv__xfer_t *x, size_t bytes) {
+  if (x->staging_cap >= bytes) return 0;
+  if (x->staging_mh) ucp_mem_unmap(x->ctx, x->staging_mh);
+  free(x->staging);
+  x->staging = NULL;
+  x->staging_mh = NULL;
+  x->staging_cap = 0;
+  if (posix_memalign((void **)&x->staging, 4096, bytes) != 0)
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory (%zu bytes of staging)",
+                    bytes);
+  ucp_mem_map_params_t mp = {.field_mask =
+                                 UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                             .address = x->staging,
+                             .length = bytes};
+  ucs_status_t st = ucp_mem_map(x->ctx, &mp, &x->staging_mh);
+  if (st != UCS_OK) {
+    x->staging_mh = NULL;
+    free(x->staging);
+    x->staging = NULL;
+    return ucx_fail(st, "ucp_mem_map of the staging buffer");
+  }
+  x->staging_cap = bytes;
+  return 0;
+}
+
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
-                        size_t n, void *dst, size_t *bad) {
+                        size_t n, const void **out, size_t *bad) {
   *bad = 0;
   if (peer >= x->npeers) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, "cluster: no peer %u", peer);
   xfer_peer_t *p = x->peers[peer];
@@ -386,9 +430,11 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
     x->words = w;
     x->words_cap = n;
   }
+  SKV_CHECK(staging(x, n * p->rec.page_bytes));
+  *out = x->staging;
   uint64_t deadline = skv__now_ms() + (uint64_t)x->timeout_ms;
-  ucp_request_param_t rp = {.op_attr_mask = 0};
-  char *d = dst;
+  ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, .memh = x->staging_mh};
+  char *d = x->staging;
   for (size_t i = 0; i < n; i++) {
     void *req = ucp_get_nbx(p->ep, d + i * p->rec.page_bytes, p->rec.page_bytes,
                             p->rec.pages_base + page[i] * p->rec.page_stride, p->rk_pages, &rp);
@@ -399,6 +445,7 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
     if (req) ucp_request_free(req); /* completion is the flush's */
   }
   SKV_CHECK(flush_peer(x, p, deadline, "a read of pages"));
+  rp.op_attr_mask = 0;
   for (size_t i = 0; i < n; i++) {
     void *req = ucp_get_nbx(p->ep, &x->words[i], sizeof(uint64_t),
                             p->rec.meta_base + page[i] * p->rec.meta_stride, p->rk_meta, &rp);
