@@ -364,7 +364,6 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
     else
       nr++;
   }
-  const uint32_t m = dst->blocks_per_page;
   if (nr == 0) { /* node-local: skv_kv_fetch as it is */
     skv_page_ref_t small[64], *lr = n <= 64 ? small : malloc(n * sizeof(*lr));
     if (!lr) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory");
@@ -383,6 +382,7 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
                     "skv_cluster_fetch: a reference names a peer node, but this handle is "
                     "node-local (no Redis URL)");
+  const uint32_t m = dst->blocks_per_page;
   SKV_ARG_CHECK(dst->device < 0, SKV_SUBSYS_KV,
                 "skv_cluster_fetch: remote pages into a GPU layout are not supported yet (UCX's "
                 "CUDA transports are not used by this version): fetch into a host layout");
