@@ -183,6 +183,18 @@ static double perftest_get(uint64_t bytes, int iters, int outstanding, char *cmd
   return mbs;
 }
 
+/* /proc/loadavg's first three figures (the host's load moves both sides of the comparison). */
+static const char *loadavg(char *buf, size_t cap) {
+  FILE *f = fopen("/proc/loadavg", "r");
+  double a = 0, b5 = 0, c = 0;
+  if (!f || fscanf(f, "%lf %lf %lf", &a, &b5, &c) != 3)
+    snprintf(buf, cap, "unknown");
+  else
+    snprintf(buf, cap, "%.2f %.2f %.2f", a, b5, c);
+  if (f) fclose(f);
+  return buf;
+}
+
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -212,6 +224,9 @@ static int bench_cluster(bench_t *b) {
   bench_config_int(b, "batch_bytes", (long long)batch_bytes);
   bench_config_real(b, "seconds", seconds);
   bench_config_int(b, "rounds", rounds);
+  bench_config_str(b, "host_kind", getenv("SKV_HOST_KIND") ? getenv("SKV_HOST_KIND") : "unknown");
+  char la[64];
+  bench_config_str(b, "loadavg_start", loadavg(la, sizeof la));
 
   /* redis-server, ours */
   const char *url_opt = bench_opt(b, "--redis-url");
@@ -279,8 +294,12 @@ static int bench_cluster(bench_t *b) {
             break;
           }
     }
+    /* --same-page: every reference names the first page (perftest's access pattern: one
+     * remote buffer, cache-resident), checked byte for byte above with distinct pages */
+    if (!rc && bench_flag(b, "--same-page"))
+      for (uint32_t i = 1; i < per; i++) refs[i] = refs[0];
     /* rounds of ours and of ucx_perftest in turn (this host's load moves both): medians */
-    double ours[MAX_ROUNDS], theirs[MAX_ROUNDS];
+    double ours[MAX_ROUNDS] = {0}, theirs[MAX_ROUNDS] = {0};
     char cmd[256] = "";
     for (int round = 0; !rc && round < rounds; round++) {
       double t0 = bench_now(), t;
@@ -295,8 +314,11 @@ static int bench_cluster(bench_t *b) {
       double mbs = perftest_get(pb, piters, (int)per, cmd, sizeof cmd);
       theirs[round] = mbs > 0 ? mbs * 1048576.0 / 1e9 : -1;
     }
-    const double gbs = rc ? 0 : bench_median(ours, (size_t)rounds);
-    const double base = rc ? -1 : bench_median(theirs, (size_t)rounds);
+    double sorted[2][MAX_ROUNDS];
+    memcpy(sorted[0], ours, sizeof ours);
+    memcpy(sorted[1], theirs, sizeof theirs);
+    const double gbs = rc ? 0 : bench_median(sorted[0], (size_t)rounds);
+    const double base = rc ? -1 : bench_median(sorted[1], (size_t)rounds);
     /* lookups of the whole chain from the directory (size of the first size only) */
     if (!rc && si == 0) {
       const int nk = SKV_MIN(chain, (int)per);
@@ -328,11 +350,20 @@ static int bench_cluster(bench_t *b) {
     char name[96], bname[160];
     char sz[32];
     skv__fmt_bytes(pb, sz, sizeof sz);
-    snprintf(name, sizeof name, "remote fetch %s pages, %u per fetch", sz, per);
+    snprintf(name, sizeof name, "remote fetch %s pages, %u per fetch%s", sz, per,
+             bench_flag(b, "--same-page") ? " (one page)" : "");
     snprintf(bname, sizeof bname, "ucx_perftest ucp_get %s, -O %u", sz, per);
     bench_row(b, name, gbs, "GB/s", "higher", bname, base);
     bench_config_str(b, sz, cmd);
+    char key[64], vals[512];
+    size_t o = 0;
+    for (int r = 0; r < rounds && o < sizeof vals; r++)
+      o += (size_t)snprintf(vals + o, sizeof vals - o, "%s%.4g/%.4g", r ? " " : "", ours[r],
+                            theirs[r]);
+    snprintf(key, sizeof key, "rounds_%s_ours_vs_perftest_GBps", sz);
+    bench_config_str(b, key, vals);
   }
+  bench_config_str(b, "loadavg_end", loadavg(la, sizeof la));
   if (redis > 0) {
     kill(redis, SIGKILL);
     waitpid(redis, NULL, 0);
@@ -353,6 +384,8 @@ static const bench_optspec_t cluster_opts[] = {
      64, NULL},
     {"--tls", BENCH_STR, "LIST", "UCX_TLS, else tcp", "UCX transports (UCX_TLS), e.g. tcp or sm", 0,
      0, NULL},
+    {"--same-page", BENCH_FLAG, NULL, NULL,
+     "every fetch reads one remote page N times (ucx_perftest's pattern: one buffer)", 0, 0, NULL},
     {"--redis-url", BENCH_STR, "URL", "a redis-server of its own", "an existing Redis", 0, 0, NULL},
     BENCH_OPTS_END};
 

@@ -365,8 +365,12 @@ int skv__dir_create(const skv__dir_params_t *p, skv__dir_t **out) {
   d->pe = p->pe;
   pthread_mutex_init(&d->mu, NULL);
   pthread_mutex_init(&d->lk_mu, NULL);
-  pthread_cond_init(&d->cv, NULL);
-  pthread_cond_init(&d->done_cv, NULL);
+  pthread_condattr_t ca; /* deadlines are skv__now_ns() (monotonic) times */
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&d->cv, &ca);
+  pthread_cond_init(&d->done_cv, &ca);
+  pthread_condattr_destroy(&ca);
   d->blob = malloc(p->blob_len);
   d->tr = calloc(p->pages ? p->pages : 1, sizeof(*d->tr));
   if (!d->blob || !d->tr) {

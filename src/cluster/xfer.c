@@ -20,16 +20,17 @@
  *
  *   [ record header | worker address | rkey of the pages | rkey of the records ]
  *
- * A get of n pages from one peer: n ucp_get_nbx into the caller's buffer, one flush of the
- * endpoint (completion of them all), then n 8-byte gets of the pages' state words and a second
- * flush. An owner bumps a page's generation before it writes new bytes into it, so a state word
- * read after the bytes that still says READY with the generation the directory gave means the
- * bytes read are that page's (a seqlock whose reader checks once, after).
+ * A get of n pages from one peer: n ucp_get_nbx into a registered staging buffer, a fence
+ * (ucp_worker_fence: what follows starts after they completed), n 8-byte gets of the pages'
+ * state words, and one wait for all of them: one round trip of the network, not two. An owner bumps
+ * a page's generation before it writes new bytes into it, so a state word read after the bytes that
+ * still says READY with the generation the directory gave means the bytes read are that page's (a
+ * seqlock whose reader checks once, after).
  *
  * What can go wrong
  * -----------------
- * - The peer dies or the network breaks: the endpoint (error mode PEER) reports it, the flush
- *   fails: SKV_EPEERDEAD; nothing is copied out of the buffer.
+ * - The peer dies or the network breaks: the endpoint (error mode PEER) reports it, the
+ *   requests fail: SKV_EPEERDEAD; nothing is copied out of the buffer.
  * - The peer hangs: every wait is bounded by the timeout; then the endpoint is closed with
  *   UCP_EP_CLOSE_MODE_FORCE, which cancels its operations, before the buffer is given back.
  * - A peer restarts under the same name: its record has another nonce, so it becomes another
@@ -68,6 +69,8 @@ struct skv__xfer {
   volatile int stop;
   xfer_peer_t *peers[XFER_MAX_PEERS];
   uint32_t npeers;
+  void **reqs; /* requests in flight of a get_pages */
+  size_t reqs_cap;
   uint64_t *words; /* state words read back */
   size_t words_cap;
   char *staging; /* where pages are read into: registered, so that UCX reads zero-copy */
@@ -192,11 +195,12 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
   memcpy(b + sizeof(r), addr, addr_len);
   if (rkp_len) memcpy(b + sizeof(r) + addr_len, rkp, rkp_len);
   if (rkm_len) memcpy(b + sizeof(r) + addr_len + rkp_len, rkm, rkm_len);
-  if (pthread_create(&x->thr, NULL, serve_main, x) != 0) {
+  /* a node without pages (a reader) serves nothing: no thread */
+  if (ex->pages && pthread_create(&x->thr, NULL, serve_main, x) != 0) {
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: cannot start the UCX progress thread");
     goto fail;
   }
-  x->thr_started = true;
+  x->thr_started = ex->pages != 0;
   SKV_INFO(SKV_SUBSYS_KV,
            "cluster: UCX %s, exporting %" PRIu64 " pages of %" PRIu64
            " bytes, node record %zu bytes",
@@ -271,6 +275,7 @@ void skv__xfer_destroy(skv__xfer_t *x) {
   if (x->serve) ucp_worker_destroy(x->serve);
   if (x->ctx) ucp_cleanup(x->ctx);
   free(x->staging);
+  free(x->reqs);
   free(x->words);
   free(x->blob);
   free(x);
@@ -362,24 +367,42 @@ static int peer_connect(skv__xfer_t *x, xfer_peer_t *p) {
   return 0;
 }
 
-/* Issue the gets, then flush the endpoint; SKV_EPEERDEAD (endpoint closed) on failure. */
-static int flush_peer(skv__xfer_t *x, xfer_peer_t *p, uint64_t deadline_ms, const char *what) {
-  ucp_request_param_t rp = {.op_attr_mask = 0};
-  void *req = ucp_ep_flush_nbx(p->ep, &rp);
-  bool to;
-  ucs_status_t st = wait_req(x, req, deadline_ms, &to);
-  if (st == UCS_OK && !p->failed) return 0;
-  if (!p->failed) p->failed = (int)st ? (int)st : -1;
-  peer_close(x, p);
+/* Wait for x->reqs[0..k) (requests of `p`), bounded; SKV_EPEERDEAD (the endpoint closed, so
+ * that nothing lands in the buffer later) when one failed, the peer failed or time ran out. */
+static int wait_all(skv__xfer_t *x, xfer_peer_t *p, size_t k, uint64_t deadline_ms) {
+  ucs_status_t bad = UCS_OK;
+  bool to = false;
+  size_t done = 0;
+  unsigned idle = 0;
+  while (done < k) {
+    ucs_status_t st = ucp_request_check_status(x->reqs[done]);
+    if (st != UCS_INPROGRESS) {
+      if (st != UCS_OK && bad == UCS_OK) bad = st;
+      ucp_request_free(x->reqs[done]);
+      done++;
+      continue;
+    }
+    if (ucp_worker_progress(x->fetch) == 0 && ++idle % 1024 == 0 && skv__now_ms() >= deadline_ms) {
+      to = true;
+      break;
+    }
+  }
+  if (!to && bad == UCS_OK && !p->failed) return 0;
+  if (!p->failed) p->failed = bad != UCS_OK ? (int)bad : -1;
+  peer_close(x, p); /* cancels what is still in flight */
+  for (; done < k; done++) {
+    while (ucp_request_check_status(x->reqs[done]) == UCS_INPROGRESS) ucp_worker_progress(x->fetch);
+    ucp_request_free(x->reqs[done]);
+  }
   if (to)
     return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV,
-                    "cluster: node '%s' did not answer %s within %d ms (timeout; its endpoint is "
-                    "closed, the pages are not copied)",
-                    p->name, what, x->timeout_ms);
+                    "cluster: node '%s' did not answer a read of pages within %d ms (timeout; "
+                    "its endpoint is closed, the pages are not copied)",
+                    p->name, x->timeout_ms);
   return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV,
-                  "cluster: node '%s' failed during %s: %s (it died or the network broke; the "
-                  "pages are not copied)",
-                  p->name, what, ucs_status_string(st ? st : UCS_ERR_ENDPOINT_TIMEOUT));
+                  "cluster: node '%s' failed during a read of pages: %s (it died or the network "
+                  "broke; the pages are not copied)",
+                  p->name, ucs_status_string(bad != UCS_OK ? bad : UCS_ERR_ENDPOINT_TIMEOUT));
 }
 
 /* A registered buffer of at least `bytes` (grown, never shrunk). */
@@ -431,31 +454,38 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
     x->words_cap = n;
   }
   SKV_CHECK(staging(x, n * p->rec.page_bytes));
+  if (2 * n > x->reqs_cap) {
+    void **r = realloc(x->reqs, 2 * n * sizeof(*r));
+    if (!r) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
+    x->reqs = r;
+    x->reqs_cap = 2 * n;
+  }
   *out = x->staging;
   uint64_t deadline = skv__now_ms() + (uint64_t)x->timeout_ms;
+  /* the pages, a fence, the state words: all in flight at once (one round trip, not two);
+   * the fence orders the state words' reads after the pages' reads are complete */
   ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, .memh = x->staging_mh};
-  char *d = x->staging;
-  for (size_t i = 0; i < n; i++) {
-    void *req = ucp_get_nbx(p->ep, d + i * p->rec.page_bytes, p->rec.page_bytes,
+  size_t k = 0;
+  for (size_t i = 0; i < n && !p->failed; i++) {
+    void *req = ucp_get_nbx(p->ep, x->staging + i * p->rec.page_bytes, p->rec.page_bytes,
                             p->rec.pages_base + page[i] * p->rec.page_stride, p->rk_pages, &rp);
-    if (UCS_PTR_IS_ERR(req)) {
+    if (UCS_PTR_IS_ERR(req))
       p->failed = (int)UCS_PTR_STATUS(req);
-      break;
-    }
-    if (req) ucp_request_free(req); /* completion is the flush's */
+    else if (req)
+      x->reqs[k++] = req;
   }
-  SKV_CHECK(flush_peer(x, p, deadline, "a read of pages"));
+  ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
+  if (st != UCS_OK) p->failed = (int)st;
   rp.op_attr_mask = 0;
-  for (size_t i = 0; i < n; i++) {
+  for (size_t i = 0; i < n && !p->failed; i++) {
     void *req = ucp_get_nbx(p->ep, &x->words[i], sizeof(uint64_t),
                             p->rec.meta_base + page[i] * p->rec.meta_stride, p->rk_meta, &rp);
-    if (UCS_PTR_IS_ERR(req)) {
+    if (UCS_PTR_IS_ERR(req))
       p->failed = (int)UCS_PTR_STATUS(req);
-      break;
-    }
-    if (req) ucp_request_free(req);
+    else if (req)
+      x->reqs[k++] = req;
   }
-  SKV_CHECK(flush_peer(x, p, deadline, "a read of page records"));
+  SKV_CHECK(wait_all(x, p, k, deadline));
   for (size_t i = 0; i < n; i++) {
     uint64_t w = x->words[i];
     if ((uint32_t)w != 2u /* SKV_PAGE_READY */ || (uint32_t)(w >> 32) != gen[i]) {
