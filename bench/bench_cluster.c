@@ -4,6 +4,7 @@
  * domains in separate processes of this host; redis-server is started and stopped by the run. */
 #define _GNU_SOURCE
 #include "bench.h"
+#include "workload.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -12,6 +13,8 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -200,6 +203,173 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* ---- the held trace on N nodes x P PEs ------------------------------------------------------ */
+
+/* Request i runs on PE i mod (N * P), in order (a turn in shared memory); PE q is on node q / P,
+ * each node a domain of its own, each PE an owner joined to the cluster. A request looks up its
+ * chain (node index, then the directory), fetches nothing, publishes what its node lacks and
+ * flushes the directory, so the next request sees it. Measured: the node-wide prefix (nlocal) and
+ * the cluster-wide one (nhit); exact bounds from the chains themselves (capacities unbounded). */
+typedef struct turn {
+  volatile uint64_t turn;
+  volatile int32_t failed;
+  int32_t pad;
+} turn_t;
+
+static int trace_pe(const wl_workload_t *w, int q, int npes, int per_node, uint64_t pages,
+                    const char *url, const char *cluster, turn_t *t, uint32_t *node_hits,
+                    uint32_t *cl_hits) {
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.num_layers = 1, g.num_kv_heads = 1, g.head_dim = 16, g.elem_bytes = 2;
+  g.page_tokens = w->page_tokens;
+  char dom[64], node[64];
+  snprintf(dom, sizeof dom, "bench-%d-n%d", (int)getppid(), q / per_node);
+  snprintf(node, sizeof node, "n%dp%d", q / per_node, q % per_node);
+  skv_namespace_t *ns;
+  SKV_CHECK(skv_namespace_create("bench-cluster", &g, NULL, 0, "bench", 5, &ns));
+  uint64_t lb;
+  SKV_CHECK(skv_layout_get_preset_layer_bytes(&g, SKV_LAYOUT_CONTIGUOUS, g.page_tokens,
+                                              w->max_pages, &lb));
+  void *eng = calloc(1, lb);
+  uint64_t *bids = malloc(sizeof(uint64_t) * w->max_pages);
+  skv_cluster_ref_t *refs = malloc(sizeof(*refs) * w->max_pages);
+  if (!eng || !bids || !refs) return SKV_ENOMEM;
+  for (uint32_t i = 0; i < w->max_pages; i++) bids[i] = i;
+  skv_layout_t *lay;
+  SKV_CHECK(skv_layout_create_preset(&g, SKV_LAYOUT_CONTIGUOUS, g.page_tokens, w->max_pages, &eng,
+                                     -1, &lay));
+  skv_attach_opts_t ao = SKV_ATTACH_OPTS_INIT;
+  ao.pages_per_pe = pages;
+  ao.max_slots = (uint32_t)per_node;
+  skv_kv_t *kv;
+  SKV_CHECK(skv_kv_attach(dom, &g, &ao, &kv));
+  skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
+  co.redis_url = url;
+  co.node = node;
+  co.cluster = cluster;
+  co.lease_ms = 60000; /* the replay's length: no renewal traffic in the way */
+  skv_cluster_t *cl;
+  SKV_CHECK(skv_cluster_join(kv, &co, &cl));
+  int rc = 0;
+  for (uint64_t r = (uint64_t)q; r < w->nreq && !rc; r += (uint64_t)npes) {
+    uint64_t deadline = skv__now_ms() + 120000;
+    while (__atomic_load_n(&t->turn, __ATOMIC_ACQUIRE) != r) {
+      if (t->failed || skv__now_ms() > deadline) {
+        rc = t->failed ? SKV_EPEERDEAD : SKV_ETIMEDOUT;
+        break;
+      }
+      sched_yield();
+    }
+    if (rc) break;
+    const wl_request_t *req = &w->req[r];
+    const skv_key_t *k = w->keys + req->key0;
+    size_t nl = 0, nh = 0;
+    rc = skv_cluster_lookup(cl, ns, k, req->npages, 0, refs, &nl, &nh);
+    node_hits[r] = (uint32_t)nl;
+    cl_hits[r] = (uint32_t)nh;
+    if (!rc && nl < req->npages)
+      rc = skv_cluster_publish(cl, ns, k + nl, req->npages - nl, lay, bids, NULL, NULL);
+    if (!rc) rc = skv_cluster_flush(cl);
+    if (rc) t->failed = 1;
+    __atomic_store_n(&t->turn, r + 1, __ATOMIC_RELEASE);
+  }
+  if (rc)
+    fprintf(stderr, "symkv-bench cluster: PE %d: %s: %s\n", q, skv_err_name(rc), skv_last_error());
+  /* stay until every PE is done: leaving takes this PE's pages away */
+  uint64_t deadline = skv__now_ms() + 120000;
+  while (__atomic_load_n(&t->turn, __ATOMIC_ACQUIRE) < w->nreq && !t->failed &&
+         skv__now_ms() < deadline)
+    sched_yield();
+  skv_cluster_leave(cl);
+  skv_kv_detach(kv);
+  skv_layout_destroy(lay);
+  skv_namespace_destroy(ns);
+  free(eng), free(bids), free(refs);
+  return rc;
+}
+
+static int trace_replay(bench_t *b, const char *path, const char *url, const char *cluster) {
+  const int nodes = (int)bench_opt_int(b, "--nodes", 2),
+            per_node = (int)bench_opt_int(b, "--pes", 4);
+  const int npes = nodes * per_node;
+  wl_workload_t w;
+  memset(&w, 0, sizeof w);
+  char err[512];
+  if (wl_trace_read(path, 16, (uint64_t)bench_opt_int(b, "--requests", 0), &w, err, sizeof err))
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH, "%s", err);
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.num_layers = 1, g.num_kv_heads = 1, g.head_dim = 16, g.elem_bytes = 2;
+  g.page_tokens = w.page_tokens;
+  skv_namespace_t *ns;
+  SKV_CHECK(skv_namespace_create("bench-cluster", &g, NULL, 0, "bench", 5, &ns));
+  SKV_CHECK(wl_trace_keys(&w, ns));
+  skv_namespace_destroy(ns);
+  wl_workload_finish(&w);
+  /* exact bounds: cluster = any earlier request, per-PE = an earlier one on the same PE, node =
+   * an earlier one on the same node */
+  wl_exact_t ex;
+  wl_exact_prefix_hits(&w, npes, &ex);
+  uint64_t node_bound = 0, total = 0;
+  wl_lru_t *sets[64];
+  for (int n = 0; n < nodes; n++) sets[n] = wl_lru_create(0);
+  for (size_t r = 0; r < w.nreq; r++) {
+    wl_lru_t *c = sets[(int)(r % (size_t)npes) / per_node];
+    const skv_key_t *k = w.keys + w.req[r].key0;
+    node_bound += wl_lru_lookup(c, k, w.req[r].npages);
+    wl_lru_publish(c, k, w.req[r].npages);
+    total += w.req[r].npages;
+  }
+  for (int n = 0; n < nodes; n++) wl_lru_destroy(sets[n]);
+  const uint64_t pages = wl_max_pages_per_pe(&w, npes) + 16;
+  size_t shm = sizeof(turn_t) + 2 * w.nreq * sizeof(uint32_t);
+  char *mem = mmap(NULL, shm, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_BENCH, "out of memory");
+  turn_t *t = (turn_t *)mem;
+  uint32_t *node_hits = (uint32_t *)(t + 1), *cl_hits = node_hits + w.nreq;
+  double t0 = bench_now();
+  pid_t pids[64];
+  for (int q = 0; q < npes; q++) {
+    fflush(stdout), fflush(stderr);
+    pids[q] = fork();
+    if (pids[q] == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      _exit(trace_pe(&w, q, npes, per_node, pages, url, cluster, t, node_hits, cl_hits) ? 1 : 0);
+    }
+  }
+  int bad = 0;
+  for (int q = 0; q < npes; q++) {
+    int st = 0;
+    waitpid(pids[q], &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st)) bad++;
+  }
+  double secs = bench_now() - t0;
+  int rc = 0;
+  if (bad || t->failed) {
+    rc = SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_BENCH, "cluster trace: %d of %d PEs failed", bad, npes);
+  } else {
+    uint64_t got_node = 0, got_cl = 0;
+    for (size_t r = 0; r < w.nreq; r++) got_node += node_hits[r], got_cl += cl_hits[r];
+    char name[128];
+    snprintf(name, sizeof name, "trace %zu requests, %dx%d PEs: per-PE hit rate bound", w.nreq,
+             nodes, per_node);
+    bench_row(b, name, (double)ex.hit_pages[1] / (double)total, "pages", "higher", "", -1);
+    snprintf(name, sizeof name, "trace: node-wide hit rate");
+    bench_row(b, name, (double)got_node / (double)total, "pages", "higher",
+              "exact bound (earlier requests of the node)", (double)node_bound / (double)total);
+    snprintf(name, sizeof name, "trace: cluster-wide hit rate");
+    bench_row(b, name, (double)got_cl / (double)total, "pages", "higher",
+              "exact bound (any earlier request)", (double)ex.hit_pages[0] / (double)total);
+    bench_config_str(b, "trace", path);
+    bench_config_int(b, "trace_requests", (long long)w.nreq);
+    bench_config_int(b, "trace_pages", (long long)total);
+    bench_config_int(b, "trace_distinct_pages", (long long)w.distinct);
+    bench_config_real(b, "trace_seconds", secs);
+  }
+  munmap(mem, shm);
+  wl_workload_free(&w);
+  return rc;
+}
+
 static int bench_cluster(bench_t *b) {
   uint64_t sizes[MAX_SIZES];
   int nsizes = 0;
@@ -363,6 +533,8 @@ static int bench_cluster(bench_t *b) {
     snprintf(key, sizeof key, "rounds_%s_ours_vs_perftest_GBps", sz);
     bench_config_str(b, key, vals);
   }
+  const char *trace = bench_opt(b, "--trace");
+  if (!rc && trace) rc = trace_replay(b, trace, url, cluster);
   bench_config_str(b, "loadavg_end", loadavg(la, sizeof la));
   if (redis > 0) {
     kill(redis, SIGKILL);
@@ -386,6 +558,13 @@ static const bench_optspec_t cluster_opts[] = {
      0, NULL},
     {"--same-page", BENCH_FLAG, NULL, NULL,
      "every fetch reads one remote page N times (ucx_perftest's pattern: one buffer)", 0, 0, NULL},
+    {"--trace", BENCH_STR, "FILE", NULL,
+     "also replay a Mooncake JSONL trace on --nodes x --pes PEs: node and cluster hit rates vs "
+     "their exact bounds",
+     0, 0, NULL},
+    {"--requests", BENCH_INT, "N", "all", "requests of the trace", 0, 1ll << 32, NULL},
+    {"--nodes", BENCH_INT, "N", "2", "nodes of the replay", 1, 8, NULL},
+    {"--pes", BENCH_INT, "N", "4", "PEs (processes) per node of the replay", 1, 8, NULL},
     {"--redis-url", BENCH_STR, "URL", "a redis-server of its own", "an existing Redis", 0, 0, NULL},
     BENCH_OPTS_END};
 
