@@ -67,7 +67,7 @@ BLOCKS = {
     ("docs/reference.md", "skv_cluster_opts_t o = SKV_CLUSTER_OPTS_INIT;  /* URL from SKV_REDIS_URL, node HOST:PID */"):
         "NOT RUN: an API overview with placeholders (kv, ns, keys, lay, block_ids); "
         "tests/test_cluster.c makes each call against a redis-server it starts",
-    ("docs/cluster.md", "symkv-bench cluster --sizes 64K,256K,1M,4M --rounds 5 --json-out bench/results/cluster_2core-vm.json"):
+    ("docs/cluster.md", "symkv-bench cluster --sizes 64K,256K,1M,4M --rounds 5 --trace bench/data/mooncake_synthetic_trace.jsonl --json-out bench/results/cluster_2core-vm.json"):
         "NOT RUN: a benchmark of minutes (redis-server, ucx_perftest); its output is "
         "bench/results/cluster_2core-vm.json",
     ("docs/reference.md", "skv_config_t cfg = SKV_CONFIG_INIT;   /* or skv_config_init(&cfg) */"):
