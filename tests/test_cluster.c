@@ -581,3 +581,34 @@ Test(cluster, bad_arguments_are_refused_by_name) {
   cr_assert_eq(skv_cluster_join(c.kv, &o, &cl), SKV_EINVAL);
   eng_close(&c);
 }
+
+Test(cluster, redis_url_and_lease_from_the_environment) {
+  redis_t r;
+  redis_start(&r, 0);
+  setenv("SKV_REDIS_URL", r.url, 1);
+  setenv("SKV_CLUSTER_LEASE_MS", "1500", 1);
+  skv__env_reload();
+  eng_t c;
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  /* opts.redis_url NULL, opts.lease_ms -1: both from the environment */
+  cr_assert_eq(eng_open(&c, dom, 4, 8, "c", NULL, -1, 10000), 0, "%s", skv_last_error());
+  cr_assert_eq(eng_publish(&c, 0, 4, 1), 0, "%s", skv_last_error());
+  char pat_s[64];
+  snprintf(pat_s, sizeof pat_s, "t%d:k:*", (int)getpid());
+  cr_assert_eq(redis_count(&r, pat_s), 4, "the entries are not in the Redis of SKV_REDIS_URL");
+  /* the lease is the environment's: the node record's TTL is at most 1.5 s */
+  struct timeval tv = {1, 0};
+  redisContext *rc = redisConnectWithTimeout("127.0.0.1", r.port, tv);
+  cr_assert(rc && !rc->err);
+  redisReply *rep = redisCommand(rc, "PTTL t%d:node:c", (int)getpid());
+  cr_assert(rep && rep->type == REDIS_REPLY_INTEGER);
+  cr_assert(rep->integer > 0 && rep->integer <= 1500, "PTTL %lld", rep->integer);
+  freeReplyObject(rep);
+  redisFree(rc);
+  eng_close(&c);
+  unsetenv("SKV_REDIS_URL");
+  unsetenv("SKV_CLUSTER_LEASE_MS");
+  skv__env_reload();
+  redis_stop(&r);
+}
