@@ -38,8 +38,8 @@
 
 #define XFER_MAGIC     0x736b76636c757331ull /* "skvclus1" */
 #define XFER_MAX_PEERS 1024
-#define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread spins 20 ms after a request */
-#define SERVE_POLL_MS  1                 /* and then sleeps at most this long (see serve_main) */
+#define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread spins 2 ms after a request */
+#define SERVE_POLL_MS  20                /* and then sleeps at most this long (see serve_main) */
 
 typedef struct xfer_rec {
   uint64_t magic, nonce;
