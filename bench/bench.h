@@ -141,5 +141,8 @@ extern const bench_cmd_t bench_cmd_allreduce;
 /* The elastic domain: attach/detach latency, data path vs collective, trace replay with churn
  * (bench_domain.c). */
 extern const bench_cmd_t bench_cmd_domain;
+/* Across nodes: remote fetch over UCX vs ucx_perftest, lookups with the Redis directory
+ * (bench_cluster.c). */
+extern const bench_cmd_t bench_cmd_cluster;
 
 #endif

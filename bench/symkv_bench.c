@@ -12,8 +12,9 @@
 #include <string.h>
 
 static const bench_cmd_t *const commands[] = {
-    &bench_cmd_heap,    &bench_cmd_micro,      &bench_cmd_fetch,     &bench_cmd_trace,
-    &bench_cmd_longdoc, &bench_cmd_multiround, &bench_cmd_allreduce, &bench_cmd_domain,
+    &bench_cmd_heap,      &bench_cmd_micro,   &bench_cmd_fetch,
+    &bench_cmd_trace,     &bench_cmd_longdoc, &bench_cmd_multiround,
+    &bench_cmd_allreduce, &bench_cmd_domain,  &bench_cmd_cluster,
 };
 
 static void usage(FILE *f) {

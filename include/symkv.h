@@ -631,6 +631,114 @@ SKV_EXTERN int skv_kv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted);
  * pages were unpinned; synchronise the stream first to see a replay's). */
 SKV_EXTERN int skv_kv_sync(skv_kv_t *kv);
 
+/* ---- Across nodes: pages over UCX, a cluster directory in Redis ------------------------- */
+
+/* A cluster handle joins an attached (or created) cache to a cluster of nodes: the pages this
+ * process owns are registered with UCX and readable one-sidedly by other nodes; the keys it
+ * publishes through skv_cluster_publish go to a Redis directory (key -> node, page, generation),
+ * asynchronously and batched; skv_cluster_lookup takes the longest prefix from the node's own
+ * index, then the rest from the directory; skv_cluster_fetch copies local hits as skv_kv_fetch
+ * does and reads remote ones with UCX gets, one batch per peer node, checking each page's
+ * generation after the read (a page evicted meanwhile is SKV_ESTALE, never copied out).
+ * Without a Redis URL (opts.redis_url, else SKV_REDIS_URL) the handle is node-local: lookup,
+ * fetch and publish are the skv_kv_* calls, and nothing else runs. A build without UCX or
+ * hiredis (SKV_CLUSTER=OFF, or the packages absent) has only the node-local handle: a Redis URL
+ * then fails with SKV_ENOTSUP. UCX reads its own environment (UCX_TLS, UCX_NET_DEVICES...).
+ * docs/cluster.md has the deployment, the failure semantics and the directory's layout. */
+typedef struct skv_cluster skv_cluster_t;
+
+#define SKV_CLUSTER_OPTS_VERSION 1
+typedef struct skv_cluster_opts {
+  size_t size;           /* sizeof(skv_cluster_opts_t) */
+  uint32_t version;      /* SKV_CLUSTER_OPTS_VERSION */
+  int32_t timeout_ms;    /* bound on every wait (Redis, UCX); -1: SKV_TIMEOUT_MS, else 60000 */
+  int32_t lease_ms;      /* directory lease of this node's entries; -1: SKV_CLUSTER_LEASE_MS */
+  uint32_t flags;        /* reserved, 0 */
+  const char *redis_url; /* redis://HOST:PORT[/DB]; NULL: SKV_REDIS_URL; neither: node-local */
+  const char *node;      /* this node's name in the directory (1..63 of [A-Za-z0-9._:-]);
+                          * NULL: HOSTNAME:PID */
+  const char *cluster;   /* the directory's key prefix (same rule); NULL: "symkv" */
+} skv_cluster_opts_t;
+
+/* clang-format off */
+#define SKV_CLUSTER_OPTS_INIT                                                                      \
+  {                                                                                                \
+    sizeof(skv_cluster_opts_t), /* size */                                                         \
+    SKV_CLUSTER_OPTS_VERSION,   /* version */                                                      \
+    -1,                         /* timeout_ms: SKV_TIMEOUT_MS, else 60000 */                       \
+    -1,                         /* lease_ms: SKV_CLUSTER_LEASE_MS, else 10000 */                   \
+    0,                          /* flags */                                                        \
+    NULL,                       /* redis_url: SKV_REDIS_URL */                                     \
+    NULL,                       /* node: HOSTNAME:PID */                                           \
+    NULL                        /* cluster: "symkv" */                                             \
+  }
+/* clang-format on */
+
+/* A page anywhere in the cluster: `node` is SKV_NODE_LOCAL for this node's own pages (then pe,
+ * page and gen are an skv_page_ref_t's), else a peer node's number in this handle. */
+#define SKV_NODE_LOCAL 0xffffffffu
+typedef struct skv_cluster_ref {
+  uint32_t node;
+  uint32_t pe;
+  uint32_t page;
+  uint32_t gen;
+} skv_cluster_ref_t;
+
+/* Filled by skv_cluster_get_stats (SKV_CLUSTER_STATS_INIT sets `size`). */
+typedef struct skv_cluster_stats {
+  size_t size;                         /* in: sizeof(skv_cluster_stats_t) */
+  uint64_t exported_pages;             /* this process's pages in the directory now */
+  uint64_t dir_puts, dir_dels;         /* directory writes done (entries added / removed) */
+  uint64_t dir_errors;                 /* directory operations that failed (Redis unreachable) */
+  uint64_t dir_reconnects;             /* reconnections to Redis (each republishes everything) */
+  uint64_t lookups, local_hits;        /* keys asked, found on this node */
+  uint64_t remote_hits;                /* keys found in the directory */
+  uint64_t remote_pages, remote_bytes; /* pages and bytes read from peer nodes */
+  uint64_t remote_stale;               /* remote pages found evicted after (or before) the read */
+  uint64_t peer_failures;              /* fetches that failed because a peer node was unreachable */
+} skv_cluster_stats_t;
+
+#define SKV_CLUSTER_STATS_INIT \
+  { sizeof(skv_cluster_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+
+/* Join `kv` (its owner's pages, if any, are exported) to the cluster. With Redis configured:
+ * connects (SKV_ECONN naming the URL when Redis does not answer: the cache itself goes on
+ * node-locally), creates a UCX context and worker, registers this process's pages and their
+ * records, and publishes the node (worker address, memory keys) under a lease that a background
+ * thread renews. One handle per `kv`; the kv must outlive it. */
+SKV_EXTERN int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t **cl);
+/* Leave: this node's directory entries are removed (best effort, bounded), peers are
+ * disconnected, memory deregistered. Frees `cl`; the kv stays. */
+SKV_EXTERN int skv_cluster_leave(skv_cluster_t *cl);
+/* skv_kv_publish, then queue the keys this process now holds for the directory (batched, in the
+ * background; skv_cluster_flush waits for them). */
+SKV_EXTERN int skv_cluster_publish(skv_cluster_t *cl, const skv_namespace_t *ns,
+                                   const skv_key_t *keys, size_t n, const skv_layout_t *src,
+                                   const uint64_t *block_ids, void *stream, size_t *ninserted);
+/* Wait (bounded by the timeout) until every directory write queued so far is in Redis. */
+SKV_EXTERN int skv_cluster_flush(skv_cluster_t *cl);
+/* How many leading keys are cached anywhere: refs[0..*nlocal) on this node (as skv_kv_lookup,
+ * SKV_LOOKUP_PIN pins them), refs[*nlocal..*nhit) on peer nodes, from the directory (one
+ * round trip to Redis). A remote entry whose node left or lost its lease ends the prefix. When
+ * Redis cannot be reached the call returns SKV_ECONN with the node-local hits filled in
+ * (*nhit == *nlocal), so the caller can go on with them. */
+SKV_EXTERN int skv_cluster_lookup(skv_cluster_t *cl, const skv_namespace_t *ns,
+                                  const skv_key_t *keys, size_t n, uint32_t flags,
+                                  skv_cluster_ref_t *refs, size_t *nlocal, size_t *nhit);
+/* Copy pages refs[0..n) into the engine's blocks as skv_kv_fetch does (same block_ids rule;
+ * local references exactly as there, flags and stream included). Remote pages are read with
+ * UCX gets into host memory, one batch per peer node, and each page's generation is read after
+ * its bytes: a page evicted or reused before or during the read fails with SKV_ESTALE and is
+ * not copied into its blocks (earlier batches may have been). A peer that does not answer
+ * within the timeout, or dies, fails with SKV_EPEERDEAD naming it (its blocks not written).
+ * Remote pages need a host layout (SKV_ENOTSUP otherwise, for now). */
+SKV_EXTERN int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
+                                 const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
+                                 void *stream);
+SKV_EXTERN int skv_cluster_get_stats(const skv_cluster_t *cl, skv_cluster_stats_t *stats);
+/* Name of peer node `node` of this handle (as in skv_cluster_ref_t), or NULL. */
+SKV_EXTERN const char *skv_cluster_node_name(const skv_cluster_t *cl, uint32_t node);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Tensor-parallel collectives, signals and barrier                                           */
 /* ------------------------------------------------------------------------------------------ */

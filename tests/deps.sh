@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what symkv needs to build and test on Debian/Ubuntu, only what is missing: compilers,
-# CMake, libuv, xxHash, Criterion, jansson from Debian's packages; the Python packages into the
-# project's own virtual environment, .venv in the checkout (made with python3 -m venv; Debian's
-# python3-venv is installed when python3 lacks it), never into the system's or the active python3.
+# CMake, libuv, xxHash, Criterion, jansson, UCX, hiredis and redis-server from Debian's packages;
+# the Python packages into the project's own virtual environment, .venv in the checkout (made
+# with python3 -m venv; Debian's python3-venv is installed when python3 lacks it), never into the
+# system's or the active python3.
 # Usage: tests/deps.sh [--python all|plot|none]
 #   all (default): pytest, numpy, xxhash (the bindings' tests), matplotlib (symkv-bench --plot);
 #                  torch and triton too with SKV_WITH_TORCH=1 (about 5 GB: symkv.torch's and
@@ -16,7 +17,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --python) python="${2:-}"; shift 2 || { echo "tests/deps.sh: --python needs all, plot or none" >&2; exit 2; } ;;
     --python=*) python="${1#--python=}"; shift ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "tests/deps.sh: unknown option '$1' (tests/deps.sh --help)" >&2; exit 2 ;;
   esac
 done
@@ -30,7 +31,10 @@ apt_install() {  # Debian packages, quietly; apt-get update only when the first 
     { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y "$@" >/dev/null; }
 }
 
-pkgs="build-essential cmake pkg-config libuv1-dev libxxhash-dev libcriterion-dev libjansson-dev python3"
+# libucx-dev, libhiredis-dev: the cluster layer (src/cluster/); ucx-utils: ucx_perftest, the
+# baseline of symkv-bench cluster; redis-server: the directory the cluster tests start themselves
+pkgs="build-essential cmake pkg-config libuv1-dev libxxhash-dev libcriterion-dev libjansson-dev python3
+      libucx-dev ucx-utils libhiredis-dev redis-server"
 missing=""
 for p in $pkgs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 [ -z "$missing" ] || apt_install $missing

@@ -1462,3 +1462,67 @@ Test(kv, create_survives_socket_name_squatting, .timeout = 180) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
   cr_assert_eq(res[1], 0, "the squatter received %llu descriptors", (unsigned long long)res[1]);
 }
+
+/* The cluster handle without Redis (no opts.redis_url, no SKV_REDIS_URL) is node-local in every
+ * build: lookup, fetch and publish are the skv_kv_* calls. A Redis URL that cannot be served
+ * fails clearly: SKV_ECONN naming it where the cluster layer is built, SKV_ENOTSUP saying how to
+ * build it where it is not. */
+Test(kv, cluster_handle_without_redis_is_node_local, .timeout = 60) {
+  unsetenv("SKV_REDIS_URL");
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.num_layers = 2, g.num_kv_heads = 2, g.head_dim = 32, g.elem_bytes = 2, g.page_tokens = 16;
+  uint64_t pb;
+  cr_assert_eq(skv_geometry_get_page_bytes(&g, &pb), 0);
+  enum { NB = 8 };
+  uint8_t *mem = malloc(pb * NB);
+  void *base[1] = {mem};
+  skv_layout_t *lay;
+  skv_namespace_t *ns;
+  cr_assert_eq(skv_layout_create_preset(&g, SKV_LAYOUT_CONTIGUOUS, 16, NB, base, -1, &lay), 0);
+  cr_assert_eq(skv_namespace_create("m", &g, NULL, 0, "s", 1, &ns), 0);
+  char name[64];
+  snprintf(name, sizeof name, "t%d-cl", (int)getpid());
+  skv_attach_opts_t ao = SKV_ATTACH_OPTS_INIT;
+  ao.pages_per_pe = 16;
+  ao.max_slots = 2;
+  skv_kv_t *kv;
+  cr_assert_eq(skv_kv_attach(name, &g, &ao, &kv), 0, "%s", skv_last_error());
+  skv_cluster_t *cl;
+  cr_assert_eq(skv_cluster_join(kv, NULL, &cl), 0, "%s", skv_last_error());
+  skv_key_t keys[NB];
+  uint64_t ids[NB];
+  for (uint32_t i = 0; i < NB; i++) {
+    cr_assert_eq(skv_namespace_hash_bytes(ns, &i, sizeof i, &keys[i]), 0);
+    ids[i] = i;
+  }
+  for (uint64_t j = 0; j < pb * NB; j++) mem[j] = (uint8_t)(j * 13 + 5);
+  size_t ins = 0;
+  cr_assert_eq(skv_cluster_publish(cl, ns, keys, 5, lay, ids, NULL, &ins), 0);
+  cr_assert_eq(ins, 5);
+  cr_assert_eq(skv_cluster_flush(cl), 0);
+  skv_cluster_ref_t refs[NB];
+  size_t nl = 9, nh = 9;
+  cr_assert_eq(skv_cluster_lookup(cl, ns, keys, NB, 0, refs, &nl, &nh), 0);
+  cr_assert_eq(nl, 5);
+  cr_assert_eq(nh, 5);
+  for (size_t i = 0; i < nh; i++) cr_assert_eq(refs[i].node, SKV_NODE_LOCAL);
+  memset(mem, 0xEE, pb * NB);
+  cr_assert_eq(skv_cluster_fetch(cl, refs, nh, lay, ids, 0, NULL), 0, "%s", skv_last_error());
+  for (uint64_t j = 0; j < pb * 5; j++) cr_assert_eq(mem[j], (uint8_t)(j * 13 + 5), "byte %lu", j);
+  for (uint64_t j = pb * 5; j < pb * NB; j++) cr_assert_eq(mem[j], 0xEE);
+  refs[0].node = 0; /* no peer nodes here */
+  cr_assert_eq(skv_cluster_fetch(cl, refs, 1, lay, ids, 0, NULL), SKV_EINVAL);
+  cr_assert_eq(skv_cluster_leave(cl), 0);
+  /* a Redis URL where nothing listens (port 1) */
+  skv_cluster_opts_t o = SKV_CLUSTER_OPTS_INIT;
+  o.redis_url = "redis://127.0.0.1:1";
+  o.timeout_ms = 2000;
+  int rc = skv_cluster_join(kv, &o, &cl);
+  cr_assert(rc == SKV_ECONN || rc == SKV_ENOTSUP, "%s", skv_err_name(rc));
+  cr_assert(strstr(skv_last_error(), rc == SKV_ECONN ? "redis://127.0.0.1:1" : "libhiredis-dev"),
+            "%s", skv_last_error());
+  cr_assert_eq(skv_kv_detach(kv), 0);
+  skv_layout_destroy(lay);
+  skv_namespace_destroy(ns);
+  free(mem);
+}

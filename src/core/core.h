@@ -179,7 +179,9 @@ void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
   XX(FETCH_THREADS, "256", "128, 256 or 512", "KV copy kernels: threads per CTA")                 \
   XX(PIN_LEASE_MS, "30000", "0..86400000 (0: pins never expire)",                                \
      "a pin's lease: a live PE that makes no KV call for this long loses pins others need")     \
-  XX(HASH_SECRET, "none", "any bytes", "deployment secret mixed into every key (when the caller passes none)")
+  XX(HASH_SECRET, "none", "any bytes", "deployment secret mixed into every key (when the caller passes none)") \
+  XX(REDIS_URL, "none (node-local)", "redis://HOST:PORT[/DB]", "the cluster directory (skv_cluster_join, when opts give none)") \
+  XX(CLUSTER_LEASE_MS, "10000", "200..86400000", "lease of a node's cluster directory entries (renewed every third of it)")
 /* clang-format on */
 
 /* SKV_* variables that symkv's launcher, tools, bindings and tests read (not the library): the

@@ -115,6 +115,23 @@ class KvStats(Structure):
         "stale", "index_full")]
 
 
+class ClusterOpts(Structure):
+    _fields_ = [("size", c_size_t), ("version", c_uint32), ("timeout_ms", c_int32),
+                ("lease_ms", c_int32), ("flags", c_uint32), ("redis_url", c_char_p),
+                ("node", c_char_p), ("cluster", c_char_p)]
+
+
+class ClusterRef(Structure):
+    _fields_ = [("node", c_uint32), ("pe", c_uint32), ("page", c_uint32), ("gen", c_uint32)]
+
+
+class ClusterStats(Structure):
+    _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
+        "exported_pages", "dir_puts", "dir_dels", "dir_errors", "dir_reconnects", "lookups",
+        "local_hits", "remote_hits", "remote_pages", "remote_bytes", "remote_stale",
+        "peer_failures")]
+
+
 class CommOpts(Structure):
     _fields_ = [("size", c_size_t), ("version", c_uint32), ("backend", c_int32),
                 ("channels", c_uint32), ("flags", c_uint32), ("max_bytes", c_uint64)]
@@ -320,6 +337,18 @@ FUNCTIONS = {
                             c_void_p, P(c_size_t)], "rc"),
     "skv_kv_evict": (c_int, [c_void_p, c_uint64, P(c_uint64)], "rc"),
     "skv_kv_sync": (c_int, [c_void_p], "rc"),
+    # across nodes (docs/cluster.md): declared for completeness, no Python wrapper yet
+    "skv_cluster_join": (c_int, [c_void_p, P(ClusterOpts), P(c_void_p)], "rc"),
+    "skv_cluster_leave": (c_int, [c_void_p], "rc"),
+    "skv_cluster_publish": (c_int, [c_void_p, c_void_p, P(Key), c_size_t, c_void_p, P(c_uint64),
+                                 c_void_p, P(c_size_t)], "rc"),
+    "skv_cluster_flush": (c_int, [c_void_p], "rc"),
+    "skv_cluster_lookup": (c_int, [c_void_p, c_void_p, P(Key), c_size_t, c_uint32, P(ClusterRef),
+                                P(c_size_t), P(c_size_t)], "rc"),
+    "skv_cluster_fetch": (c_int, [c_void_p, P(ClusterRef), c_size_t, c_void_p, P(c_uint64),
+                               c_uint32, c_void_p], "rc"),
+    "skv_cluster_get_stats": (c_int, [c_void_p, P(ClusterStats)], "rc"),
+    "skv_cluster_node_name": (c_char_p, [c_void_p, c_uint32], None),
     "skv_comm_create": (c_int, [_ctx, P(CommOpts), P(c_void_p)], "rc"),
     "skv_comm_destroy": (c_int, [c_void_p], "rc"),
     "skv_comm_get_heap": (c_void_p, [c_void_p], "ptr"),

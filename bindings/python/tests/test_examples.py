@@ -69,6 +69,12 @@ BLOCKS = {
     ("docs/reference.md", "skv_attach_opts_t o = SKV_ATTACH_OPTS_INIT;  /* an owner with pages in host memory */"):
         "NOT RUN: an API overview with placeholders (geom, the calls in between); "
         "tests/test_domain.c makes each call",
+    ("docs/reference.md", "skv_cluster_opts_t o = SKV_CLUSTER_OPTS_INIT;  /* URL from SKV_REDIS_URL, node HOST:PID */"):
+        "NOT RUN: an API overview with placeholders (kv, ns, keys, lay, block_ids); "
+        "tests/test_cluster.c makes each call against a redis-server it starts",
+    ("docs/cluster.md", "symkv-bench cluster --sizes 64K,256K,1M,4M --rounds 5 --trace bench/data/mooncake_synthetic_trace.jsonl --json-out bench/results/cluster_2core-vm.json"):
+        "NOT RUN: a benchmark of minutes (redis-server, ucx_perftest); its output is "
+        "bench/results/cluster_2core-vm.json",
     ("docs/reference.md", "skv_config_t cfg = SKV_CONFIG_INIT;   /* or skv_config_init(&cfg) */"):
         "test_reference_config_snippet",
     ("docs/comm.md", "skv_comm_opts_t o = SKV_COMM_OPTS_INIT;  /* backend CUDA, 4 channels, max_bytes 64 MiB, NCCL on */"):

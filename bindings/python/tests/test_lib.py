@@ -68,6 +68,10 @@ C_TYPES = {
     "const skv_attach_opts_t*": P(_lib.AttachOpts),
     "skv_page_ref_t*": P(_lib.PageRef), "const skv_page_ref_t*": P(_lib.PageRef),
     "const skv_comm_opts_t*": P(_lib.CommOpts),
+    "skv_cluster_t*": ctypes.c_void_p, "const skv_cluster_t*": ctypes.c_void_p,
+    "skv_cluster_t**": P(ctypes.c_void_p), "const skv_cluster_opts_t*": P(_lib.ClusterOpts),
+    "skv_cluster_ref_t*": P(_lib.ClusterRef), "const skv_cluster_ref_t*": P(_lib.ClusterRef),
+    "skv_cluster_stats_t*": P(_lib.ClusterStats),
 }
 # The typed enums are passed as C int (32 bits on every ABI symkv runs on).
 C_TYPES.update({t: ctypes.c_int for t in (
@@ -178,7 +182,9 @@ def test_struct_layouts_match_a_C_compiler(tmp_path):
                "skv_heap_info_t": _lib.HeapInfo, "skv_geometry_t": _lib.Geometry,
                "skv_layout_desc_t": _lib.LayoutDesc, "skv_key_t": _lib.Key,
                "skv_page_ref_t": _lib.PageRef, "skv_kv_opts_t": _lib.KvOpts,
-               "skv_kv_stats_t": _lib.KvStats, "skv_comm_opts_t": _lib.CommOpts}
+               "skv_kv_stats_t": _lib.KvStats, "skv_comm_opts_t": _lib.CommOpts,
+               "skv_cluster_opts_t": _lib.ClusterOpts, "skv_cluster_ref_t": _lib.ClusterRef,
+               "skv_cluster_stats_t": _lib.ClusterStats}
     lines = []
     for cname, cls in structs.items():
         lines.append('printf("%s %%zu\\n", sizeof(%s));' % (cname, cname))

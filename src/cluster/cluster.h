@@ -1,0 +1,101 @@
+/* Internal API of the cluster layer: a node's pages exported over UCX (xfer.c), the Redis
+ * directory of which node holds which key (dir.c), and the handle that joins them (cluster.c). */
+#ifndef SKV_CLUSTER_H
+#define SKV_CLUSTER_H
+
+#include "core/core.h"
+
+#include <pthread.h>
+
+#define SKV__CL_NAME_CAP 64 /* node and cluster names: 1..63 characters */
+
+/* A directory entry's value: where the page is. Binary, fixed size, compared byte for byte by
+ * the conditional delete (so a node removes only the entry it wrote). */
+typedef struct skv__dir_val {
+  char node[SKV__CL_NAME_CAP];
+  uint64_t nonce; /* the node's incarnation (its record says the same, else the entry is old) */
+  uint32_t pe, page, gen, pad;
+} skv__dir_val_t;
+
+/* ---- xfer.c: UCX ------------------------------------------------------------------------- */
+
+typedef struct skv__xfer skv__xfer_t;
+
+/* What a node exports: its page area and the records of those pages (8-byte state words,
+ * `meta_stride` apart), both host memory of this process. pages == 0: nothing (a reader). */
+typedef struct skv__export {
+  void *pages_base;
+  uint64_t page_stride, page_bytes, pages;
+  void *meta_base;
+  uint64_t meta_stride;
+  uint32_t pe; /* the slot (or local PE) the pages belong to */
+} skv__export_t;
+
+/* Create a UCX context, a serving worker (with its progress thread) and a fetching worker;
+ * register `ex` and pack the node record (*blob, *blob_len; freed with the xfer). */
+int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, skv__xfer_t **out,
+                     const void **blob, size_t *blob_len);
+void skv__xfer_destroy(skv__xfer_t *x);
+
+/* Peers: a node's record becomes a peer number (connected lazily). Same name and nonce: the same
+ * number. SKV_EPROTO for a record that does not parse. */
+int skv__xfer_peer(skv__xfer_t *x, const char *name, const void *blob, size_t len, uint32_t *peer);
+const char *skv__xfer_peer_name(const skv__xfer_t *x, uint32_t peer);
+/* Is the peer known to have failed (its endpoint broke or timed out)? */
+bool skv__xfer_peer_failed(const skv__xfer_t *x, uint32_t peer);
+uint32_t skv__xfer_npeers(const skv__xfer_t *x);
+/* Forget a peer's failure (its record is still renewed): the next get connects again. */
+void skv__xfer_peer_retry(skv__xfer_t *x, uint32_t peer);
+uint64_t skv__xfer_peer_nonce(const skv__xfer_t *x, uint32_t peer);
+
+/* Read pages page[i] (whose directory generation is gen[i]) of `peer`, i < n, into a
+ * registered buffer of the xfer (*out + i * page_bytes, valid until the next call), then their
+ * state words: SKV_ESTALE (*bad: the first) when a page is not
+ * READY with its generation after its bytes were read; SKV_EPEERDEAD when the peer failed or
+ * did not answer within the timeout (its endpoint is then closed). Not thread-safe (the
+ * caller serialises). */
+int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
+                        size_t n, const void **out, size_t *bad);
+uint64_t skv__xfer_page_bytes(const skv__xfer_t *x, uint32_t peer);
+
+/* ---- dir.c: the Redis directory --------------------------------------------------------- */
+
+typedef struct skv__dir skv__dir_t;
+
+typedef struct skv__dir_params {
+  const char *url, *prefix, *node;
+  uint64_t nonce;
+  int timeout_ms, lease_ms;
+  const void *blob; /* the node record (UCX address and memory keys) */
+  size_t blob_len;
+  uint64_t pages;              /* pages this node exports (tracked by page number) */
+  const uint64_t *state_words; /* &meta[0].state of those pages, `state_stride` bytes apart */
+  uint64_t state_stride;
+  uint32_t pe;
+} skv__dir_params_t;
+
+/* Connect (SKV_ECONN naming the URL when Redis does not answer), write the node record under
+ * its lease and start the background thread (batched writes, lease renewal, eviction scan,
+ * reconnection and republication). */
+int skv__dir_create(const skv__dir_params_t *p, skv__dir_t **out);
+/* Remove this node's entries and record (best effort, bounded), stop the thread. */
+void skv__dir_destroy(skv__dir_t *d);
+/* Queue page `page` (now holding `key` at generation `gen`) for the directory. */
+void skv__dir_track(skv__dir_t *d, uint32_t page, skv_key_t key, uint32_t gen);
+/* Queue a conditional delete of an entry found stale by a reader. */
+void skv__dir_forget(skv__dir_t *d, skv_key_t key, const skv__dir_val_t *val);
+/* Wait until what was queued before the call is in Redis (bounded). */
+int skv__dir_flush(skv__dir_t *d);
+/* Entries of keys[0..n): vals[i] filled and found[i] set for the keys present (one MGET). */
+int skv__dir_mget(skv__dir_t *d, const skv_key_t *keys, size_t n, skv__dir_val_t *vals,
+                  bool *found);
+/* A node's record: *blob (malloc'd, caller frees) and its length; SKV_ENOTFOUND when absent
+ * (the node left or its lease ran out). */
+int skv__dir_node(skv__dir_t *d, const char *node, void **blob, size_t *len);
+
+typedef struct skv__dir_counters {
+  uint64_t exported, puts, dels, errors, reconnects;
+} skv__dir_counters_t;
+void skv__dir_counters(const skv__dir_t *d, skv__dir_counters_t *c);
+
+#endif

@@ -1,0 +1,500 @@
+/* The cluster's data path over UCX: this node's pages registered for one-sided reads, a
+ * serving worker progressed by its own thread, and batched gets from peer nodes. */
+#define _GNU_SOURCE
+#include "cluster/cluster.h"
+
+#include <poll.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucp/api/ucp.h>
+
+/* How it works
+ * ------------
+ * One UCX context per handle, two workers: the serving worker, whose address goes into the
+ * node record and which a thread progresses (TCP emulates a get with messages that the target
+ * must answer; shared-memory and RDMA transports need nothing from it), and the fetching
+ * worker, used by the caller (serialised by the handle's lock). The page area and the page
+ * records are registered with ucp_mem_map and their memory keys packed into the node record:
+ *
+ *   [ record header | worker address | rkey of the pages | rkey of the records ]
+ *
+ * A get of n pages from one peer: n ucp_get_nbx into a registered staging buffer, a fence
+ * (ucp_worker_fence: what follows starts after they completed), n 8-byte gets of the pages'
+ * state words, and one wait for all of them: one round trip of the network, not two. An owner bumps
+ * a page's generation before it writes new bytes into it, so a state word read after the bytes that
+ * still says READY with the generation the directory gave means the bytes read are that page's (a
+ * seqlock whose reader checks once, after).
+ *
+ * What can go wrong
+ * -----------------
+ * - The peer dies or the network breaks: the endpoint (error mode PEER) reports it, the
+ *   requests fail: SKV_EPEERDEAD; nothing is copied out of the buffer.
+ * - The peer hangs: every wait is bounded by the timeout; then the endpoint is closed with
+ *   UCP_EP_CLOSE_MODE_FORCE, which cancels its operations, before the buffer is given back.
+ * - A peer restarts under the same name: its record has another nonce, so it becomes another
+ *   peer number and entries of the old incarnation end the lookup's prefix. */
+
+#define XFER_MAGIC     0x736b76636c757331ull /* "skvclus1" */
+#define XFER_MAX_PEERS 1024
+#define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread spins 2 ms after a request */
+#define SERVE_POLL_MS  20                /* and then sleeps at most this long (see serve_main) */
+
+typedef struct xfer_rec {
+  uint64_t magic, nonce;
+  uint64_t page_bytes, page_stride, pages, pages_base, meta_base, meta_stride;
+  uint32_t addr_len, rk_pages_len, rk_meta_len, pad;
+} xfer_rec_t;
+
+typedef struct xfer_peer {
+  char name[SKV__CL_NAME_CAP];
+  xfer_rec_t rec;
+  void *blob; /* the record, for connecting */
+  size_t blob_len;
+  ucp_ep_h ep;
+  ucp_rkey_h rk_pages, rk_meta;
+  volatile int failed; /* ucs_status_t of the endpoint's error, 0 while good */
+} xfer_peer_t;
+
+struct skv__xfer {
+  ucp_context_h ctx;
+  ucp_worker_h serve, fetch;
+  ucp_mem_h mh_pages, mh_meta;
+  void *blob;
+  size_t blob_len;
+  int timeout_ms;
+  pthread_t thr;
+  bool thr_started;
+  volatile int stop;
+  xfer_peer_t *peers[XFER_MAX_PEERS];
+  uint32_t npeers;
+  void **reqs; /* requests in flight of a get_pages */
+  size_t reqs_cap;
+  uint64_t *words; /* state words read back */
+  size_t words_cap;
+  char *staging; /* where pages are read into: registered, so that UCX reads zero-copy */
+  size_t staging_cap;
+  ucp_mem_h staging_mh;
+};
+
+static int ucx_fail(ucs_status_t st, const char *what) {
+  return SKV_FAIL(SKV_ECONN, SKV_SUBSYS_KV,
+                  "cluster: %s failed: %s (UCX; check UCX_TLS and UCX_NET_DEVICES)", what,
+                  ucs_status_string(st));
+}
+
+static void *serve_main(void *arg) {
+  skv__xfer_t *x = arg;
+  int efd = -1;
+  if (ucp_worker_get_efd(x->serve, &efd) != UCS_OK) efd = -1;
+  uint64_t busy_until = 0;
+  while (!__atomic_load_n(&x->stop, __ATOMIC_ACQUIRE)) {
+    /* Spin while requests come (a TCP get is several messages that each wait for this
+     * thread: sleeping between them costs a wake-up each), sleep after SPIN_NS of quiet. */
+    if (ucp_worker_progress(x->serve)) {
+      while (ucp_worker_progress(x->serve)) {
+      }
+      busy_until = skv__now_ns() + SERVE_SPIN_NS;
+      continue;
+    }
+    if (skv__now_ns() < busy_until) {
+      SKV_CPU_RELAX();
+      continue;
+    }
+    if (efd < 0) {
+      struct timespec ts = {0, 200000};
+      nanosleep(&ts, NULL);
+      continue;
+    }
+    ucs_status_t st = ucp_worker_arm(x->serve);
+    if (st == UCS_ERR_BUSY) continue;
+    struct pollfd pfd = {.fd = efd, .events = POLLIN};
+    (void)poll(&pfd, 1, SERVE_POLL_MS);
+  }
+  return NULL;
+}
+
+int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, skv__xfer_t **out,
+                     const void **blob, size_t *blob_len) {
+  *out = NULL;
+  skv__xfer_t *x = calloc(1, sizeof(*x));
+  if (!x) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
+  x->timeout_ms = timeout_ms;
+  int rc = 0;
+  ucs_status_t st;
+  ucp_config_t *cfg = NULL;
+  void *rkp = NULL, *rkm = NULL;
+  size_t rkp_len = 0, rkm_len = 0;
+  ucp_address_t *addr = NULL;
+  size_t addr_len = 0;
+  if ((st = ucp_config_read(NULL, NULL, &cfg)) != UCS_OK) {
+    rc = ucx_fail(st, "ucp_config_read");
+    goto fail;
+  }
+  ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
+                     .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
+                     .mt_workers_shared = 1};
+  st = ucp_init(&pp, cfg, &x->ctx);
+  ucp_config_release(cfg);
+  if (st != UCS_OK) {
+    rc = ucx_fail(st, "ucp_init");
+    goto fail;
+  }
+  ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                            .thread_mode = UCS_THREAD_MODE_SINGLE};
+  if ((st = ucp_worker_create(x->ctx, &wp, &x->serve)) != UCS_OK ||
+      (st = ucp_worker_create(x->ctx, &wp, &x->fetch)) != UCS_OK) {
+    rc = ucx_fail(st, "ucp_worker_create");
+    goto fail;
+  }
+  if ((st = ucp_worker_get_address(x->serve, &addr, &addr_len)) != UCS_OK) {
+    rc = ucx_fail(st, "ucp_worker_get_address");
+    goto fail;
+  }
+  if (ex->pages) {
+    ucp_mem_map_params_t mp = {.field_mask =
+                                   UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                               .address = ex->pages_base,
+                               .length = ex->pages * ex->page_stride};
+    if ((st = ucp_mem_map(x->ctx, &mp, &x->mh_pages)) != UCS_OK) {
+      rc = ucx_fail(st, "ucp_mem_map of the pages");
+      goto fail;
+    }
+    mp.address = ex->meta_base;
+    mp.length = ex->pages * ex->meta_stride;
+    if ((st = ucp_mem_map(x->ctx, &mp, &x->mh_meta)) != UCS_OK) {
+      rc = ucx_fail(st, "ucp_mem_map of the page records");
+      goto fail;
+    }
+    if ((st = ucp_rkey_pack(x->ctx, x->mh_pages, &rkp, &rkp_len)) != UCS_OK ||
+        (st = ucp_rkey_pack(x->ctx, x->mh_meta, &rkm, &rkm_len)) != UCS_OK) {
+      rc = ucx_fail(st, "ucp_rkey_pack");
+      goto fail;
+    }
+  }
+  xfer_rec_t r = {.magic = XFER_MAGIC,
+                  .nonce = nonce,
+                  .page_bytes = ex->page_bytes,
+                  .page_stride = ex->page_stride,
+                  .pages = ex->pages,
+                  .pages_base = (uint64_t)(uintptr_t)ex->pages_base,
+                  .meta_base = (uint64_t)(uintptr_t)ex->meta_base,
+                  .meta_stride = ex->meta_stride,
+                  .addr_len = (uint32_t)addr_len,
+                  .rk_pages_len = (uint32_t)rkp_len,
+                  .rk_meta_len = (uint32_t)rkm_len};
+  x->blob_len = sizeof(r) + addr_len + rkp_len + rkm_len;
+  x->blob = malloc(x->blob_len);
+  if (!x->blob) {
+    rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
+    goto fail;
+  }
+  char *b = x->blob;
+  memcpy(b, &r, sizeof(r));
+  memcpy(b + sizeof(r), addr, addr_len);
+  if (rkp_len) memcpy(b + sizeof(r) + addr_len, rkp, rkp_len);
+  if (rkm_len) memcpy(b + sizeof(r) + addr_len + rkp_len, rkm, rkm_len);
+  /* a node without pages (a reader) serves nothing: no thread */
+  if (ex->pages && pthread_create(&x->thr, NULL, serve_main, x) != 0) {
+    rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: cannot start the UCX progress thread");
+    goto fail;
+  }
+  x->thr_started = ex->pages != 0;
+  SKV_INFO(SKV_SUBSYS_KV,
+           "cluster: UCX %s, exporting %" PRIu64 " pages of %" PRIu64
+           " bytes, node record %zu bytes",
+           ucp_get_version_string(), ex->pages, ex->page_bytes, x->blob_len);
+fail:
+  if (rkp) ucp_rkey_buffer_release(rkp);
+  if (rkm) ucp_rkey_buffer_release(rkm);
+  if (addr) ucp_worker_release_address(x->serve, addr);
+  if (rc) {
+    skv__xfer_destroy(x);
+    return rc;
+  }
+  *out = x;
+  *blob = x->blob;
+  *blob_len = x->blob_len;
+  return 0;
+}
+
+/* Wait for a request of the fetching worker, bounded; 0, or the failure (request freed). */
+static ucs_status_t wait_req(skv__xfer_t *x, void *req, uint64_t deadline_ms, bool *timed_out) {
+  *timed_out = false;
+  if (req == NULL) return UCS_OK;
+  if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
+  ucs_status_t st;
+  unsigned spins = 0;
+  while ((st = ucp_request_check_status(req)) == UCS_INPROGRESS) {
+    if (ucp_worker_progress(x->fetch) == 0 && ++spins % 1024 == 0 && skv__now_ms() >= deadline_ms) {
+      *timed_out = true;
+      break;
+    }
+  }
+  if (*timed_out) {
+    ucp_request_cancel(x->fetch, req);
+    while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(x->fetch);
+    st = UCS_ERR_TIMED_OUT;
+  }
+  ucp_request_free(req);
+  return st;
+}
+
+/* Close a peer's endpoint (forcibly: outstanding operations are cancelled), bounded. */
+static void peer_close(skv__xfer_t *x, xfer_peer_t *p) {
+  if (p->rk_pages) ucp_rkey_destroy(p->rk_pages);
+  if (p->rk_meta) ucp_rkey_destroy(p->rk_meta);
+  p->rk_pages = p->rk_meta = NULL;
+  if (p->ep) {
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                              .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    void *req = ucp_ep_close_nbx(p->ep, &rp);
+    bool to;
+    (void)wait_req(x, req, skv__now_ms() + 2000, &to);
+    p->ep = NULL;
+  }
+}
+
+void skv__xfer_destroy(skv__xfer_t *x) {
+  if (!x) return;
+  if (x->thr_started) {
+    __atomic_store_n(&x->stop, 1, __ATOMIC_RELEASE);
+    ucp_worker_signal(x->serve);
+    pthread_join(x->thr, NULL);
+  }
+  for (uint32_t i = 0; i < x->npeers; i++) {
+    if (x->fetch) peer_close(x, x->peers[i]);
+    free(x->peers[i]->blob);
+    free(x->peers[i]);
+  }
+  if (x->staging_mh) ucp_mem_unmap(x->ctx, x->staging_mh);
+  if (x->mh_pages) ucp_mem_unmap(x->ctx, x->mh_pages);
+  if (x->mh_meta) ucp_mem_unmap(x->ctx, x->mh_meta);
+  if (x->fetch) ucp_worker_destroy(x->fetch);
+  if (x->serve) ucp_worker_destroy(x->serve);
+  if (x->ctx) ucp_cleanup(x->ctx);
+  free(x->staging);
+  free(x->reqs);
+  free(x->words);
+  free(x->blob);
+  free(x);
+}
+
+int skv__xfer_peer(skv__xfer_t *x, const char *name, const void *blob, size_t len, uint32_t *peer) {
+  xfer_rec_t r;
+  if (len < sizeof(r))
+    return SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_KV, "cluster: node '%s' has a record of %zu bytes", name,
+                    len);
+  memcpy(&r, blob, sizeof(r));
+  if (r.magic != XFER_MAGIC ||
+      len != sizeof(r) + (size_t)r.addr_len + r.rk_pages_len + r.rk_meta_len || !r.addr_len)
+    return SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_KV,
+                    "cluster: node '%s' has a record this symkv cannot read (another version?)",
+                    name);
+  for (uint32_t i = 0; i < x->npeers; i++)
+    if (x->peers[i]->rec.nonce == r.nonce && strcmp(x->peers[i]->name, name) == 0) {
+      *peer = i;
+      return 0;
+    }
+  if (x->npeers == XFER_MAX_PEERS)
+    return SKV_FAIL(SKV_ENOSPC, SKV_SUBSYS_KV, "cluster: more than %d peer incarnations",
+                    XFER_MAX_PEERS);
+  xfer_peer_t *p = calloc(1, sizeof(*p));
+  if (!p || !(p->blob = malloc(len))) {
+    free(p);
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
+  }
+  snprintf(p->name, sizeof(p->name), "%s", name);
+  p->rec = r;
+  memcpy(p->blob, blob, len);
+  p->blob_len = len;
+  *peer = x->npeers;
+  x->peers[x->npeers++] = p;
+  return 0;
+}
+
+const char *skv__xfer_peer_name(const skv__xfer_t *x, uint32_t peer) {
+  return peer < x->npeers ? x->peers[peer]->name : NULL;
+}
+bool skv__xfer_peer_failed(const skv__xfer_t *x, uint32_t peer) {
+  return peer >= x->npeers || x->peers[peer]->failed;
+}
+uint32_t skv__xfer_npeers(const skv__xfer_t *x) {
+  return x->npeers;
+}
+uint64_t skv__xfer_peer_nonce(const skv__xfer_t *x, uint32_t peer) {
+  return peer < x->npeers ? x->peers[peer]->rec.nonce : 0;
+}
+void skv__xfer_peer_retry(skv__xfer_t *x, uint32_t peer) {
+  if (peer < x->npeers && x->peers[peer]->failed && !x->peers[peer]->ep) x->peers[peer]->failed = 0;
+}
+uint64_t skv__xfer_page_bytes(const skv__xfer_t *x, uint32_t peer) {
+  return peer < x->npeers ? x->peers[peer]->rec.page_bytes : 0;
+}
+
+static void ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
+  xfer_peer_t *p = arg;
+  p->failed = status ? (int)status : -1;
+  SKV_INFO_RL(SKV_SUBSYS_KV, "cluster: endpoint to node '%s' failed: %s", p->name,
+              ucs_status_string(status));
+}
+
+static int peer_connect(skv__xfer_t *x, xfer_peer_t *p) {
+  if (p->ep) return 0;
+  const char *b = p->blob;
+  ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                        .address = (const ucp_address_t *)(b + sizeof(xfer_rec_t)),
+                        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                        .err_handler = {.cb = ep_error, .arg = p}};
+  ucs_status_t st = ucp_ep_create(x->fetch, &ep, &p->ep);
+  if (st != UCS_OK) {
+    p->ep = NULL;
+    p->failed = (int)st;
+    return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV, "cluster: cannot reach node '%s': %s", p->name,
+                    ucs_status_string(st));
+  }
+  const char *rk = b + sizeof(xfer_rec_t) + p->rec.addr_len;
+  if (!p->rec.pages || (st = ucp_ep_rkey_unpack(p->ep, rk, &p->rk_pages)) != UCS_OK ||
+      (st = ucp_ep_rkey_unpack(p->ep, rk + p->rec.rk_pages_len, &p->rk_meta)) != UCS_OK) {
+    peer_close(x, p);
+    p->failed = -1;
+    return SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_KV, "cluster: node '%s' exports no readable pages%s%s",
+                    p->name, p->rec.pages ? ": " : "", p->rec.pages ? ucs_status_string(st) : "");
+  }
+  return 0;
+}
+
+/* Wait for x->reqs[0..k) (requests of `p`), bounded; SKV_EPEERDEAD (the endpoint closed, so
+ * that nothing lands in the buffer later) when one failed, the peer failed or time ran out. */
+static int wait_all(skv__xfer_t *x, xfer_peer_t *p, size_t k, uint64_t deadline_ms) {
+  ucs_status_t bad = UCS_OK;
+  bool to = false;
+  size_t done = 0;
+  unsigned idle = 0;
+  while (done < k) {
+    ucs_status_t st = ucp_request_check_status(x->reqs[done]);
+    if (st != UCS_INPROGRESS) {
+      if (st != UCS_OK && bad == UCS_OK) bad = st;
+      ucp_request_free(x->reqs[done]);
+      done++;
+      continue;
+    }
+    if (ucp_worker_progress(x->fetch) == 0 && ++idle % 1024 == 0 && skv__now_ms() >= deadline_ms) {
+      to = true;
+      break;
+    }
+  }
+  if (!to && bad == UCS_OK && !p->failed) return 0;
+  if (!p->failed) p->failed = bad != UCS_OK ? (int)bad : -1;
+  peer_close(x, p); /* cancels what is still in flight */
+  for (; done < k; done++) {
+    while (ucp_request_check_status(x->reqs[done]) == UCS_INPROGRESS) ucp_worker_progress(x->fetch);
+    ucp_request_free(x->reqs[done]);
+  }
+  if (to)
+    return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV,
+                    "cluster: node '%s' did not answer a read of pages within %d ms (timeout; "
+                    "its endpoint is closed, the pages are not copied)",
+                    p->name, x->timeout_ms);
+  return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV,
+                  "cluster: node '%s' failed during a read of pages: %s (it died or the network "
+                  "broke; the pages are not copied)",
+                  p->name, ucs_status_string(bad != UCS_OK ? bad : UCS_ERR_ENDPOINT_TIMEOUT));
+}
+
+/* A registered buffer of at least `bytes` (grown, never shrunk). */
+static int staging(skv__xfer_t *x, size_t bytes) {
+  if (x->staging_cap >= bytes) return 0;
+  if (x->staging_mh) ucp_mem_unmap(x->ctx, x->staging_mh);
+  free(x->staging);
+  x->staging = NULL;
+  x->staging_mh = NULL;
+  x->staging_cap = 0;
+  if (posix_memalign((void **)&x->staging, 4096, bytes) != 0)
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory (%zu bytes of staging)",
+                    bytes);
+  ucp_mem_map_params_t mp = {.field_mask =
+                                 UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                             .address = x->staging,
+                             .length = bytes};
+  ucs_status_t st = ucp_mem_map(x->ctx, &mp, &x->staging_mh);
+  if (st != UCS_OK) {
+    x->staging_mh = NULL;
+    free(x->staging);
+    x->staging = NULL;
+    return ucx_fail(st, "ucp_mem_map of the staging buffer");
+  }
+  x->staging_cap = bytes;
+  return 0;
+}
+
+int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
+                        size_t n, const void **out, size_t *bad) {
+  *bad = 0;
+  if (peer >= x->npeers) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, "cluster: no peer %u", peer);
+  xfer_peer_t *p = x->peers[peer];
+  if (p->failed)
+    return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV,
+                    "cluster: node '%s' failed earlier (look the keys up again)", p->name);
+  SKV_CHECK(peer_connect(x, p));
+  for (size_t i = 0; i < n; i++)
+    if (page[i] >= p->rec.pages) {
+      *bad = i;
+      return SKV_FAIL(SKV_ERANGE, SKV_SUBSYS_KV,
+                      "cluster: page %u of node '%s' (it has %" PRIu64 ")", page[i], p->name,
+                      p->rec.pages);
+    }
+  if (n > x->words_cap) {
+    uint64_t *w = realloc(x->words, n * sizeof(*w));
+    if (!w) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
+    x->words = w;
+    x->words_cap = n;
+  }
+  SKV_CHECK(staging(x, n * p->rec.page_bytes));
+  if (2 * n > x->reqs_cap) {
+    void **r = realloc(x->reqs, 2 * n * sizeof(*r));
+    if (!r) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
+    x->reqs = r;
+    x->reqs_cap = 2 * n;
+  }
+  *out = x->staging;
+  uint64_t deadline = skv__now_ms() + (uint64_t)x->timeout_ms;
+  /* the pages, a fence, the state words: all in flight at once (one round trip, not two);
+   * the fence orders the state words' reads after the pages' reads are complete */
+  ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, .memh = x->staging_mh};
+  size_t k = 0;
+  for (size_t i = 0; i < n && !p->failed; i++) {
+    void *req = ucp_get_nbx(p->ep, x->staging + i * p->rec.page_bytes, p->rec.page_bytes,
+                            p->rec.pages_base + page[i] * p->rec.page_stride, p->rk_pages, &rp);
+    if (UCS_PTR_IS_ERR(req))
+      p->failed = (int)UCS_PTR_STATUS(req);
+    else if (req)
+      x->reqs[k++] = req;
+  }
+  ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
+  if (st != UCS_OK) p->failed = (int)st;
+  rp.op_attr_mask = 0;
+  for (size_t i = 0; i < n && !p->failed; i++) {
+    void *req = ucp_get_nbx(p->ep, &x->words[i], sizeof(uint64_t),
+                            p->rec.meta_base + page[i] * p->rec.meta_stride, p->rk_meta, &rp);
+    if (UCS_PTR_IS_ERR(req))
+      p->failed = (int)UCS_PTR_STATUS(req);
+    else if (req)
+      x->reqs[k++] = req;
+  }
+  SKV_CHECK(wait_all(x, p, k, deadline));
+  for (size_t i = 0; i < n; i++) {
+    uint64_t w = x->words[i];
+    if ((uint32_t)w != 2u /* SKV_PAGE_READY */ || (uint32_t)(w >> 32) != gen[i]) {
+      *bad = i;
+      return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
+                      "cluster: page %u of node '%s' is no longer generation %u (now %u, state "
+                      "%u): evicted or reused, not copied; look the keys up again",
+                      page[i], p->name, gen[i], (uint32_t)(w >> 32), (uint32_t)w & 0xff);
+    }
+  }
+  return 0;
+}

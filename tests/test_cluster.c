@@ -1,0 +1,621 @@
+/* Tests of the cluster layer: "nodes" on this host as separate domains in separate processes,
+ * UCX over loopback TCP, a redis-server started and stopped by each test. Publish on one node,
+ * fetch on another byte for byte; a page evicted before the read is stale, never served; a
+ * node killed mid-fetch; Redis unreachable, killed and restarted. */
+#define _GNU_SOURCE
+#include "skv_test.h"
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <hiredis.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static char g_cluster[64]; /* the directory's prefix: t<pid of the test> */
+static void setup(void) {
+  snprintf(g_cluster, sizeof g_cluster, "t%d", (int)getpid());
+  setenv("UCX_TLS", "tcp", 0); /* loopback TCP unless the caller chose (e.g. UCX_TLS=sm) */
+}
+TestSuite(cluster, .timeout = 120, .init = setup);
+
+#define BLOCKS 64
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* ---- redis-server, started and stopped by the test ---------------------------------------- */
+
+typedef struct redis {
+  pid_t pid;
+  int port;
+  char url[64];
+} redis_t;
+
+static bool redis_ping(int port, int ms) {
+  struct timeval tv = {0, 200000};
+  uint64_t end = skv__now_ms() + (uint64_t)ms;
+  do {
+    redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+    if (c && !c->err) {
+      redisReply *r = redisCommand(c, "PING");
+      bool ok = r && r->type == REDIS_REPLY_STATUS;
+      if (r) freeReplyObject(r);
+      redisFree(c);
+      if (ok) return true;
+    } else if (c) {
+      redisFree(c);
+    }
+    sleep_ms(20);
+  } while (skv__now_ms() < end);
+  return false;
+}
+
+static void redis_start(redis_t *r, int port) {
+  if (access("/usr/bin/redis-server", X_OK) != 0 && system("command -v redis-server >/dev/null"))
+    cr_skip_test("redis-server not installed (tests/deps.sh installs it from Debian)");
+  r->port = port > 0 ? port : skv_test_free_port();
+  snprintf(r->url, sizeof r->url, "redis://127.0.0.1:%d", r->port);
+  fflush(stdout), fflush(stderr);
+  r->pid = fork();
+  if (r->pid == 0) { /* no Criterion call in a forked child: it would talk to the runner */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    char port_s[16];
+    snprintf(port_s, sizeof port_s, "%d", r->port);
+    freopen("/dev/null", "w", stdout);
+    execlp("redis-server", "redis-server", "--port", port_s, "--bind", "127.0.0.1", "--save", "",
+           "--appendonly", "no", "--daemonize", "no", (char *)NULL);
+    _exit(127);
+  }
+  cr_assert(r->pid > 0, "fork: %s", strerror(errno));
+  cr_assert(redis_ping(r->port, 5000), "redis-server on port %d did not answer in 5 s", r->port);
+}
+
+static void redis_stop(redis_t *r) {
+  if (r->pid > 0) {
+    kill(r->pid, SIGKILL);
+    waitpid(r->pid, NULL, 0);
+    r->pid = 0;
+  }
+}
+
+/* Keys under `pattern` in the test's Redis. */
+static long long redis_count(const redis_t *r, const char *pattern) {
+  struct timeval tv = {1, 0};
+  redisContext *c = redisConnectWithTimeout("127.0.0.1", r->port, tv);
+  if (!c || c->err) return -1;
+  redisReply *rep = redisCommand(c, "KEYS %s", pattern);
+  long long n = rep && rep->type == REDIS_REPLY_ARRAY ? (long long)rep->elements : -1;
+  if (rep) freeReplyObject(rep);
+  redisFree(c);
+  return n;
+}
+
+/* ---- a node: a domain of its own, one owner process, a cluster handle ------------------- */
+
+typedef struct eng {
+  skv_geometry_t g;
+  uint64_t pb;
+  uint8_t *mem;
+  skv_layout_t *lay;
+  skv_namespace_t *ns;
+  skv_kv_t *kv;
+  skv_cluster_t *cl;
+} eng_t;
+
+/* Key i (no Criterion call: node children use it too). */
+static skv_key_t key_of(const skv_namespace_t *ns, uint32_t i) {
+  skv_key_t k = {0, 0};
+  if (skv_namespace_hash_bytes(ns, &i, sizeof i, &k) != 0) abort();
+  return k;
+}
+
+/* The bytes page `i` holds in version `v`. */
+static uint8_t pat(uint32_t i, uint32_t v, uint64_t j) {
+  return (uint8_t)(i * 131u + v * 17u + (uint32_t)(j * 7u) + (uint32_t)(j >> 9));
+}
+
+static int eng_open(eng_t *e, const char *domain, uint32_t layers, uint64_t pages, const char *node,
+                    const char *url, int lease_ms, int timeout_ms) {
+  memset(e, 0, sizeof *e);
+  e->g = (skv_geometry_t)SKV_GEOMETRY_INIT;
+  e->g.num_layers = layers, e->g.num_kv_heads = 2, e->g.head_dim = 32, e->g.elem_bytes = 2;
+  e->g.page_tokens = 16;
+  int rc;
+  if ((rc = skv_geometry_get_page_bytes(&e->g, &e->pb))) return rc;
+  e->mem = malloc(e->pb * BLOCKS);
+  void *base[1] = {e->mem};
+  if (!e->mem) return SKV_ENOMEM;
+  if ((rc =
+           skv_layout_create_preset(&e->g, SKV_LAYOUT_CONTIGUOUS, 16, BLOCKS, base, -1, &e->lay)) ||
+      (rc = skv_namespace_create("m", &e->g, NULL, 0, "secret", 6, &e->ns)))
+    return rc;
+  skv_attach_opts_t ao = SKV_ATTACH_OPTS_INIT;
+  ao.pages_per_pe = pages;
+  ao.max_slots = 4;
+  ao.timeout_ms = timeout_ms;
+  if ((rc = skv_kv_attach(domain, &e->g, &ao, &e->kv))) return rc;
+  skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
+  co.redis_url = url;
+  co.node = node;
+  co.lease_ms = lease_ms;
+  co.timeout_ms = timeout_ms;
+  co.cluster = g_cluster;
+  return skv_cluster_join(e->kv, &co, &e->cl);
+}
+
+static void eng_close(eng_t *e) {
+  if (e->cl) skv_cluster_leave(e->cl);
+  if (e->kv) skv_kv_detach(e->kv);
+  if (e->lay) skv_layout_destroy(e->lay);
+  if (e->ns) skv_namespace_destroy(e->ns);
+  free(e->mem);
+}
+
+/* Publish keys first..first+n (n <= BLOCKS) with version v, through the cluster. */
+static int eng_publish(eng_t *e, uint32_t first, uint32_t n, uint32_t v) {
+  skv_key_t keys[BLOCKS];
+  uint64_t ids[BLOCKS];
+  for (uint32_t i = 0; i < n; i++) {
+    keys[i] = key_of(e->ns, first + i);
+    ids[i] = i;
+    for (uint64_t j = 0; j < e->pb; j++) e->mem[i * e->pb + j] = pat(first + i, v, j);
+  }
+  size_t ins = 0;
+  int rc = skv_cluster_publish(e->cl, e->ns, keys, n, e->lay, ids, NULL, &ins);
+  if (rc) return rc;
+  return skv_cluster_flush(e->cl);
+}
+
+/* Bytes of blocks[0..n) that differ from keys first.. version v, among blocks not poisoned;
+ * *poisoned counts the blocks that still hold the poison (0xEE everywhere). */
+static uint64_t eng_wrong(const eng_t *e, uint32_t first, uint32_t n, uint32_t v, int *poisoned) {
+  uint64_t wrong = 0;
+  *poisoned = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    const uint8_t *b = e->mem + i * e->pb;
+    bool poison = true;
+    for (uint64_t j = 0; j < e->pb && poison; j++) poison = b[j] == 0xEE;
+    if (poison) {
+      (*poisoned)++;
+      continue;
+    }
+    for (uint64_t j = 0; j < e->pb; j++) wrong += b[j] != pat(first + i, v, j);
+  }
+  return wrong;
+}
+
+/* A node in a child process, driven through pipes: commands "P first n v" (publish), "E"
+ * (evict everything), "Q" (leave and exit). Each answers with its return code. */
+typedef struct child {
+  pid_t pid;
+  int cmd, rep;
+} child_t;
+
+typedef struct node_args {
+  char domain[64], node[64], url[64];
+  uint32_t layers;
+  uint64_t pages;
+  int lease_ms;
+} node_args_t;
+
+static void child_main(const node_args_t *a, int cmd, int rep) {
+  eng_t e;
+  int rc = eng_open(&e, a->domain, a->layers, a->pages, a->node, a->url, a->lease_ms, 10000);
+  if (write(rep, &rc, sizeof rc) != sizeof rc || rc) _exit(rc ? 1 : 2);
+  char line[128];
+  FILE *in = fdopen(cmd, "r");
+  while (fgets(line, sizeof line, in)) {
+    uint32_t first, n, v;
+    if (line[0] == 'P' && sscanf(line + 1, "%u %u %u", &first, &n, &v) == 3) {
+      rc = eng_publish(&e, first, n, v);
+    } else if (line[0] == 'E') {
+      uint64_t ev = 0;
+      rc = skv_kv_evict(e.kv, UINT64_MAX, &ev);
+      if (!rc) rc = skv_cluster_flush(e.cl);
+    } else if (line[0] == 'Q') {
+      eng_close(&e);
+      rc = 0;
+      (void)!write(rep, &rc, sizeof rc);
+      _exit(0);
+    } else {
+      rc = SKV_EINVAL;
+    }
+    if (write(rep, &rc, sizeof rc) != sizeof rc) _exit(3);
+  }
+  _exit(0); /* the test went away: leave without cleaning (as a crash would) */
+}
+
+static void child_start(child_t *c, const node_args_t *a) {
+  int cp[2], rp[2];
+  cr_assert(pipe(cp) == 0 && pipe(rp) == 0);
+  fflush(stdout), fflush(stderr);
+  c->pid = fork();
+  if (c->pid == 0) { /* the node: no Criterion call from here on */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(cp[1]), close(rp[0]);
+    child_main(a, cp[0], rp[1]);
+  }
+  cr_assert(c->pid > 0, "fork: %s", strerror(errno));
+  close(cp[0]), close(rp[1]);
+  c->cmd = cp[1], c->rep = rp[0];
+  int rc = -1;
+  cr_assert_eq(read(c->rep, &rc, sizeof rc), (ssize_t)sizeof rc, "node %s did not start", a->node);
+  cr_assert_eq(rc, 0, "node %s: join failed: %s", a->node, skv_err_name(rc));
+}
+
+static int child_do(child_t *c, const char *fmt, ...) {
+  char line[128];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(line, sizeof line, fmt, ap);
+  va_end(ap);
+  strcat(line, "\n");
+  if (write(c->cmd, line, strlen(line)) != (ssize_t)strlen(line)) return -EPIPE;
+  int rc = -1;
+  if (read(c->rep, &rc, sizeof rc) != sizeof rc) return -EPIPE;
+  return rc;
+}
+
+static void child_stop(child_t *c) {
+  if (c->pid <= 0) return;
+  (void)child_do(c, "Q");
+  int st;
+  waitpid(c->pid, &st, 0);
+  close(c->cmd), close(c->rep);
+  c->pid = 0;
+}
+
+static void child_kill(child_t *c) {
+  kill(c->pid, SIGKILL);
+  waitpid(c->pid, NULL, 0);
+  close(c->cmd), close(c->rep);
+  c->pid = 0;
+}
+
+static node_args_t args_for(const char *what, const redis_t *r, uint32_t layers, uint64_t pages,
+                            int lease_ms) {
+  node_args_t a;
+  memset(&a, 0, sizeof a);
+  snprintf(a.domain, sizeof a.domain, "t%d-%s", (int)getpid(), what);
+  snprintf(a.node, sizeof a.node, "%s", what);
+  snprintf(a.url, sizeof a.url, "%s", r->url);
+  a.layers = layers, a.pages = pages, a.lease_ms = lease_ms;
+  return a;
+}
+
+static void lookup_all(eng_t *e, uint32_t first, uint32_t n, skv_cluster_ref_t *refs,
+                       size_t *nlocal, size_t *nhit) {
+  skv_key_t keys[BLOCKS];
+  for (uint32_t i = 0; i < n; i++) keys[i] = key_of(e->ns, first + i);
+  int rc = skv_cluster_lookup(e->cl, e->ns, keys, n, 0, refs, nlocal, nhit);
+  cr_assert_eq(rc, 0, "lookup: %s: %s", skv_err_name(rc), skv_last_error());
+}
+
+/* ---- the tests --------------------------------------------------------------------------- */
+
+Test(cluster, publish_on_two_nodes_fetch_on_a_third_byte_exact) {
+  redis_t r;
+  redis_start(&r, 0);
+  node_args_t aa = args_for("a", &r, 4, 32, 2000), ab = args_for("b", &r, 4, 32, 2000);
+  child_t a, b;
+  child_start(&a, &aa);
+  child_start(&b, &ab);
+  cr_assert_eq(child_do(&a, "P 8 16 1"), 0);
+  cr_assert_eq(child_do(&b, "P 24 24 1"), 0);
+  eng_t c;
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  int rc = eng_open(&c, dom, 4, 32, "c", r.url, 2000, 10000);
+  cr_assert_eq(rc, 0, "%s", skv_last_error());
+  cr_assert_eq(eng_publish(&c, 0, 8, 1), 0, "%s", skv_last_error());
+  skv_cluster_ref_t refs[BLOCKS];
+  size_t nl, nh;
+  lookup_all(&c, 0, 56, refs, &nl, &nh);
+  cr_assert_eq(nl, 8, "local hits %zu", nl);
+  cr_assert_eq(nh, 48, "hits %zu (keys 48.. were published by no one)", nh);
+  cr_assert_str_eq(skv_cluster_node_name(c.cl, refs[8].node), "a");
+  cr_assert_str_eq(skv_cluster_node_name(c.cl, refs[30].node), "b");
+  uint64_t ids[BLOCKS];
+  for (int i = 0; i < BLOCKS; i++) ids[i] = (uint64_t)i;
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  rc = skv_cluster_fetch(c.cl, refs, nh, c.lay, ids, 0, NULL);
+  cr_assert_eq(rc, 0, "fetch: %s: %s", skv_err_name(rc), skv_last_error());
+  int poisoned;
+  cr_assert_eq(eng_wrong(&c, 0, 48, 1, &poisoned), 0, "wrong bytes");
+  cr_assert_eq(poisoned, 0, "%d blocks not written", poisoned);
+  skv_cluster_stats_t st = SKV_CLUSTER_STATS_INIT;
+  cr_assert_eq(skv_cluster_get_stats(c.cl, &st), 0);
+  cr_assert_eq(st.remote_pages, 40);
+  cr_assert_eq(st.remote_bytes, 40 * c.pb);
+  cr_assert_eq(st.local_hits, 8);
+  cr_assert_eq(st.exported_pages, 8);
+  /* the directory holds each node's entries and records */
+  char pat_s[64];
+  snprintf(pat_s, sizeof pat_s, "t%d:k:*", (int)getpid());
+  cr_assert_eq(redis_count(&r, pat_s), 48);
+  eng_close(&c);
+  child_stop(&a);
+  child_stop(&b);
+  /* leaving takes a node's entries and record out */
+  cr_assert_eq(redis_count(&r, pat_s), 0, "entries left after every node left");
+  snprintf(pat_s, sizeof pat_s, "t%d:node:*", (int)getpid());
+  cr_assert_eq(redis_count(&r, pat_s), 0);
+  redis_stop(&r);
+}
+
+Test(cluster, evicted_page_is_stale_never_served) {
+  redis_t r;
+  redis_start(&r, 0);
+  node_args_t aa = args_for("a", &r, 4, 8, 5000);
+  child_t a;
+  child_start(&a, &aa);
+  cr_assert_eq(child_do(&a, "P 0 8 1"), 0);
+  eng_t c;
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  cr_assert_eq(eng_open(&c, dom, 4, 8, "c", r.url, 5000, 10000), 0, "%s", skv_last_error());
+  skv_cluster_ref_t refs[BLOCKS];
+  size_t nl, nh;
+  lookup_all(&c, 0, 8, refs, &nl, &nh);
+  cr_assert_eq(nh, 8);
+  /* a's 8 pages go to 8 other keys (version 2): every reference c holds is now stale */
+  cr_assert_eq(child_do(&a, "P 100 8 2"), 0);
+  uint64_t ids[BLOCKS];
+  for (int i = 0; i < BLOCKS; i++) ids[i] = (uint64_t)i;
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  int rc = skv_cluster_fetch(c.cl, refs, 8, c.lay, ids, 0, NULL);
+  cr_assert_eq(rc, SKV_ESTALE, "fetch of evicted pages: %s", skv_err_name(rc));
+  cr_assert(strstr(skv_last_error(), "node 'a'"), "%s", skv_last_error());
+  int poisoned;
+  cr_assert_eq(eng_wrong(&c, 0, 8, 1, &poisoned), 0);
+  cr_assert_eq(poisoned, 8, "a stale page was copied into its block");
+  /* the evictions reached the directory: the old keys miss, the new ones hit */
+  lookup_all(&c, 0, 8, refs, &nl, &nh);
+  cr_assert_eq(nh, 0, "an evicted key still in the directory");
+  lookup_all(&c, 100, 8, refs, &nl, &nh);
+  cr_assert_eq(nh, 8);
+  cr_assert_eq(skv_cluster_fetch(c.cl, refs, 8, c.lay, ids, 0, NULL), 0, "%s", skv_last_error());
+  cr_assert_eq(eng_wrong(&c, 100, 8, 2, &poisoned), 0);
+  cr_assert_eq(poisoned, 0);
+  skv_cluster_stats_t st = SKV_CLUSTER_STATS_INIT;
+  skv_cluster_get_stats(c.cl, &st);
+  cr_assert_eq(st.remote_stale, 1);
+  eng_close(&c);
+  child_stop(&a);
+  redis_stop(&r);
+}
+
+typedef struct fetch_loop {
+  eng_t *e;
+  skv_cluster_ref_t *refs;
+  size_t n;
+  volatile int stop;
+  int fetches, last_rc;
+  uint64_t wrong;
+  char msg[512];
+} fetch_loop_t;
+
+static void *fetch_loop_main(void *arg) {
+  fetch_loop_t *f = arg;
+  uint64_t ids[BLOCKS];
+  for (int i = 0; i < BLOCKS; i++) ids[i] = (uint64_t)i;
+  while (!f->stop) {
+    memset(f->e->mem, 0xEE, f->e->pb * f->n);
+    int rc = skv_cluster_fetch(f->e->cl, f->refs, f->n, f->e->lay, ids, 0, NULL);
+    int poisoned;
+    f->wrong += eng_wrong(f->e, 0, (uint32_t)f->n, 1, &poisoned);
+    __atomic_add_fetch(&f->fetches, 1, __ATOMIC_RELEASE);
+    if (rc) {
+      f->last_rc = rc;
+      snprintf(f->msg, sizeof f->msg, "%s", skv_last_error());
+      break;
+    }
+    if (poisoned) f->wrong += (uint64_t)poisoned; /* a fetch that returned 0 wrote every block */
+  }
+  return NULL;
+}
+
+Test(cluster, node_killed_mid_fetch) {
+  redis_t r;
+  redis_start(&r, 0);
+  /* pages of 256 KiB (64 layers), 32 of them: 8 MiB a fetch */
+  node_args_t aa = args_for("a", &r, 64, 32, 1000);
+  child_t a;
+  child_start(&a, &aa);
+  cr_assert_eq(child_do(&a, "P 0 32 1"), 0);
+  eng_t c;
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  cr_assert_eq(eng_open(&c, dom, 64, 4, "c", r.url, 1000, 5000), 0, "%s", skv_last_error());
+  skv_cluster_ref_t refs[BLOCKS];
+  size_t nl, nh;
+  lookup_all(&c, 0, 32, refs, &nl, &nh);
+  cr_assert_eq(nh, 32);
+  fetch_loop_t f = {.e = &c, .refs = refs, .n = 32};
+  pthread_t t;
+  pthread_create(&t, NULL, fetch_loop_main, &f);
+  /* kill once two fetches went through: the loop runs back to back, so the kill lands inside
+   * one (a fetch of 8 MiB takes milliseconds here; under load, longer) */
+  uint64_t until = skv__now_ms() + 20000;
+  while (__atomic_load_n(&f.fetches, __ATOMIC_ACQUIRE) < 2 && !f.last_rc && skv__now_ms() < until)
+    sleep_ms(1);
+  child_kill(&a);
+  uint64_t killed = skv__now_ms();
+  pthread_join(t, NULL);
+  uint64_t noticed = skv__now_ms() - killed;
+  cr_assert(f.fetches >= 2, "only %d fetches before the kill (%s: %s)", f.fetches,
+            skv_err_name(f.last_rc), f.msg);
+  cr_assert_eq(f.last_rc, SKV_EPEERDEAD, "fetch from a killed node: %s (%s)",
+               skv_err_name(f.last_rc), f.msg);
+  cr_assert(strstr(f.msg, "node 'a'"), "%s", f.msg);
+  cr_assert_eq(f.wrong, 0, "%" PRIu64 " wrong bytes", f.wrong);
+  cr_assert(noticed < 5000, "the failure took %" PRIu64 " ms to notice", noticed);
+  /* after its lease, the dead node's entries and record are gone from Redis */
+  char pat_k[64], pat_a[64];
+  snprintf(pat_k, sizeof pat_k, "t%d:k:*", (int)getpid());
+  snprintf(pat_a, sizeof pat_a, "t%d:node:a", (int)getpid());
+  uint64_t end = skv__now_ms() + 5000;
+  long long left;
+  while ((left = redis_count(&r, pat_k) + redis_count(&r, pat_a)) > 0 && skv__now_ms() < end)
+    sleep_ms(100);
+  cr_assert_eq(left, 0, "%lld entries of node a in Redis 5 s after the kill (lease 1 s)", left);
+  lookup_all(&c, 0, 32, refs, &nl, &nh);
+  cr_assert_eq(nh, 0);
+  eng_close(&c);
+  /* the killed node's domain has no participant left to remove it: the next attacher would lay
+   * it out afresh; none comes, so the test removes it */
+  char shm[96];
+  snprintf(shm, sizeof shm, "/symkv-%s", aa.domain);
+  cr_assert_eq(shm_unlink(shm), 0, "%s: %s", shm, strerror(errno));
+  redis_stop(&r);
+}
+
+Test(cluster, redis_unreachable_node_local_service_goes_on) {
+  eng_t c;
+  char dom[64], url[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  snprintf(url, sizeof url, "redis://127.0.0.1:%d", skv_test_free_port());
+  int rc = eng_open(&c, dom, 4, 16, "c", url, 1000, 2000);
+  cr_assert_eq(rc, SKV_ECONN, "join with no Redis: %s", skv_err_name(rc));
+  cr_assert(strstr(skv_last_error(), url), "%s", skv_last_error());
+  cr_assert_null(c.cl);
+  /* the cache itself works; a node-local handle too */
+  rc = skv_cluster_join(c.kv, NULL, &c.cl);
+  cr_assert_eq(rc, 0, "%s", skv_last_error());
+  cr_assert_eq(eng_publish(&c, 0, 8, 1), 0, "%s", skv_last_error());
+  skv_cluster_ref_t refs[BLOCKS];
+  size_t nl, nh;
+  lookup_all(&c, 0, 16, refs, &nl, &nh);
+  cr_assert_eq(nl, 8);
+  cr_assert_eq(nh, 8);
+  uint64_t ids[BLOCKS];
+  for (int i = 0; i < BLOCKS; i++) ids[i] = (uint64_t)i;
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  cr_assert_eq(skv_cluster_fetch(c.cl, refs, nh, c.lay, ids, 0, NULL), 0);
+  int poisoned;
+  cr_assert_eq(eng_wrong(&c, 0, 8, 1, &poisoned), 0);
+  cr_assert_eq(poisoned, 0);
+  refs[0].node = 3;
+  cr_assert_eq(skv_cluster_fetch(c.cl, refs, 1, c.lay, ids, 0, NULL), SKV_EINVAL);
+  eng_close(&c);
+}
+
+Test(cluster, redis_killed_then_restarted_directory_rebuilt) {
+  redis_t r;
+  redis_start(&r, 0);
+  node_args_t aa = args_for("a", &r, 4, 32, 1500);
+  child_t a;
+  child_start(&a, &aa);
+  cr_assert_eq(child_do(&a, "P 8 16 1"), 0);
+  eng_t c;
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  cr_assert_eq(eng_open(&c, dom, 4, 32, "c", r.url, 1500, 10000), 0, "%s", skv_last_error());
+  cr_assert_eq(eng_publish(&c, 0, 8, 1), 0);
+  skv_cluster_ref_t refs[BLOCKS];
+  size_t nl, nh;
+  lookup_all(&c, 0, 24, refs, &nl, &nh);
+  cr_assert_eq(nh, 24);
+  /* Redis goes away: lookups give the node-local hits with SKV_ECONN; local fetches work */
+  int port = r.port;
+  redis_stop(&r);
+  skv_key_t keys[BLOCKS];
+  for (uint32_t i = 0; i < 24; i++) keys[i] = key_of(c.ns, i);
+  int rc = skv_cluster_lookup(c.cl, c.ns, keys, 24, 0, refs, &nl, &nh);
+  cr_assert_eq(rc, SKV_ECONN, "lookup without Redis: %s", skv_err_name(rc));
+  cr_assert_eq(nl, 8);
+  cr_assert_eq(nh, 8);
+  uint64_t ids[BLOCKS];
+  for (int i = 0; i < BLOCKS; i++) ids[i] = (uint64_t)i;
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  cr_assert_eq(skv_cluster_fetch(c.cl, refs, nh, c.lay, ids, 0, NULL), 0, "%s", skv_last_error());
+  int poisoned;
+  cr_assert_eq(eng_wrong(&c, 0, 8, 1, &poisoned), 0);
+  cr_assert_eq(poisoned, 0);
+  /* Redis comes back empty on the same port: both nodes republish, lookups find all again */
+  sleep_ms(300);
+  redis_start(&r, port);
+  uint64_t t0 = skv__now_ms(), end = t0 + 10000;
+  do {
+    sleep_ms(100);
+    rc = skv_cluster_lookup(c.cl, c.ns, keys, 24, 0, refs, &nl, &nh);
+  } while ((rc || nh < 24) && skv__now_ms() < end);
+  cr_assert_eq(rc, 0, "%s", skv_last_error());
+  cr_assert_eq(nh, 24, "directory not rebuilt %" PRIu64 " ms after the restart",
+               skv__now_ms() - t0);
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  cr_assert_eq(skv_cluster_fetch(c.cl, refs, nh, c.lay, ids, 0, NULL), 0, "%s", skv_last_error());
+  cr_assert_eq(eng_wrong(&c, 0, 24, 1, &poisoned), 0);
+  cr_assert_eq(poisoned, 0);
+  skv_cluster_stats_t st = SKV_CLUSTER_STATS_INIT;
+  skv_cluster_get_stats(c.cl, &st);
+  cr_assert_geq(st.dir_reconnects, 1);
+  eng_close(&c);
+  child_stop(&a);
+  redis_stop(&r);
+}
+
+Test(cluster, bad_arguments_are_refused_by_name) {
+  skv_cluster_t *cl = NULL;
+  cr_assert_eq(skv_cluster_join(NULL, NULL, &cl), SKV_EINVAL);
+  eng_t c;
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  unsetenv("SKV_REDIS_URL");
+  cr_assert_eq(eng_open(&c, dom, 4, 4, "c", NULL, -1, 2000), 0);
+  skv_cluster_opts_t o = SKV_CLUSTER_OPTS_INIT;
+  o.node = "no spaces";
+  cr_assert_eq(skv_cluster_join(c.kv, &o, &cl), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "opts.node"), "%s", skv_last_error());
+  o = (skv_cluster_opts_t)SKV_CLUSTER_OPTS_INIT;
+  o.redis_url = "http://x";
+  cr_assert_eq(skv_cluster_join(c.kv, &o, &cl), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "redis://"), "%s", skv_last_error());
+  o = (skv_cluster_opts_t)SKV_CLUSTER_OPTS_INIT;
+  o.lease_ms = 5;
+  cr_assert_eq(skv_cluster_join(c.kv, &o, &cl), SKV_EINVAL);
+  eng_close(&c);
+}
+
+Test(cluster, redis_url_and_lease_from_the_environment) {
+  redis_t r;
+  redis_start(&r, 0);
+  setenv("SKV_REDIS_URL", r.url, 1);
+  setenv("SKV_CLUSTER_LEASE_MS", "1500", 1);
+  skv__env_reload();
+  eng_t c;
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  /* opts.redis_url NULL, opts.lease_ms -1: both from the environment */
+  cr_assert_eq(eng_open(&c, dom, 4, 8, "c", NULL, -1, 10000), 0, "%s", skv_last_error());
+  cr_assert_eq(eng_publish(&c, 0, 4, 1), 0, "%s", skv_last_error());
+  char pat_s[64];
+  snprintf(pat_s, sizeof pat_s, "t%d:k:*", (int)getpid());
+  cr_assert_eq(redis_count(&r, pat_s), 4, "the entries are not in the Redis of SKV_REDIS_URL");
+  /* the lease is the environment's: the node record's TTL is at most 1.5 s */
+  struct timeval tv = {1, 0};
+  redisContext *rc = redisConnectWithTimeout("127.0.0.1", r.port, tv);
+  cr_assert(rc && !rc->err);
+  redisReply *rep = redisCommand(rc, "PTTL t%d:node:c", (int)getpid());
+  cr_assert(rep && rep->type == REDIS_REPLY_INTEGER);
+  cr_assert(rep->integer > 0 && rep->integer <= 1500, "PTTL %lld", rep->integer);
+  freeReplyObject(rep);
+  redisFree(rc);
+  eng_close(&c);
+  unsetenv("SKV_REDIS_URL");
+  unsetenv("SKV_CLUSTER_LEASE_MS");
+  skv__env_reload();
+  redis_stop(&r);
+}
