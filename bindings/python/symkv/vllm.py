@@ -19,6 +19,7 @@ A page that cannot be loaded is reported through get_block_ids_with_load_errors,
 recomputes it (with kv_load_failure_policy "recompute"); nothing is ever served from a page
 whose generation changed."""
 
+import collections
 import hashlib
 import logging
 import os
@@ -241,7 +242,10 @@ class SymkvConnector(KVConnectorBase_V1):
             self._kv_caches = None
             self._load_errors = set()
             self._loaded = set()
-            self.load_log = []  # (req_id, block_ids, pages loaded) of every load, for tests
+            # The last loads and saves, for tests and debugging: (req_id, block_ids, pages
+            # loaded) and (req_id, block_ids, hashes, pages inserted).
+            self.load_log = collections.deque(maxlen=256)
+            self.save_log = collections.deque(maxlen=256)
 
     @property
     def requires_kv_delivery(self):
@@ -457,9 +461,10 @@ class SymkvConnector(KVConnectorBase_V1):
         for sv in meta.saves:
             try:
                 keys = self._ns.keys_from_bytes(sv.hashes)
-                self.stats["saved_pages"] += self._kv.publish(self._ns, keys, self._layout,
-                                                              self._kernel_ids(sv.block_ids))
+                n = self._kv.publish(self._ns, keys, self._layout, self._kernel_ids(sv.block_ids))
+                self.stats["saved_pages"] += n
                 self.stats["save_calls"] += 1
+                self.save_log.append((sv.req_id, list(sv.block_ids), list(sv.hashes), n))
             except errors.Error as e:  # a cache: log, never fail the step
                 self.stats["save_errors"] += 1
                 logger.warning("symkv: saving %d blocks of %s failed: %s", len(sv.block_ids),
