@@ -588,7 +588,10 @@ SKV_EXTERN int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_
 /* Release pins taken by skv_kv_lookup(SKV_LOOKUP_PIN). */
 SKV_EXTERN int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n);
 
-enum { SKV_FETCH_UNPIN = 1u }; /* also release the caller's lookup pins once copied */
+/* SKV_FETCH_UNPIN: also release the caller's lookup pins once copied. Every reference must hold
+ * one of this PE's pins (a page listed k times: k pins), checked before anything is copied:
+ * otherwise SKV_EINVAL and nothing written. */
+enum { SKV_FETCH_UNPIN = 1u };
 
 /* Copy pages refs[0..n) into the engine's blocks: page i fills blocks
  * block_ids[i*m .. i*m+m) with m = page_tokens / block_tokens; the ids must be distinct (they
@@ -669,11 +672,17 @@ typedef struct skv_comm_opts {
   uint32_t version;   /* SKV_COMM_OPTS_VERSION */
   int32_t backend;    /* SKV_BACKEND_CUDA (GPU buffers, streams) or SKV_BACKEND_HOST (CPU) */
   uint32_t channels;  /* independent flag sets (one per concurrent stream), 1..64; 0: 4 */
-  uint32_t flags;     /* SKV_COMM_NO_NCCL: do not create an NCCL communicator */
+  uint32_t flags;     /* SKV_COMM_NO_NCCL, SKV_COMM_CHECKED (below) */
   uint64_t max_bytes; /* largest message of the symmetric algorithms; 0: 64 MiB */
 } skv_comm_opts_t;
 
-enum { SKV_COMM_NO_NCCL = 1u };
+/* SKV_COMM_NO_NCCL: do not create an NCCL communicator. SKV_COMM_CHECKED: checking mode, every
+ * all-reduce and barrier is checked against every peer's (kind, dtype, op, algorithm, count,
+ * channel) before it runs; a mismatch fails on every PE with SKV_EMISMATCH naming both calls
+ * (CUDA: reported by skv_comm_check, the call's kernel does nothing) and breaks the comm. Costs
+ * one flag round trip per call (docs/comm.md, "Checking mode"); SKV_COMM_CHECK=1 turns it on
+ * for every comm. Every PE must create the comm with the same setting. */
+enum { SKV_COMM_NO_NCCL = 1u, SKV_COMM_CHECKED = 2u };
 
 /* clang-format off */
 #define SKV_COMM_OPTS_INIT                                                                         \

@@ -444,6 +444,87 @@ __global__ void skv_k_barrier(skv__comm_dev_t d, int ch) {
   if (!__syncthreads_or(failed) && threadIdx.x == 0) *(volatile uint64_t *)&st->barrier_epoch = e;
 }
 
+/* Checking mode ("Checking mode" in kernels/comm_proto.h): one block; thread q < npes posts
+ * this PE's call into its check slot on PE q and compares PE q's call with it. A mismatch is
+ * recorded with code SKV_EMISMATCH (`phase`: 0 another call, 1 more calls on this channel, 2
+ * waiting on another channel) and sets `broken`, so the call's own kernel, next on the stream,
+ * does nothing. */
+__device__ __noinline__ void report_check(uint32_t *broken, skv__comm_err_t *e, int channel,
+                                          int peer, int how, uint64_t seq, uint64_t desc,
+                                          uint64_t count, uint64_t peer_desc, uint64_t peer_count) {
+  if (atomicCAS(broken, 0u, 1u) != 0u) return;
+  e->kind = SKV__ERR_CHECK;
+  e->channel = channel;
+  e->peer = peer;
+  e->phase = how;
+  e->cmp = 0;
+  e->slot = count;
+  e->epoch = seq;
+  e->value = peer_desc;
+  e->observed = desc;
+  e->waited_ns = peer_count;
+  __threadfence_system();
+  e->code = SKV_EMISMATCH;
+  __threadfence_system();
+}
+
+__global__ void skv_k_check(skv__comm_dev_t d, int ch, uint64_t desc, uint64_t count) {
+  pdl_start();
+  skv__chan_state_t *st = d.chan + ch;
+  const uint64_t s = ld_volatile_u64(&st->check_seq) + 1;
+  bool failed = ld_volatile_u32(d.broken) != 0u;
+  const int q = threadIdx.x;
+  if (!failed && q < d.npes && q != d.me) {
+    uint64_t *post = (uint64_t *)(d.base + (uint64_t)q * d.stride +
+                                  skv__check_off(d.check_off, d.npes, ch, d.me));
+    *(volatile uint64_t *)&post[1] = desc;
+    *(volatile uint64_t *)&post[2] = count;
+    skv_dev_store_release(&post[0], s);
+    const uint64_t *slot = (const uint64_t *)(d.base + (uint64_t)d.me * d.stride +
+                                              skv__check_off(d.check_off, d.npes, ch, q));
+    Waiter w;
+    const uint64_t t0 = skv_dev_globaltimer();
+    for (;;) {
+      const uint64_t seq = skv_dev_load_acquire(slot);
+      if (seq >= s) {
+        const uint64_t pd = ld_volatile_u64(&slot[1]), pc = ld_volatile_u64(&slot[2]);
+        skv_dev_fence();
+        if (ld_volatile_u64(&slot[0]) != seq) continue; /* posted again meanwhile */
+        if (seq > s || pd != desc || pc != count) {
+          report_check(d.broken, d.err, ch, q, seq > s ? 1 : 0, s, desc, count, pd, pc);
+          failed = true;
+        }
+        break;
+      }
+      if ((w.spins & 1023u) == 1023u &&
+          skv_dev_globaltimer() - t0 > (uint64_t)SKV__CHECK_CHANNEL_MS * 1000000ull) {
+        bool other = false; /* has PE q posted a call on a channel this PE has not reached? */
+        for (int c2 = 0; c2 < d.channels && !other; c2++) {
+          if (c2 == ch) continue;
+          const uint64_t *o = (const uint64_t *)(d.base + (uint64_t)d.me * d.stride +
+                                                 skv__check_off(d.check_off, d.npes, c2, q));
+          if (skv_dev_load_acquire(o) > ld_volatile_u64(&d.chan[c2].check_seq)) {
+            report_check(d.broken, d.err, ch, q, 2, s, desc, count, ld_volatile_u64(&o[1]),
+                         ld_volatile_u64(&o[2]));
+            other = true;
+          }
+        }
+        if (other) {
+          failed = true;
+          break;
+        }
+      }
+      if (!w.keep(d)) {
+        report(d, SKV__ERR_CHECK, ch, q, 0, 0, count, s, 0, desc, w.waited());
+        failed = true;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *(volatile uint64_t *)&st->check_seq = s;
+}
+
 __global__ void skv_k_signal(skv__comm_dev_t d, int pe, uint32_t slot, uint64_t value, int op) {
   pdl_start();
   uint64_t *p = (uint64_t *)(d.base + (uint64_t)pe * d.stride + d.signal_off + (uint64_t)slot * 8u);
@@ -617,6 +698,12 @@ extern "C" int skv__k_barrier(const skv__comm_dev_t *d, int channel, void *strea
   return launch(d, skv_k_barrier, dim3(1), dim3(threads), stream, *d, channel);
 }
 
+extern "C" int skv__k_check(const skv__comm_dev_t *d, int channel, uint64_t desc, uint64_t count,
+                            void *stream) {
+  const int threads = (d->npes + 31) / 32 * 32;
+  return launch(d, skv_k_check, dim3(1), dim3(threads), stream, *d, channel, desc, count);
+}
+
 extern "C" int skv__k_signal(const skv__comm_dev_t *d, int pe, uint32_t slot, uint64_t value,
                              int op, void *stream) {
   return launch(d, skv_k_signal, dim3(1), dim3(1), stream, *d, pe, slot, value, op);
@@ -648,6 +735,7 @@ extern "C" int skv__k_preload(void) {
       (const void *)pick_kernel(SKV__ALG_TWOSHOT, SKV_DTYPE_FP32, SKV_OP_MAX),
       (const void *)pick_kernel(SKV__ALG_TWOSHOT, SKV_DTYPE_FP32, SKV_OP_MIN),
       (const void *)skv_k_barrier,
+      (const void *)skv_k_check,
       (const void *)skv_k_signal,
       (const void *)skv_k_wait,
       (const void *)skv_k_devapi_selftest,

@@ -51,11 +51,35 @@ extern "C" {
  *    with SKV_ETIMEDOUT naming the PE and slot. Slots may then hold data that nobody clears,
  *    so the comm is marked broken: later calls fail with SKV_ESTATE; destroy it everywhere.
  *  - PEs that call with different counts, dtypes or channels: slots are polled that nobody
- *    writes (timeout) or data is left behind. The collectives are not checked on the fast
- *    path; every PE must make the same calls in the same order on a channel.
+ *    writes (timeout) or data is left behind; a different op reduces to wrong results without
+ *    a word. The collectives are not checked on the fast path; every PE must make the same
+ *    calls in the same order on a channel. The checking mode (below) checks every call.
  *  - Two threads on one channel at once: they share the epoch; use one channel per thread
  *    (GPU: per stream).
  *  - The sentinel changes inputs that carry exactly its pattern (a NaN stays a NaN). */
+
+/* Checking mode (SKV_COMM_CHECKED, SKV_COMM_CHECK=1). Before each all-reduce or barrier on
+ * channel c, PE p writes what it is about to do, the call's description (kind, dtype, op,
+ * algorithm, channel) and count, into its check slot (c, p) on every peer, then the call's
+ * number s (the channel's checked calls so far, plus one) with release semantics; it waits
+ * (acquire) until its own slot (c, q) of every peer q holds s, and compares. The same Dekker-free
+ * argument as the barrier's holds: a peer cannot post s + 1 on c before it passed call s, which
+ * needs my post of s, so a slot read at s is the peer's call s (its number is read again after
+ * the fields, to be sure). A slot that holds a larger number means the peer made more checked
+ * calls on c than this PE. Every PE compares every peer's call with its own, so a mismatch is
+ * found on every PE; then nothing is pushed, the call fails with SKV_EMISMATCH naming both
+ * calls, and the comm is broken (destroy it). A PE that calls on another channel never posts on
+ * c: a PE that waits on c longer than SKV__CHECK_CHANNEL_MS while a peer has posted a call on a
+ * channel this PE has not reached reports the channel mismatch. */
+#define SKV__CHECK_SLOT_BYTES 32u   /* u64 call number, u64 description, u64 count, pad */
+#define SKV__CHECK_CHANNEL_MS 1000u /* grace before a wait on another channel is a mismatch */
+enum { SKV__CHECK_ALLREDUCE = 1, SKV__CHECK_BARRIER = 2 };
+
+/* The description of a checked call: kind, dtype, op and algorithm (0 for a barrier), channel. */
+SKV__HD uint64_t skv__check_desc(int kind, int dtype, int op, int algo, int ch) {
+  return (uint64_t)(kind & 0xff) | (uint64_t)(dtype & 0xff) << 8 | (uint64_t)(op & 0xff) << 16 |
+         (uint64_t)(algo & 0xff) << 24 | (uint64_t)(ch & 0xffff) << 32;
+}
 
 /* ---- layout (identical on every PE; see docs/comm.md "Memory") ---------------------------- */
 
@@ -98,6 +122,10 @@ SKV__HD uint64_t skv__region_off(uint64_t scratch_off, uint64_t chan_bytes, uint
 SKV__HD uint64_t skv__flag_off(uint64_t flag_off, uint64_t flag_chan_bytes, int ch, int pe) {
   return flag_off + (uint64_t)ch * flag_chan_bytes + (uint64_t)pe * 8u;
 }
+/* Byte offset in a segment of the check slot that PE pe writes on channel ch. */
+SKV__HD uint64_t skv__check_off(uint64_t check_off, int npes, int ch, int pe) {
+  return check_off + ((uint64_t)ch * (uint64_t)npes + (uint64_t)pe) * SKV__CHECK_SLOT_BYTES;
+}
 /* Byte offsets inside one region. One-shot: slot of source PE p holds nvec vectors. Two-shot:
  * RS slot of source p (cv vectors), then AG slot of owner j (cv vectors). */
 SKV__HD uint64_t skv__os_slot(uint64_t nvec, int p, uint64_t v) {
@@ -119,7 +147,8 @@ SKV__HD uint64_t skv__ts_ag(uint64_t cv, int n, int j, uint64_t v) {
 #define SKV__EPOCH_LANES 1024u
 typedef struct skv__chan_state {
   uint64_t barrier_epoch; /* barriers completed on this channel */
-  uint64_t pad[7];
+  uint64_t check_seq;     /* checked calls posted on this channel (checking mode) */
+  uint64_t pad[6];
   uint64_t epoch[SKV__EPOCH_LANES];
 } skv__chan_state_t;
 
@@ -128,6 +157,7 @@ enum {
   SKV__ERR_BARRIER = 2,
   SKV__ERR_WAIT = 3,
   SKV__ERR_DEVAPI = 4,
+  SKV__ERR_CHECK = 5, /* checking mode: a mismatch (code SKV_EMISMATCH) or a wait that timed out */
 };
 /* Steps of an all-reduce that can wait for a peer (skv__phase_name in src/comm/dtype.c). */
 enum { SKV__PHASE_ONESHOT = 1, SKV__PHASE_RS = 2, SKV__PHASE_AG = 3 };
@@ -135,7 +165,7 @@ enum { SKV__PHASE_ONESHOT = 1, SKV__PHASE_RS = 2, SKV__PHASE_AG = 3 };
 /* The first device-side failure, in host-mapped memory (written once: the thread that wins
  * `broken` fills it, fences, then sets `code` last). */
 typedef struct skv__comm_err {
-  volatile int32_t code;    /* 0 or SKV_ETIMEDOUT */
+  volatile int32_t code;    /* 0, SKV_ETIMEDOUT or (checking mode) SKV_EMISMATCH */
   volatile int32_t kind;    /* SKV__ERR_* */
   volatile int32_t channel; /* channel, or -1 */
   volatile int32_t peer;    /* PE waited for, or -1 */
@@ -158,6 +188,7 @@ typedef struct skv__comm_dev {
   uint64_t scratch_off; /* offset of channel 0's Lamport regions in a segment */
   uint64_t chan_bytes;  /* SKV__LAMPORT_REGIONS * region_bytes */
   uint64_t region_bytes;
+  uint64_t check_off;      /* offset of channel 0's check slots in a segment (checking mode) */
   skv__chan_state_t *chan; /* device memory, [channels] */
   uint32_t *broken;        /* device memory: set once a wait gave up; every later launch returns */
   skv__comm_err_t *err;    /* host-mapped, device address */
@@ -167,6 +198,8 @@ typedef struct skv__comm_dev {
   uint32_t user_slots;
   int32_t pdl;      /* launch with programmatic dependent launch (SKV_COMM_PDL, default 1) */
   int32_t grid_cap; /* most blocks of one all-reduce kernel (skv__comm_grid_cap) */
+  int32_t channels;
+  int32_t reserved;
 } skv__comm_dev_t;
 
 /* Blocks of the all-reduce kernels: 256 threads, registers capped so that 3 fit on an SM; a grid
@@ -183,6 +216,9 @@ enum { SKV__ALG_ONESHOT = 1, SKV__ALG_TWOSHOT = 2 };
 int skv__k_allreduce(const skv__comm_dev_t *d, int alg, int dtype, int op, int channel,
                      const void *in, void *out, uint64_t count, void *stream);
 int skv__k_barrier(const skv__comm_dev_t *d, int channel, void *stream);
+/* Checking mode: the check of one call (desc, count) on `channel`, before the call's launch. */
+int skv__k_check(const skv__comm_dev_t *d, int channel, uint64_t desc, uint64_t count,
+                 void *stream);
 int skv__k_signal(const skv__comm_dev_t *d, int pe, uint32_t slot, uint64_t value, int op,
                   void *stream);
 int skv__k_wait(const skv__comm_dev_t *d, uint32_t slot, int cmp, uint64_t value, void *stream);

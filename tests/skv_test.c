@@ -6,9 +6,12 @@ int skv_test_gpu_probe(char *msg, size_t cap);
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <grp.h>
 #include <netinet/in.h>
+#include <pwd.h>
 #include <signal.h>
 #include <stdio.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <stdlib.h>
 #include <string.h>
@@ -167,6 +170,37 @@ const char *skv_test_statuses(const skv_test_job_t *job) {
       o += (size_t)snprintf(buf + o, sizeof buf - o, "rank%d=%d ", r, s);
   }
   return buf;
+}
+
+int skv_test_become_other_user(int nofile, char *why, size_t cap) {
+  if (nofile > 0) {
+    struct rlimit lim = {(rlim_t)nofile, (rlim_t)nofile};
+    struct rlimit have;
+    if (getrlimit(RLIMIT_NOFILE, &have) == 0 && have.rlim_max >= (rlim_t)nofile)
+      lim.rlim_max = have.rlim_max;
+    (void)setrlimit(RLIMIT_NOFILE, &lim);
+  }
+  pid_t parent = getppid();
+  prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a test that timed out */
+  if (getppid() != parent) _exit(0);
+  if (getuid() != 0) {
+    snprintf(why, cap, "not root (uid %d): the attacker runs as this user", (int)getuid());
+    return 0;
+  }
+  struct passwd *pw = getpwnam("nobody");
+  if (!pw) {
+    snprintf(why, cap, "no user 'nobody': the attacker runs as root");
+    return 0;
+  }
+  if (setgroups(0, NULL) != 0 || setgid(pw->pw_gid) != 0 || setuid(pw->pw_uid) != 0) {
+    snprintf(why, cap, "switching to 'nobody' failed: %s", strerror(errno));
+    return -1;
+  }
+  snprintf(why, cap, "the attacker runs as 'nobody' (uid %d)", (int)pw->pw_uid);
+  /* a changed uid clears the parent-death signal: set it again */
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(0);
+  return 1;
 }
 
 int skv_test_init(skv_ctx_t **ctx, int timeout_ms) {

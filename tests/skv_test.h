@@ -45,6 +45,12 @@ size_t skv_test_vm_bytes(void);
 struct rlimit;
 int skv_test_limit_fds(int spare, struct rlimit *was);
 
+/* In a forked child that plays an attacker: become another user (`nobody`) when running as root,
+ * raising RLIMIT_NOFILE to `nofile` first (0: leave it). 1 when the child now runs as another
+ * user, 0 when it cannot switch (not root, no such user: `why` says so), -1 on a failed call.
+ * Either way the child is killed when its parent exits (PR_SET_PDEATHSIG). */
+int skv_test_become_other_user(int nofile, char *why, size_t cap);
+
 /* Inside a PE: skv_init with the job's config (from the environment) and a timeout. */
 int skv_test_init(skv_ctx_t **ctx, int timeout_ms);
 

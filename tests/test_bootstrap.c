@@ -18,11 +18,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 TestSuite(store, .timeout = 60);
 TestSuite(fdpass, .timeout = 60);
@@ -461,6 +462,40 @@ Test(store, wrong_token_and_bad_ranks_rejected) {
   cr_assert_eq(skv__store_server_stop(srv, 2000), 0);
 }
 
+/* HELLO of another protocol version: only a PE that presents the token learns which version the
+ * store speaks (SKV_EVERSION); without the token the answer is SKV_EAUTH and nothing more. */
+Test(store, token_checked_before_version) {
+  skv__store_server_t *srv = serve("good-token-456", 2);
+  int port = skv__store_server_port(srv);
+  for (int good = 0; good < 2; good++) {
+    const char *tok = good ? "good-token-456" : "bad-token-456";
+    int fd = raw_connect(port);
+    skv__frame_t f = {0};
+    skv__frame_begin(&f, SKV_BOOT_OP_HELLO);
+    skv__frame_u32(&f, SKV_BOOT_PROTO_VERSION + 7);
+    skv__frame_u32(&f, 1);
+    skv__frame_u32(&f, 2);
+    skv__frame_put(&f, tok, strlen(tok));
+    skv__frame_end(&f);
+    raw_send(fd, f.p, f.len);
+    char msg[600];
+    size_t n = 0;
+    int32_t st = raw_reply(fd, msg, sizeof msg - 1, &n);
+    msg[n] = '\0';
+    if (good) {
+      cr_assert_eq(st, SKV_EVERSION, "right token, other version: %d (%s)", st, msg);
+      cr_assert(strstr(msg, "protocol"), "%s", msg);
+    } else {
+      cr_assert_eq(st, SKV_EAUTH, "wrong token, other version: %d (%s)", st, msg);
+      cr_assert_null(strstr(msg, "protocol"), "the version leaked to a stranger: %s", msg);
+    }
+    cr_assert(raw_closed(fd, 3000), "connection kept after a rejected HELLO");
+    close(fd);
+    skv__frame_free(&f);
+  }
+  cr_assert_eq(skv__store_server_stop(srv, 2000), 0);
+}
+
 typedef struct getter {
   skv__store_t *st;
   const char *key;
@@ -837,6 +872,183 @@ Test(store, silent_connection_closed_after_hello_timeout, .timeout = 40) {
   skv_log_set_sink(NULL, NULL);
   cr_assert_eq(skv__store_close(st), 0);
   cr_assert_eq(skv__store_server_stop(srv, 2000), 0);
+}
+
+/* Log lines that strangers cause at will are rate-limited: 600 connections that each send
+ * garbage (a zero-length frame, a frame before HELLO, a wrong token) cost a few dozen WARN lines,
+ * not 600; the store keeps serving. */
+static int flood_warns;
+static void count_sink(void *arg, int level, unsigned subsys, const char *line) {
+  if (level == SKV_LOG_WARN) __atomic_add_fetch(&flood_warns, 1, __ATOMIC_RELAXED);
+}
+
+Test(store, hostile_flood_logs_are_rate_limited) {
+  skv_log_set_sink(count_sink, NULL);
+  skv__store_server_t *srv = serve("tok-flood-log", 1);
+  int port = skv__store_server_port(srv);
+  skv__store_t *st = join(srv, "tok-flood-log", 0, 1);
+  skv__frame_t f = {0};
+  const int conns = 600;
+  for (int i = 0; i < conns; i++) {
+    int fd = raw_connect(port);
+    if (i % 3 == 0) {
+      uint8_t zero[4] = {0};
+      raw_send(fd, zero, sizeof zero);
+    } else if (i % 3 == 1) {
+      skv__frame_begin(&f, SKV_BOOT_OP_SET);
+      skv__frame_key(&f, "x");
+      skv__frame_u32(&f, 0);
+      skv__frame_end(&f);
+      raw_send(fd, f.p, f.len);
+    } else {
+      skv__frame_hello(&f, "not-the-token", 0, 1);
+      raw_send(fd, f.p, f.len);
+    }
+    cr_assert(raw_closed(fd, 3000), "connection %d not closed", i);
+    close(fd);
+  }
+  still_serving(st, 0);
+  int warns = __atomic_load_n(&flood_warns, __ATOMIC_RELAXED);
+  skv_log_set_sink(NULL, NULL);
+  cr_assert_leq(warns, 4 * (SKV_LOG_RL_BURST + 1), "%d WARN lines for %d hostile connections",
+                warns, conns);
+  cr_assert_geq(warns, 3, "the first ones are still logged (%d)", warns);
+  skv__frame_free(&f);
+  cr_assert_eq(skv__store_close(st), 0);
+  cr_assert_eq(skv__store_server_stop(srv, 2000), 0);
+}
+
+/* An attacker (another user when the test runs as root) that holds `n` silent connections to
+ * the store's port: it opens them, then every 100 ms reopens those the store closed, until it is
+ * killed. Once it first opened them all it writes one byte to `ready_fd`: 1 when it runs as
+ * another user, 0 when it could not switch. */
+static void silent_flood(int port, int n, int ready_fd) {
+  char why[160];
+  int other = skv_test_become_other_user(n + 64, why, sizeof why);
+  int *fds = calloc((size_t)n, sizeof *fds);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bool told = false;
+  for (;;) {
+    for (int i = 0; i < n; i++) {
+      if (fds[i] > 0) {
+        char b;
+        struct pollfd pf = {.fd = fds[i], .events = POLLIN};
+        if (poll(&pf, 1, 0) == 1 && recv(fds[i], &b, 1, MSG_DONTWAIT) <= 0) {
+          close(fds[i]); /* closed by the store: reopen it */
+          fds[i] = 0;
+        }
+      }
+      if (fds[i] <= 0) {
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        if (fd < 0) continue;
+        if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0 && errno != EINPROGRESS) {
+          close(fd);
+          continue;
+        }
+        fds[i] = fd;
+      }
+    }
+    if (!told) {
+      uint8_t who = other == 1;
+      (void)!write(ready_fd, &who, 1);
+      told = true;
+    }
+    sleep_ms(100);
+  }
+}
+
+/* A local user holding 1,100 silent connections to rank 0's store (its port is visible in
+ * /proc/net/tcp) does not keep late PEs out, nor use up the descriptors of rank 0's process
+ * (here with RLIMIT_NOFILE 1024): unauthenticated connections have their own small budget (the
+ * oldest goes when it is full) and a short deadline, and a PE whose connection was shed before
+ * HELLO connects again. No PE is told SKV_EPEERDEAD. */
+Test(store, silent_flood_does_not_lock_out_late_pes, .timeout = 120) {
+  struct rlimit was, lim;
+  cr_assert_eq(getrlimit(RLIMIT_NOFILE, &was), 0);
+  lim = was;
+  lim.rlim_cur = 1024;
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &lim), 0);
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  enum { NPES = 4, FLOOD = 1100 };
+  skv__store_server_t *srv = serve("tok-silent-flood", NPES);
+  int port = skv__store_server_port(srv);
+  int pfd[2];
+  cr_assert_eq(pipe(pfd), 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t att = fork();
+  if (att == 0) { /* no Criterion call in the child: it would talk to the runner */
+    close(pfd[0]);
+    silent_flood(port, FLOOD, pfd[1]);
+    _exit(0);
+  }
+  cr_assert_geq(att, 0, "fork: %s", strerror(errno));
+  close(pfd[1]);
+  uint8_t other = 0;
+  struct pollfd pf = {.fd = pfd[0], .events = POLLIN};
+  cr_assert(poll(&pf, 1, 30000) == 1 && read(pfd[0], &other, 1) == 1, "the attacker never started");
+  close(pfd[0]);
+  cr_log_info("flood of %d silent connections, %s", FLOOD,
+              other ? "from user 'nobody'" : "from this user (cannot switch users)");
+  sleep_ms(500); /* the flood is established */
+  skv__store_t *st[NPES] = {NULL};
+  int failed = 0;
+  uint64_t worst = 0;
+  char first[1024] = "";
+  /* 10 rounds over 2 s, against the attacker's reopening bursts: every PE joins, and leaves
+   * (BYE) except in the last round */
+  const int rounds = 10;
+  for (int round = 0; round < rounds; round++) {
+    for (int r = 0; r < NPES; r++) {
+      uint64_t t0 = skv__now_ms();
+      int rc = skv__store_connect("127.0.0.1", port, "tok-silent-flood", r, NPES, 10000, &st[r]);
+      if (rc != 0) {
+        if (!failed++)
+          snprintf(first, sizeof first, "rank %d, round %d: %s: %s", r, round, skv_err_name(rc),
+                   skv_last_error());
+        continue;
+      }
+      worst = SKV_MAX(worst, skv__now_ms() - t0);
+      if (round < rounds - 1) {
+        cr_assert_eq(skv__store_close(st[r]), 0, "%s", skv_last_error());
+        st[r] = NULL;
+      }
+    }
+    sleep_ms(200);
+  }
+  cr_log_info("%d PEs joined %d times each; the slowest join took %llu ms", NPES, rounds,
+              (unsigned long long)worst);
+  /* rank 0's process holds few of the flood's connections and can still open descriptors (a
+   * heap's memfds, sockets) */
+  int held = count_fds();
+  int fds[64], nfd = 0;
+  for (; nfd < 64; nfd++)
+    if ((fds[nfd] = memfd_create("skv-flood", MFD_CLOEXEC)) < 0) break;
+  int memfd_errno = errno;
+  for (int i = 0; i < nfd; i++) close(fds[i]);
+  int dead = 0;
+  for (int r = 0; r < NPES; r++) {
+    if (!st[r]) continue;
+    char key[32];
+    snprintf(key, sizeof key, "flood/%d", r);
+    cr_assert_eq(skv__store_set(st[r], key, "x", 1), 0, "%s", skv_last_error());
+    if (skv__store_check_dead(st[r], "flood/none") == SKV_EPEERDEAD) dead++;
+  }
+  kill(att, SIGKILL);
+  waitpid(att, NULL, 0);
+  for (int r = 0; r < NPES; r++)
+    if (st[r]) skv__store_close(st[r]);
+  skv__store_server_stop(srv, 2000);
+  setrlimit(RLIMIT_NOFILE, &was);
+  cr_assert_eq(failed, 0, "%d of %d joins failed under the flood; first: %s", failed, NPES * rounds,
+               first);
+  cr_assert_lt(worst, 3000, "a late PE needed %llu ms to join under the flood",
+               (unsigned long long)worst);
+  cr_assert_lt(held, 256, "rank 0's process holds %d descriptors under the flood", held);
+  cr_assert_eq(nfd, 64, "rank 0's process ran out of descriptors under the flood: %s",
+               strerror(memfd_errno));
+  cr_assert_eq(dead, 0, "a PE was told a rank died while every rank lives");
 }
 
 /* ---- forked PEs -------------------------------------------------------------------------------
@@ -1248,6 +1460,29 @@ Test(fdpass, two_groups_same_tag) {
   RUN_JOB(4, pe_fdpass_groups, NULL, 30000);
 }
 
+/* The socket of local PE `index` in exchange `tag` among `nlocal` PEs whose local PE 0 is rank 0,
+ * from the store as a peer reads it (the nonce, then one random name per PE): its address and
+ * length, and the nonce; 0 when the store has no such exchange within 10 s. */
+static socklen_t exchange_socket(skv__store_t *st, const char *tag, int nlocal, int index,
+                                 uint8_t nonce[16], struct sockaddr_un *a) {
+  char key[64];
+  snprintf(key, sizeof key, "%s/nonce/0", tag);
+  void *v = NULL;
+  size_t len = 0;
+  if (skv__store_get(st, key, &v, &len, 10000) != 0 || len != 16u * ((size_t)nlocal + 1)) {
+    free(v);
+    return 0;
+  }
+  const uint8_t *name = (const uint8_t *)v + 16 * (index + 1);
+  memcpy(nonce, v, 16);
+  memset(a, 0, sizeof *a);
+  a->sun_family = AF_UNIX;
+  int n = snprintf(a->sun_path + 1, sizeof a->sun_path - 1, "symkv/");
+  for (int i = 0; i < 16; i++) n += snprintf(a->sun_path + 1 + n, 3, "%02x", name[i]);
+  free(v);
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
 /* An intruder that knows the socket name but not the nonce is dropped; the exchange goes on. */
 typedef struct intruder {
   skv__store_t *st;
@@ -1256,17 +1491,10 @@ typedef struct intruder {
 
 static void *intruder_main(void *arg) {
   intruder_t *in = arg;
-  void *v = NULL;
-  size_t len = 0;
-  if (skv__store_get(in->st, "intr/nonce/0", &v, &len, 10000) != 0 || len != 16) return NULL;
-  XXH128_hash_t h = XXH3_128bits(v, 16);
-  free(v);
   struct sockaddr_un a;
-  memset(&a, 0, sizeof a);
-  a.sun_family = AF_UNIX;
-  int n = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "symkv/%016llx%016llx/0",
-                   (unsigned long long)h.high64, (unsigned long long)h.low64);
-  socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+  uint8_t nonce[16];
+  socklen_t alen = exchange_socket(in->st, "intr", 2, 0, nonce, &a);
+  if (!alen) return NULL;
   int s = -1;
   for (int i = 0; i < 2000; i++) {
     s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -1340,17 +1568,10 @@ static int pe_fd_dead_peer(int rank, int npes, void *arg) {
   int ranks[SKV_TEST_MAX_PES];
   for (int i = 0; i < npes; i++) ranks[i] = i;
   if (rank == 1) { /* steps 1 to 3 of the protocol, then gone */
-    void *v = NULL;
-    size_t n = 0;
-    PE_CHECK(skv__store_get(pe.st, "dead/nonce/0", &v, &n, 20000) == 0 && n == 16, "nonce");
-    XXH128_hash_t h = XXH3_128bits(v, 16);
-    free(v);
     struct sockaddr_un a;
-    memset(&a, 0, sizeof a);
-    a.sun_family = AF_UNIX;
-    int k = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "symkv/%016llx%016llx/1",
-                     (unsigned long long)h.high64, (unsigned long long)h.low64);
-    socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)k);
+    uint8_t nonce[16];
+    socklen_t alen = exchange_socket(pe.st, "dead", npes, 1, nonce, &a);
+    PE_CHECK(alen > 0, "nonce and names");
     int l = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     PE_CHECK(mode == 0 || (bind(l, (struct sockaddr *)&a, alen) == 0 && listen(l, 16) == 0),
              "listen: %s", strerror(errno));
@@ -1381,23 +1602,49 @@ Test(fdpass, dead_peer_fails_the_others_promptly) {
   for (int mode = 0; mode < 2; mode++) RUN_JOB(4, pe_fd_dead_peer, &mode, 40000);
 }
 
+/* A PE that fails after the ready barrier (local PE 0 here, out of descriptors when it opens the
+ * socket to send its own) tells its peers through the store before it stops listening: they fail
+ * at once with its code and a message naming it, never with SKV_EPEERDEAD (every rank lives),
+ * nor after the exchange's timeout. */
+static int pe_fail_after_ready(int rank, int npes, void *arg) {
+  pe_t pe;
+  JOIN(&pe, rank, npes);
+  PE_CHECK(skv__store_barrier(pe.st, "joined", 20000) == 0, "joined");
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  int ranks[SKV_TEST_MAX_PES], peer_fds[SKV_TEST_MAX_PES];
+  for (int i = 0; i < npes; i++) ranks[i] = i;
+  int fd = memfd_create("skv-test", MFD_CLOEXEC);
+  PE_CHECK(fd >= 0, "memfd");
+  struct rlimit was;
+  if (rank == 0) /* one descriptor left: the listening socket gets it */
+    PE_CHECK(skv_test_limit_fds(1, &was) == 0, "limit: %s", strerror(errno));
+  uint64_t t0 = skv__now_ms();
+  int rc = skv__fd_exchange(pe.st, "late", ranks, npes, rank, fd, peer_fds, 8000);
+  uint64_t dt = skv__now_ms() - t0;
+  if (rank == 0) PE_CHECK(setrlimit(RLIMIT_NOFILE, &was) == 0, "restore the limit");
+  PE_CHECK(rc == -EMFILE, "rank %d: expected rank 0's EMFILE, got %s after %llu ms: %s", rank,
+           skv_err_name(rc), (unsigned long long)dt, skv_last_error());
+  PE_CHECK(dt < 4000, "rank %d failed after %llu ms, the timeout was 8000", rank,
+           (unsigned long long)dt);
+  if (rank != 0)
+    PE_CHECK(strstr(skv_last_error(), "(rank 0) failed"), "rank %d: message: %s", rank,
+             skv_last_error());
+  for (int i = 0; i < npes; i++) PE_CHECK(peer_fds[i] == -1, "peer_fds[%d] left open", i);
+  close(fd);
+  LEAVE(&pe);
+  return 0;
+}
+
+Test(fdpass, failure_after_the_barrier_is_announced) {
+  RUN_JOB(3, pe_fail_after_ready, NULL, 40000);
+}
+
 /* Connect to local PE 0 of exchange `tag` as a stranger that knows the nonce (read from the
  * store): a connected unix socket, or -1. */
 static int connect_to_pe0(skv__store_t *st, const char *tag, uint8_t nonce[16]) {
-  char key[64];
-  snprintf(key, sizeof key, "%s/nonce/0", tag);
-  void *v = NULL;
-  size_t len = 0;
-  if (skv__store_get(st, key, &v, &len, 10000) != 0 || len != 16) return -1;
-  memcpy(nonce, v, 16);
-  free(v);
-  XXH128_hash_t h = XXH3_128bits(nonce, 16);
   struct sockaddr_un a;
-  memset(&a, 0, sizeof a);
-  a.sun_family = AF_UNIX;
-  int n = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "symkv/%016llx%016llx/0",
-                   (unsigned long long)h.high64, (unsigned long long)h.low64);
-  socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+  socklen_t alen = exchange_socket(st, tag, 2, 0, nonce, &a);
+  if (!alen) return -1;
   for (int i = 0; i < 2000; i++) {
     int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (connect(s, (struct sockaddr *)&a, alen) == 0) return s;

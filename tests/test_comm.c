@@ -494,6 +494,122 @@ ParameterizedTest(int *what, comm, peer_that_never_arrives_times_out, .timeout =
   cr_assert_eq(bad, 0, "%s: %s", *what ? "barrier" : "allreduce", skv_test_statuses(&job));
 }
 
+/* ---- checking mode ------------------------------------------------------------------------ */
+
+/* Without checking, PEs whose calls differ in op get wrong results and SKV_OK; in checking mode
+ * every mismatch of op, dtype, count, algorithm, channel or kind (all-reduce against barrier)
+ * fails on every PE with SKV_EMISMATCH naming both calls, before anything is reduced, and the
+ * comm is broken afterwards (SKV_ESTATE). Matching calls pass and reduce correctly. */
+enum { MM_NONE, MM_OP, MM_DTYPE, MM_COUNT, MM_ALGO, MM_CHANNEL, MM_KIND, MM_COUNT_OF };
+static const char *mm_name[] = {"none", "op", "dtype", "count", "algorithm", "channel", "kind"};
+
+typedef struct {
+  int what;
+  int by_env; /* checking mode from SKV_COMM_CHECK=1 instead of the flag */
+} mm_param_t;
+
+static int pe_mismatch(int rank, int npes, void *arg) {
+  const mm_param_t *p = arg;
+  if (p->by_env) {
+    setenv("SKV_COMM_CHECK", "1", 1);
+    skv__env_reload();
+  }
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
+  skv_comm_opts_t o = SKV_COMM_OPTS_INIT;
+  o.backend = SKV_BACKEND_HOST;
+  o.channels = 2;
+  o.max_bytes = 1u << 20;
+  o.flags = p->by_env ? 0 : SKV_COMM_CHECKED;
+  skv_comm_t *comm;
+  PE_CHECK(skv_comm_create(ctx, &o, &comm) == 0, "comm create: %s", skv_last_error());
+  PE_CHECK(comm->checked, "checking mode is off");
+  enum { N = 1000 };
+  float in[N], out[N];
+  for (int i = 0; i < N; i++) in[i] = (float)(rank + 1) * (float)(i % 7);
+  /* matching calls pass, with the right sums */
+  for (int round = 0; round < 3; round++) {
+    PE_CHECK(skv_comm_allreduce(comm, in, out, N, SKV_DTYPE_FP32, SKV_OP_SUM, SKV_ALGO_AUTO,
+                                round & 1, NULL) == 0,
+             "matching all-reduce: %s", skv_last_error());
+    for (int i = 0; i < N; i++)
+      PE_CHECK(out[i] == (float)(npes * (npes + 1) / 2) * (float)(i % 7), "out[%d] = %g", i,
+               (double)out[i]);
+    PE_CHECK(skv_comm_barrier(comm, round & 1, NULL) == 0, "barrier: %s", skv_last_error());
+  }
+  if (p->what != MM_NONE) {
+    const bool odd = rank == npes - 1; /* the last PE makes another call */
+    size_t count = N;
+    int dtype = SKV_DTYPE_FP32, op = SKV_OP_SUM, algo = SKV_ALGO_ONESHOT, ch = 0;
+    if (odd && p->what == MM_OP) op = SKV_OP_MAX;
+    if (odd && p->what == MM_DTYPE) dtype = SKV_DTYPE_BF16, count = 2 * N; /* the same bytes */
+    if (odd && p->what == MM_COUNT) count = N - 1;
+    if (odd && p->what == MM_ALGO) algo = SKV_ALGO_TWOSHOT;
+    if (odd && p->what == MM_CHANNEL) ch = 1;
+    uint64_t t0 = skv__now_ms();
+    int rc = odd && p->what == MM_KIND
+                 ? skv_comm_barrier(comm, 0, NULL)
+                 : skv_comm_allreduce(comm, in, out, count, dtype, op, algo, ch, NULL);
+    uint64_t dt = skv__now_ms() - t0;
+    PE_CHECK(rc == SKV_EMISMATCH, "%s mismatch: rank %d got %s after %llu ms: %s", mm_name[p->what],
+             rank, skv_err_name(rc), (unsigned long long)dt, skv_last_error());
+    PE_CHECK(dt < 5000, "found after %llu ms", (unsigned long long)dt);
+    const char *msg = skv_last_error();
+    const char *want = p->what == MM_OP      ? (odd ? "fp32, sum" : "fp32, max")
+                       : p->what == MM_DTYPE ? (odd ? "count 1000, fp32" : "count 2000, bf16")
+                       : p->what == MM_COUNT ? (odd ? "count 1000," : "count 999,")
+                       : p->what == MM_ALGO  ? (odd ? "oneshot" : "twoshot")
+                       : p->what == MM_KIND  ? (odd ? "skv_comm_allreduce(" : "skv_comm_barrier(")
+                                             : (odd ? "channel 0" : "channel 1");
+    PE_CHECK(strstr(msg, want) && strstr(msg, "PE "),
+             "%s mismatch: rank %d's message lacks '%s': %s", mm_name[p->what], rank, want, msg);
+    rc = skv_comm_allreduce(comm, in, out, N, SKV_DTYPE_FP32, SKV_OP_SUM, SKV_ALGO_AUTO, 0, NULL);
+    PE_CHECK(rc == SKV_ESTATE, "after a mismatch: %s", skv_err_name(rc));
+  }
+  PE_CHECK(skv_comm_destroy(comm) == 0, "comm destroy: %s", skv_last_error());
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+ParameterizedTestParameters(comm, checking_mode_catches_every_mismatch_on_every_pe) {
+  static mm_param_t ps[] = {{MM_NONE, 0}, {MM_OP, 0},      {MM_DTYPE, 0}, {MM_COUNT, 0},
+                            {MM_ALGO, 0}, {MM_CHANNEL, 0}, {MM_KIND, 0},  {MM_OP, 1}};
+  return cr_make_param_array(mm_param_t, ps, sizeof ps / sizeof ps[0]);
+}
+
+ParameterizedTest(mm_param_t *p, comm, checking_mode_catches_every_mismatch_on_every_pe,
+                  .timeout = 60) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 3, pe_mismatch, p, 50000);
+  cr_assert_eq(bad, 0, "%s mismatch%s: %s", mm_name[p->what],
+               p->by_env ? " (SKV_COMM_CHECK=1)" : "", skv_test_statuses(&job));
+}
+
+/* Without the checking mode, a PE that reduces with another op gets SKV_OK and wrong results
+ * (what the checking mode is for). */
+static int pe_unchecked_op(int rank, int npes, void *arg) {
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
+  skv_comm_t *comm;
+  PE_CHECK(make_comm(ctx, 1, 1u << 20, &comm) == 0, "comm create");
+  PE_CHECK(!comm->checked, "checking mode is on by default");
+  float in[64], out[64];
+  for (int i = 0; i < 64; i++) in[i] = (float)(rank + 1);
+  int rc = skv_comm_allreduce(comm, in, out, 64, SKV_DTYPE_FP32, rank ? SKV_OP_MAX : SKV_OP_SUM,
+                              SKV_ALGO_ONESHOT, 0, NULL);
+  PE_CHECK(rc == 0 && out[0] == (rank ? 2.0f : 3.0f), "unchecked: %s, %g", skv_err_name(rc),
+           (double)out[0]);
+  PE_CHECK(skv_comm_destroy(comm) == 0, "comm destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(comm, unchecked_op_mismatch_goes_unnoticed) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_unchecked_op, NULL, 30000);
+  cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
+}
+
 /* ---- bad input ---------------------------------------------------------------------------- */
 
 #define EXPECT_EINVAL(call, needle)                                                             \

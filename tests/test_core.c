@@ -364,6 +364,27 @@ Test(core, logging_from_environment) {
   skv_log_set_sink(NULL, NULL);
 }
 
+/* A rate-limited site writes SKV_LOG_RL_BURST lines per window and counts the rest; a disabled
+ * level neither writes nor counts (nor evaluates its arguments). */
+Test(core, rate_limited_logging) {
+  captured_t cap = {0};
+  skv_log_set_sink(capture_sink, &cap);
+  skv_log_set_level(SKV_LOG_WARN, SKV_SUBSYS_ALL);
+  uint64_t before = skv__ratelimit_suppressed_total();
+  for (int i = 0; i < 100; i++) SKV_WARN_RL(SKV_SUBSYS_BOOT, "hostile %d", i);
+  cr_assert_eq(cap.n, SKV_LOG_RL_BURST, "%d lines written", cap.n);
+  cr_assert(strstr(cap.lines[0], "hostile 0") != NULL, "%s", cap.lines[0]);
+  cr_assert_eq(skv__ratelimit_suppressed_total() - before, 100 - SKV_LOG_RL_BURST);
+  for (int i = 0; i < 5; i++) SKV_INFO_RL(SKV_SUBSYS_BOOT, "off %d", count_me());
+  cr_assert_eq(side_effects, 0, "arguments were evaluated for a disabled level");
+  cr_assert_eq(skv__ratelimit_suppressed_total() - before, 100 - SKV_LOG_RL_BURST);
+  /* a next window starts with the count of what was suppressed */
+  skv__ratelimit_t rl = {skv__now_ms() - SKV_LOG_RL_WINDOW_MS, SKV_LOG_RL_BURST, 7};
+  uint64_t n = 0;
+  cr_assert(skv__ratelimit_take(&rl, &n) && n == 7, "suppressed %llu", (unsigned long long)n);
+  skv_log_set_sink(NULL, NULL);
+}
+
 /* The names before 0.2 still link and call the functions that replaced them (one release). */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"

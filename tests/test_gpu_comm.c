@@ -454,6 +454,59 @@ Test(gpu_comm, peer_that_never_arrives_times_out, .timeout = 300) {
   cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
 }
 
+/* ---- checking mode ------------------------------------------------------------------------ */
+
+/* Checking mode on the GPU: matching calls (also in a graph) pass and reduce right; PE 1 reducing
+ * with another op makes skv_comm_check return SKV_EMISMATCH on every PE, naming both calls, and
+ * the call's kernel writes nothing. */
+static int pe_checked(int rank, int npes, void *arg) {
+  pe_env_t e;
+  if (env_open(&e, rank, npes, 60000)) return 1;
+  skv_comm_opts_t o = SKV_COMM_OPTS_INIT;
+  o.channels = 2;
+  o.max_bytes = 1u << 20;
+  o.flags = SKV_COMM_NO_NCCL | SKV_COMM_CHECKED;
+  skv_comm_t *c;
+  PE_CHECK(skv_comm_create(e.ctx, &o, &c) == 0, "checked comm: %s", skv_last_error());
+  const size_t n = 4096;
+  float *h = (float *)e.host_in;
+  for (size_t i = 0; i < n; i++) h[i] = (float)(rank + 1);
+  CU(cudaMemcpy(e.dev_a, h, n * 4, cudaMemcpyHostToDevice));
+  for (int round = 0; round < 4; round++) {
+    PE_CHECK(skv_comm_allreduce(c, e.dev_a, e.dev_b, n, SKV_DTYPE_FP32, SKV_OP_SUM,
+                                round & 1 ? SKV_ALGO_TWOSHOT : SKV_ALGO_ONESHOT, round & 1,
+                                e.s) == 0,
+             "launch: %s", skv_last_error());
+    PE_CHECK(skv_comm_barrier(c, round & 1, e.s) == 0, "barrier: %s", skv_last_error());
+  }
+  CU(cudaStreamSynchronize(e.s));
+  PE_CHECK(skv_comm_check(c) == 0, "matching checked calls: %s", skv_last_error());
+  CU(cudaMemcpy(e.host_out, e.dev_b, n * 4, cudaMemcpyDeviceToHost));
+  PE_CHECK(((float *)e.host_out)[7] == (float)(npes * (npes + 1) / 2), "sum %g",
+           (double)((float *)e.host_out)[7]);
+  CU(cudaMemset(e.dev_b, 0, n * 4));
+  int rc = skv_comm_allreduce(c, e.dev_a, e.dev_b, n, SKV_DTYPE_FP32,
+                              rank == 1 ? SKV_OP_MAX : SKV_OP_SUM, SKV_ALGO_ONESHOT, 0, e.s);
+  PE_CHECK(rc == 0, "launch: %s", skv_last_error());
+  CU(cudaStreamSynchronize(e.s));
+  rc = skv_comm_check(c);
+  PE_CHECK(rc == SKV_EMISMATCH && strstr(skv_last_error(), "max") &&
+               strstr(skv_last_error(), "sum"),
+           "mismatched op: %s: %s", skv_err_name(rc), skv_last_error());
+  CU(cudaMemcpy(e.host_out, e.dev_b, n * 4, cudaMemcpyDeviceToHost));
+  PE_CHECK(((float *)e.host_out)[7] == 0.0f, "the mismatched call wrote its output");
+  PE_CHECK(skv_ctx_barrier(e.ctx) == 0, "host barrier");
+  PE_CHECK(skv_comm_destroy(c) == 0, "destroy: %s", skv_last_error());
+  return env_close(&e);
+}
+
+Test(gpu_comm, checking_mode_catches_a_mismatched_op, .timeout = 300) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_checked, NULL, 280000);
+  cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
+}
+
 /* ---- signals, barriers, the device API, capture rules ------------------------------------- */
 
 static int pe_signals(int rank, int npes, void *arg) {

@@ -9,14 +9,18 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -793,6 +797,247 @@ Test(kv, a_pin_waits_for_the_evictor_s_verdict) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* The owner of a page dies inside its own eviction, between its CAS to EVICTING and the end
+ * (forged in the shared records, as try_evict leaves them): key 1 died before the index erase,
+ * key 2 after it. The state is not broken for the cache's life: a pin that meets EVICTING of a
+ * dead owner puts the page back to READY (its bytes are intact), so pinned and unpinned
+ * lookups of key 1 hit and fetch the right bytes, and key 2 is published again. */
+static int pe_owner_dies_evicting(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16, 8000) == 0, "fixture: %s", skv_last_error());
+  size_t ins, nhit;
+  uint64_t ids[4] = {11, 12, 13, 14};
+  skv_key_t k1 = key_of(&f, 11), k2 = key_of(&f, 12);
+  if (rank == 1) PE_CHECK(publish_ids(&f, ids, 4, &ins) == 0 && ins == 4, "publish");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  skv_page_ref_t r1, r2;
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k1, 1, 0, &r1, &nhit) == 0 && nhit == 1, "lookup 1");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k2, 1, 0, &r2, &nhit) == 0 && nhit == 1, "lookup 2");
+  PE_CHECK(r1.pe == 1 && r2.pe == 1, "rank 1 owns the pages");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 1) { /* the evictor's steps, then death */
+    for (int i = 0; i < 2; i++) {
+      const skv_page_ref_t *r = i == 0 ? &r1 : &r2;
+      uint64_t st = skv__st_make(r->gen, SKV_PAGE_READY);
+      PE_CHECK(__atomic_compare_exchange_n(&f.kv->pool.meta[1][r->page].state, &st,
+                                           skv__st_make(r->gen, SKV_PAGE_EVICTING), false,
+                                           __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST),
+               "CAS to EVICTING");
+    }
+    PE_CHECK(skv__index_erase(&f.kv->index, k2, skv__val_pack(1, r2.page, r2.gen)) == 0,
+             "erase key 2");
+    raise(SIGKILL);
+  }
+  uint64_t t0 = skv__now_ms();
+  while (skv__pool_alive(&f.kv->pool, 1) && skv__now_ms() - t0 < 5000) usleep(10000);
+  PE_CHECK(!skv__pool_alive(&f.kv->pool, 1), "rank 1 is gone");
+  PE_CHECK(skv_ctx_barrier(f.ctx) != 0, "the job is broken (a PE died)"); /* no hang either */
+  uint64_t blk = 3 + (uint64_t)rank;
+  skv_page_ref_t ref;
+  /* key 1, the index still names it: a pinned lookup hits and the fetch is right */
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k1, 1, SKV_LOOKUP_PIN, &ref, &nhit) == 0, "pinned lookup: %s",
+           skv_last_error());
+  PE_CHECK(nhit == 1, "a pinned lookup of a key whose dead owner was evicting it misses");
+  engine_poison(&f.eng);
+  int rc = skv_kv_fetch(f.kv, &ref, 1, f.eng.lay, &blk, SKV_FETCH_UNPIN, NULL);
+  PE_CHECK(rc == 0 && block_holds(&f, blk, 11), "pinned fetch of key 1: %s", skv_err_name(rc));
+  /* an unpinned lookup and fetch, and a publish of the same key (deduplicated: it is cached) */
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k1, 1, 0, &ref, &nhit) == 0 && nhit == 1, "lookup 1");
+  engine_poison(&f.eng);
+  rc = skv_kv_fetch(f.kv, &ref, 1, f.eng.lay, &blk, 0, NULL);
+  PE_CHECK(rc == 0 && block_holds(&f, blk, 11), "fetch of key 1: %s", skv_err_name(rc));
+  uint64_t st = __atomic_load_n(&f.kv->pool.meta[1][r1.page].state, __ATOMIC_SEQ_CST);
+  PE_CHECK(st == skv__st_make(r1.gen, SKV_PAGE_READY), "page of key 1 is READY again");
+  /* key 2, erased before the owner died: a miss, and published again by a survivor */
+  if (rank == 0) {
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k2, 1, 0, &ref, &nhit) == 0 && nhit == 0, "key 2 gone");
+    fill_block(&f, 7, 12);
+    rc = skv_kv_publish(f.kv, f.ns, &k2, 1, f.eng.lay, (uint64_t[]){7}, NULL, &ins);
+    PE_CHECK(rc == 0 && ins == 1, "republish of key 2: %s, %zu inserted", skv_err_name(rc), ins);
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k2, 1, SKV_LOOKUP_PIN, &ref, &nhit) == 0 && nhit == 1,
+             "key 2 found again");
+    engine_poison(&f.eng);
+    rc = skv_kv_fetch(f.kv, &ref, 1, f.eng.lay, &blk, SKV_FETCH_UNPIN, NULL);
+    PE_CHECK(rc == 0 && block_holds(&f, blk, 12), "fetch of key 2: %s", skv_err_name(rc));
+  }
+  skv_kv_destroy(f.kv); /* the job is broken: these fail, and must not hang */
+  engine_free(&f.eng);
+  skv_namespace_destroy(f.ns);
+  skv_finalize(f.ctx);
+  return 0;
+}
+
+Test(kv, owner_dying_inside_its_eviction_leaves_the_key_usable) {
+  skv_test_job_t job;
+  skv_test_spawn(&job, 3, pe_owner_dies_evicting, NULL);
+  skv_test_wait(&job, 90000);
+  cr_assert_eq(job.status[1], 128 + SIGKILL, "%s", skv_test_statuses(&job));
+  cr_assert(job.status[0] == 0 && job.status[2] == 0, "survivors: %s", skv_test_statuses(&job));
+}
+
+/* A reader stopped (SIGSTOP) while it holds pins: before leases nothing reclaimed the pins of a
+ * PE that lives, so the owner could never evict those pages (0 of 4 in 20 s). With leases
+ * (SKV_PIN_LEASE_MS, 1 s here) the owner evicts them once the lease ran out, reuses them, and
+ * the reader, continued, gets SKV_ESTALE from its fetch and no bytes (never the new ones). */
+#define LEASE_WAIT_MS 20000 /* how long the owner tries (longer than the lease) */
+
+static int pe_stopped_reader(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 4, 16, 60000) == 0, "fixture: %s", skv_last_error());
+  size_t ins, nhit;
+  uint64_t ids[4] = {21, 22, 23, 24};
+  skv_key_t keys[4];
+  for (int i = 0; i < 4; i++) keys[i] = key_of(&f, ids[i]);
+  if (rank == 0) PE_CHECK(publish_ids(&f, ids, 4, &ins) == 0 && ins == 4, "publish");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  skv_page_ref_t refs[4];
+  if (rank == 1) {
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 4, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 4,
+             "pin all four");
+    PE_CHECK(skv_store_set(f.ctx, "pinned", "1", 1) == 0, "tell the owner");
+    raise(SIGSTOP); /* the owner continues us once it evicted and reused the pages */
+    engine_poison(&f.eng);
+    uint64_t blocks[4] = {4, 5, 6, 7};
+    int rc = skv_kv_fetch(f.kv, refs, 4, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
+    PE_CHECK(rc == SKV_ESTALE, "the fetch of a reader whose pins expired gives %s",
+             skv_err_name(rc));
+    uint8_t used[16] = {0};
+    PE_CHECK(untouched_outside(&f.eng, used), "an expired fetch wrote bytes");
+    PE_CHECK(skv_kv_unpin(f.kv, refs, 4) == 0, "unpinning revoked pins: %s", skv_last_error());
+  } else {
+    char v[4];
+    size_t n = 0;
+    PE_CHECK(skv_store_get(f.ctx, "pinned", v, sizeof v, &n) == 0, "reader pinned");
+    uint64_t t0 = skv__now_ms(), evicted = 0, e = 0;
+    while (evicted < 4 && skv__now_ms() - t0 < LEASE_WAIT_MS) {
+      PE_CHECK(skv_kv_evict(f.kv, 4 - evicted, &e) == 0, "evict");
+      evicted += e;
+      usleep(50000);
+    }
+    int64_t reader = __atomic_load_n(&f.kv->pool.hdr[1]->pid, __ATOMIC_ACQUIRE);
+    if (evicted == 4) { /* reuse the pages with other keys */
+      uint64_t other[4] = {31, 32, 33, 34};
+      PE_CHECK(publish_ids(&f, other, 4, &ins) == 0 && ins == 4, "reuse");
+    }
+    uint64_t took = skv__now_ms() - t0;
+    kill((pid_t)reader, SIGCONT);
+    PE_CHECK(took >= 900 || evicted < 4, "evicted within %llu ms, before the 1 s lease ran out",
+             (unsigned long long)took);
+    PE_CHECK(evicted == 4,
+             "the owner evicted %llu of 4 pages pinned by a stopped reader in %d ms: its pins "
+             "never expire",
+             (unsigned long long)evicted, LEASE_WAIT_MS);
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, pins_of_a_stopped_reader_expire, .timeout = 120) {
+  setenv("SKV_PIN_LEASE_MS", "1000", 1); /* read by the PEs forked below */
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_stopped_reader, NULL, 90000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* The other side of leases: a reader that keeps calling (lookups of other keys every 100 ms)
+ * keeps its pins past many leases (1 s), the owner evicts none of its pinned pages in 3 s, and
+ * the reader's fetch then copies the right bytes. */
+static int pe_busy_reader(int rank, int npes, void *arg) {
+  SKV_UNUSED(arg);
+  SKV_UNUSED(npes);
+  fix_t f;
+  PE_CHECK(fix_init(&f, 4, 16, 60000) == 0, "fixture: %s", skv_last_error());
+  size_t ins, nhit;
+  uint64_t ids[4] = {41, 42, 43, 44};
+  skv_key_t keys[4];
+  for (int i = 0; i < 4; i++) keys[i] = key_of(&f, ids[i]);
+  if (rank == 0) PE_CHECK(publish_ids(&f, ids, 4, &ins) == 0 && ins == 4, "publish");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 1) {
+    skv_page_ref_t refs[4], other[1];
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 4, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 4,
+             "pin all four");
+    PE_CHECK(skv_store_set(f.ctx, "pinned", "1", 1) == 0, "tell the owner");
+    skv_key_t none = key_of(&f, 999);
+    for (uint64_t t0 = skv__now_ms(); skv__now_ms() - t0 < 3500;) {
+      PE_CHECK(skv_kv_lookup(f.kv, f.ns, &none, 1, 0, other, &nhit) == 0, "lookup");
+      usleep(100000);
+    }
+    char v[4];
+    size_t n = 0;
+    PE_CHECK(skv_store_get(f.ctx, "tried", v, sizeof v, &n) == 0, "the owner tried");
+    engine_poison(&f.eng);
+    uint64_t blocks[4] = {4, 5, 6, 7};
+    PE_CHECK(skv_kv_fetch(f.kv, refs, 4, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL) == 0,
+             "fetch with pins kept alive: %s", skv_last_error());
+    for (int i = 0; i < 4; i++)
+      PE_CHECK(block_holds(&f, blocks[i], ids[i]), "block %d has the wrong bytes", i);
+  } else {
+    char v[4];
+    size_t n = 0;
+    PE_CHECK(skv_store_get(f.ctx, "pinned", v, sizeof v, &n) == 0, "reader pinned");
+    uint64_t t0 = skv__now_ms(), evicted = 0, e = 0;
+    while (skv__now_ms() - t0 < 3000) {
+      PE_CHECK(skv_kv_evict(f.kv, 4, &e) == 0, "evict");
+      evicted += e;
+      usleep(50000);
+    }
+    PE_CHECK(evicted == 0, "the owner evicted %llu pages a busy reader pinned",
+             (unsigned long long)evicted);
+    PE_CHECK(skv_store_set(f.ctx, "tried", "1", 1) == 0, "tell the reader");
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, pins_of_a_busy_reader_outlive_their_lease, .timeout = 120) {
+  setenv("SKV_PIN_LEASE_MS", "1000", 1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_busy_reader, NULL, 90000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* SKV_FETCH_UNPIN releases the caller's pins: a fetch with it of references the caller has not
+ * pinned (or pinned fewer times than they appear) fails with SKV_EINVAL before anything is copied,
+ * and takes nobody's pins. */
+static int pe_unpin_without_pins(int rank, int npes, void *arg) {
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 16, 30000) == 0, "fixture: %s", skv_last_error());
+  size_t ins, nhit;
+  uint64_t ids[2] = {41, 42};
+  PE_CHECK(publish_ids(&f, ids, 2, &ins) == 0 && ins == 2, "publish");
+  skv_key_t keys[2] = {key_of(&f, 41), key_of(&f, 42)};
+  skv_page_ref_t refs[2], twice[2];
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 2, 0, refs, &nhit) == 0 && nhit == 2, "lookup");
+  uint64_t blocks[2] = {5, 6};
+  uint8_t used[16] = {0};
+  engine_poison(&f.eng);
+  int rc = skv_kv_fetch(f.kv, refs, 2, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
+  PE_CHECK(rc == SKV_EINVAL && strstr(skv_last_error(), "not pinned"),
+           "unpinned references with SKV_FETCH_UNPIN: %s (%s)", skv_err_name(rc), skv_last_error());
+  PE_CHECK(untouched_outside(&f.eng, used), "the refused fetch copied bytes");
+  /* pinned once, listed twice: refused as well, and the pin is still there */
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 1, SKV_LOOKUP_PIN, refs, &nhit) == 0 && nhit == 1,
+           "pin");
+  twice[0] = twice[1] = refs[0];
+  rc = skv_kv_fetch(f.kv, twice, 2, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
+  PE_CHECK(rc == SKV_EINVAL, "a reference pinned once, listed twice: %s", skv_err_name(rc));
+  PE_CHECK(untouched_outside(&f.eng, used), "the refused fetch copied bytes");
+  rc = skv_kv_fetch(f.kv, refs, 1, f.eng.lay, blocks, SKV_FETCH_UNPIN, NULL);
+  PE_CHECK(rc == 0 && block_holds(&f, 5, 41), "the pinned fetch: %s", skv_err_name(rc));
+  PE_CHECK(skv_kv_unpin(f.kv, refs, 1) == SKV_EINVAL, "the fetch released the pin");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, fetch_unpin_without_pins_copies_nothing) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_unpin_without_pins, NULL, 30000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 static int pe_bad_input(int rank, int npes, void *arg) {
   fix_t f;
   PE_CHECK(fix_init(&f, 8, 16, 30000) == 0, "fixture: %s", skv_last_error());
@@ -986,4 +1231,172 @@ Test(kv, concurrent_stress_keeps_invariants) {
   skv_test_job_t job;
   int bad = skv_test_run(&job, 4, pe_stress, &seconds, (seconds + 60) * 1000);
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* ---- a local attacker squatting the fd exchange's socket names ---- */
+
+static volatile sig_atomic_t squat_stop;
+static void squat_term(int sig) {
+  squat_stop = 1;
+}
+
+/* Accept what PEs send to the squatter's sockets; returns the descriptors received. */
+static uint64_t squat_drain(const int *socks, size_t n) {
+  uint64_t got = 0;
+  for (size_t i = 0; i < n; i++) {
+    int c;
+    while ((c = accept4(socks[i], NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0) {
+      char hdr[64];
+      union {
+        char buf[CMSG_SPACE(sizeof(int) * 8)];
+        struct cmsghdr align;
+      } u;
+      struct iovec iov = {.iov_base = hdr, .iov_len = sizeof hdr};
+      struct msghdr m = {
+          .msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+      for (int tries = 0;
+           tries < 100 && recvmsg(c, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) < 0 && errno == EAGAIN;
+           tries++)
+        usleep(100);
+      for (struct cmsghdr *cm = CMSG_FIRSTHDR(&m); cm; cm = CMSG_NXTHDR(&m, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
+        size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t j = 0; j < k; j++) {
+          int fd;
+          memcpy(&fd, CMSG_DATA(cm) + j * sizeof(int), sizeof fd);
+          close(fd);
+          got++;
+        }
+      }
+      close(c);
+    }
+  }
+  return got;
+}
+
+/* A local user (`nobody` when the tests run as root) that watches /proc/net/unix, where every
+ * user sees the names of bound abstract sockets, and binds every symkv name it can guess from
+ * those: for a name "@symkv/<x>/<i>" (a visible hash and an index) the same hash with indexes 0
+ * to 15. It listens on what it bound and takes whatever descriptors PEs send there. Writes one
+ * byte to `ready_fd` once running (1 when it runs as another user); on SIGTERM writes the names
+ * it bound and the descriptors it received (two uint64) to `out_fd` and exits. */
+static void squatter(int ready_fd, int out_fd) {
+  char why[160];
+  uint8_t other = skv_test_become_other_user(4096, why, sizeof why) == 1;
+  signal(SIGTERM, squat_term);
+  (void)!write(ready_fd, &other, 1);
+  close(ready_fd);
+  enum { CAP = 1 << 20, MAXS = 2048 };
+  char *buf = malloc(CAP);
+  static int socks[MAXS];
+  static char seen[MAXS][64];
+  size_t nsocks = 0, nseen = 0;
+  uint64_t bound = 0, stolen = 0;
+  while (!squat_stop && buf) {
+    int f = open("/proc/net/unix", O_RDONLY | O_CLOEXEC);
+    ssize_t n = 0, r;
+    while (f >= 0 && n < CAP - 1 && (r = read(f, buf + n, (size_t)(CAP - 1 - n))) > 0) n += r;
+    if (f >= 0) close(f);
+    buf[n > 0 ? n : 0] = '\0';
+    for (char *line = buf; line && *line;) {
+      char *nl = strchr(line, '\n');
+      if (nl) *nl = '\0';
+      char *at = strstr(line, " @symkv/");
+      char *slash = at ? strrchr(at + 8, '/') : NULL;
+      size_t plen = slash ? (size_t)(slash - (at + 2)) + 1 : 0; /* "symkv/<x>/" */
+      if (slash && plen < 60) {
+        bool known = false;
+        for (size_t i = 0; i < nseen && !known; i++)
+          known = strncmp(seen[i], at + 2, plen) == 0 && seen[i][plen] == '\0';
+        if (!known && nseen < MAXS) {
+          memcpy(seen[nseen], at + 2, plen);
+          seen[nseen++][plen] = '\0';
+          for (int j = 0; j < 16 && nsocks < MAXS; j++) {
+            struct sockaddr_un a;
+            memset(&a, 0, sizeof a);
+            a.sun_family = AF_UNIX;
+            int k = snprintf(a.sun_path + 1, sizeof a.sun_path - 1, "%s%d", seen[nseen - 1], j);
+            int s = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+            socklen_t alen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)k);
+            if (s >= 0 && bind(s, (struct sockaddr *)&a, alen) == 0 && listen(s, 64) == 0) {
+              socks[nsocks++] = s;
+              bound++;
+            } else if (s >= 0) {
+              close(s);
+            }
+          }
+        }
+      }
+      line = nl ? nl + 1 : NULL;
+    }
+    stolen += squat_drain(socks, nsocks);
+  }
+  stolen += squat_drain(socks, nsocks);
+  uint64_t res[2] = {bound, stolen};
+  (void)!write(out_fd, res, sizeof res); /* one write: the parent reads both at once */
+  _exit(0);
+}
+
+static int pe_squatted(int rank, int npes, void *arg) {
+  int rounds = *(int *)arg;
+  skv_ctx_t *ctx = NULL;
+  PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init: %s", skv_last_error());
+  skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
+  skv_geometry_t g = geom_make(SKV_KV_SPLIT, 1, 1, 64, 2, 16);
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.pages_per_pe = 4;
+  int failed = 0;
+  char first[600] = "";
+  for (int i = 0; i < rounds; i++) {
+    skv_kv_t *kv = NULL;
+    int rc = skv_kv_create(ctx, &g, &o, &kv);
+    if (rc != 0) {
+      if (!failed++) snprintf(first, sizeof first, "%s: %s", skv_err_name(rc), skv_last_error());
+      continue;
+    }
+    PE_CHECK(skv_kv_destroy(kv) == 0, "destroy: %s", skv_last_error());
+  }
+  PE_CHECK(failed == 0, "%d of %d skv_kv_create failed with the squatter running; first: %s",
+           failed, rounds, first);
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize: %s", skv_last_error());
+  return 0;
+}
+
+/* Abstract unix sockets have no permission check and their names are visible to every user:
+ * the fd exchange's names are random and known only through the store (which needs the job's
+ * token), and a PE sends its descriptor only to a listener of its own user. With the squatter
+ * running, every create succeeds and the squatter never receives a descriptor. */
+Test(kv, create_survives_socket_name_squatting, .timeout = 180) {
+  int pfd[2], ofd[2];
+  cr_assert(pipe(pfd) == 0 && pipe(ofd) == 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t att = fork();
+  if (att == 0) { /* no Criterion call in the child: it would talk to the runner */
+    close(pfd[0]);
+    close(ofd[0]);
+    squatter(pfd[1], ofd[1]);
+  }
+  cr_assert_geq(att, 0, "fork: %s", strerror(errno));
+  close(pfd[1]);
+  close(ofd[1]);
+  uint8_t other = 0;
+  cr_assert_eq(read(pfd[0], &other, 1), 1, "the squatter never started");
+  close(pfd[0]);
+  cr_log_info("squatter running %s", other ? "as user 'nobody'" : "as this user (cannot switch)");
+  int rounds = 15;
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 4, pe_squatted, &rounds, 150000);
+  kill(att, SIGTERM);
+  uint64_t res[2] = {0, 0};
+  ssize_t got = 0, r;
+  while (got < (ssize_t)sizeof res && (r = read(ofd[0], (char *)res + got, sizeof res - got)) > 0)
+    got += r;
+  cr_assert_eq(got, (ssize_t)sizeof res, "no report from the squatter");
+  close(ofd[0]);
+  waitpid(att, NULL, 0);
+  cr_log_info("the squatter bound %llu names and received %llu descriptors",
+              (unsigned long long)res[0], (unsigned long long)res[1]);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+  cr_assert_eq(res[1], 0, "the squatter received %llu descriptors", (unsigned long long)res[1]);
 }

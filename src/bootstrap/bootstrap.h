@@ -100,9 +100,11 @@ int skv__store_nranks(const skv__store_t *st);
  * (abstract namespace, SCM_RIGHTS), using the store for rendezvous. `ranks[i]` is the global
  * rank of local PE i; this PE is local index `me`. On success peer_fds[i] is a new descriptor
  * for PE i's `my_fd` (peer_fds[me] = dup(my_fd)); the caller closes them. `tag` must be unique
- * per exchange. Connections are accepted only from the same user (SO_PEERCRED) presenting the
- * exchange's random nonce. Bounded by timeout_ms; a PE of the job that dies makes it fail with
- * SKV_EPEERDEAD at once (docs/bootstrap.md, "File-descriptor passing"). */
+ * per exchange. The sockets have random names shared through the store; descriptors are sent
+ * only to listeners of the same user and accepted only from the same user (SO_PEERCRED)
+ * presenting the exchange's random nonce. Bounded by timeout_ms; a PE of the job that dies makes
+ * it fail with SKV_EPEERDEAD at once, one that fails with that PE's code (docs/bootstrap.md,
+ * "File-descriptor passing"). */
 int skv__fd_exchange(skv__store_t *st, const char *tag, const int *ranks, int nlocal, int me,
                      int my_fd, int *peer_fds, int timeout_ms);
 

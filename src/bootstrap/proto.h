@@ -19,7 +19,7 @@
 #define SKV_BOOT_PRE_HELLO_MAX_FRAME \
   4096u                                 /* a HELLO is small; anything bigger before it is garbage */
 #define SKV_BOOT_MAX_TOKEN        1024u /* bytes of the job's token */
-#define SKV_BOOT_HELLO_TIMEOUT_MS 10000 /* a connection must say HELLO by then */
+#define SKV_BOOT_HELLO_TIMEOUT_MS 2000  /* a connection must say HELLO by then (PEs do at once) */
 
 /* Every frame, both ways: u32 length of what follows, then (requests) the opcode and fields. */
 #define SKV_BOOT_FRAME_HDR 4

@@ -304,40 +304,60 @@ int skv__store_connect(const char *host, int port, const char *token, int rank, 
   char what[400];
   snprintf(what, sizeof what, "skv__store_connect(%s, rank %d of %d)", st->peer, rank, nranks);
   uint64_t start = skv__now_ms(), deadline = start + (uint64_t)timeout_ms;
-  int fd = -1, gai = 0, rc;
-  for (;;) {
-    fd = try_connect(host, port, deadline, &gai);
-    if (fd >= 0) break;
-    if (gai != 0 && gai != EAI_AGAIN) {
-      rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT,
-                    "%s: cannot resolve \"%s\": %s; check SKV_BOOTSTRAP", what, host,
-                    gai_strerror(gai));
-      goto fail;
-    }
-    if (skv__now_ms() + RETRY_MS > deadline) {
-      int e = -fd;
-      rc = SKV_FAIL(
-          e == ECONNREFUSED ? SKV_ECONN : SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
-          "%s: could not connect within %d ms (last error: %s); is rank 0 running, and does "
-          "SKV_BOOTSTRAP name its address?",
-          what, timeout_ms, gai ? gai_strerror(gai) : strerror(e));
-      goto fail;
-    }
-    struct timespec ts = {0, RETRY_MS * 1000000L};
-    nanosleep(&ts, NULL);
-  }
-  st->fd = fd;
-  int one = 1;
-  (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  skv__frame_t b = {0};
-  skv__frame_hello(&b, token, rank, nranks);
+  int fd = -1, gai = 0, rc, shed = 0;
   int32_t status = 0;
   uint8_t *p = NULL;
   size_t n = 0;
-  int left = skv__ms_left(deadline);
-  rc = rpc(st, what, &b, left, &status, &p, &n);
-  skv__frame_free(&b);
+  for (;;) {
+    for (;;) {
+      fd = try_connect(host, port, deadline, &gai);
+      if (fd >= 0) break;
+      if (gai != 0 && gai != EAI_AGAIN) {
+        rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BOOT,
+                      "%s: cannot resolve \"%s\": %s; check SKV_BOOTSTRAP", what, host,
+                      gai_strerror(gai));
+        goto fail;
+      }
+      if (skv__now_ms() + RETRY_MS > deadline) {
+        int e = -fd;
+        rc = SKV_FAIL(
+            e == ECONNREFUSED ? SKV_ECONN : SKV_ETIMEDOUT, SKV_SUBSYS_BOOT,
+            "%s: could not connect within %d ms (last error: %s); is rank 0 running, and does "
+            "SKV_BOOTSTRAP name its address?",
+            what, timeout_ms, gai ? gai_strerror(gai) : strerror(e));
+        goto fail;
+      }
+      struct timespec ts = {0, RETRY_MS * 1000000L};
+      nanosleep(&ts, NULL);
+    }
+    st->fd = fd;
+    int one = 1;
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    skv__frame_t b = {0};
+    skv__frame_hello(&b, token, rank, nranks);
+    int left = skv__ms_left(deadline);
+    rc = rpc(st, what, &b, left, &status, &p, &n);
+    skv__frame_free(&b);
+    /* Closed before the HELLO reply: the store sheds connections that have not said HELLO
+     * when too many strangers hold connections open (docs/bootstrap.md, "Limits"), so this PE
+     * connects again while time is left; if rank 0 exited, connecting fails soon. */
+    if (rc == SKV_ECONN && skv__now_ms() + RETRY_MS < deadline) {
+      shed++;
+      close(fd);
+      st->fd = fd = -1;
+      st->broken = false;
+      struct timespec ts = {0, RETRY_MS * 1000000L};
+      nanosleep(&ts, NULL);
+      continue;
+    }
+    break;
+  }
   if (rc < 0) goto fail;
+  if (shed)
+    SKV_INFO(SKV_SUBSYS_BOOT,
+             "%s: the store closed %d connection(s) before HELLO (it sheds unauthenticated "
+             "connections when many are open); connected on attempt %d",
+             what, shed, shed + 1);
   if (status == SKV_EAUTH) {
     rc = SKV_FAIL(SKV_EAUTH, SKV_SUBSYS_BOOT,
                   "%s: the bootstrap store rejected this PE's token; every PE must use the same "

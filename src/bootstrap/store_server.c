@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -32,6 +33,9 @@
  * it is answered: a well-behaved client has one request in flight, so replies stay in order.
  * SET and ADD re-check every parked request; one timer, armed for the earliest deadline
  * (parked requests, HELLO deadlines), answers timeouts and drops silent connections.
+ * Connections that have not said HELLO are also on the `pre` list, in accept order (so in
+ * deadline order): strangers can open them at will, so they have a budget of their own
+ * (pre_max), and the oldest goes when a new one would exceed it; PEs reconnect when shed.
  *
  * What can go wrong: a reply must never free or close a connection while a list is being
  * walked, so send_reply only flags a connection whose peer does not read (`kill`), and
@@ -39,11 +43,16 @@
  * `ready` list, which every libuv callback drains before returning. Memory of a closed
  * connection is freed only in its close callback, after libuv has cancelled its writes. */
 
-#define MAX_CONNS       1024
-#define READ_CHUNK      65536u
-#define WRITE_QUEUE_MAX (2u * (SKV_BOOT_MAX_FRAME + SKV_BOOT_REPLY_HDR))
-#define MAX_RANKS       (1 << 20)
-#define MSG_CAP         512
+/* Connections that have not said HELLO yet: a budget of their own, so that strangers holding
+ * connections open never keep a PE out nor use up rank 0's descriptors. When it is full the
+ * oldest goes (a PE whose connection is shed before HELLO connects again). Connections that
+ * said HELLO are one per live rank. */
+#define MAX_PRE_HELLO    64
+#define MAX_PRE_HELLO_HI 1024 /* a large job's PEs start at once: nranks of them, up to this */
+#define READ_CHUNK       65536u
+#define WRITE_QUEUE_MAX  (2u * (SKV_BOOT_MAX_FRAME + SKV_BOOT_REPLY_HDR))
+#define MAX_RANKS        (1 << 20)
+#define MSG_CAP          512
 
 typedef enum { RANK_NONE = 0, RANK_LIVE, RANK_LEFT, RANK_DEAD } rank_state_t;
 
@@ -59,6 +68,8 @@ struct conn {
   conn_t *prev, *next;   /* srv->conns */
   conn_t *pprev, *pnext; /* srv->parked */
   conn_t *rprev, *rnext; /* srv->ready */
+  conn_t *qprev, *qnext; /* srv->pre_head .. pre_tail: before HELLO, oldest first */
+  bool in_pre;
   bool parked, ready;
   char peer[80];
   int rank; /* -1 until HELLO */
@@ -88,7 +99,8 @@ struct skv__store_server {
   int nranks;
   int port;
   conn_t *conns, *parked, *ready;
-  int nconns;
+  conn_t *pre_head, *pre_tail; /* connections before HELLO, in accept order */
+  int nconns, npre, pre_max;
   skv__table_t tab;
   uint64_t timer_due;
   uint8_t *rank_state;
@@ -192,8 +204,9 @@ static void send_reply(conn_t *c, int32_t status, const void *a, size_t alen, co
   size_t len = 4 + alen + blen; /* after the length field */
   wreq_t *w = malloc(sizeof *w + SKV_BOOT_FRAME_HDR + len);
   if (!w) {
-    SKV_WARN(SKV_SUBSYS_BOOT,
-             "bootstrap store: out of memory for a %zu-byte reply to %s; closing it", len, c->peer);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                "bootstrap store: out of memory for a %zu-byte reply to %s; closing it", len,
+                c->peer);
     c->kill = true;
     mark_ready(c);
     return;
@@ -205,13 +218,14 @@ static void send_reply(conn_t *c, int32_t status, const void *a, size_t alen, co
   int rc = uv_write(&w->req, (uv_stream_t *)&c->tcp, &buf, 1, on_write);
   if (rc < 0) {
     free(w);
-    SKV_INFO(SKV_SUBSYS_BOOT, "bootstrap store: reply to %s failed: %s", c->peer, uv_strerror(rc));
+    SKV_INFO_RL(SKV_SUBSYS_BOOT, "bootstrap store: reply to %s failed: %s", c->peer,
+                uv_strerror(rc));
     c->kill = true;
     mark_ready(c);
     return;
   }
   if (c->tcp.write_queue_size > WRITE_QUEUE_MAX) {
-    SKV_WARN(
+    SKV_WARN_RL(
         SKV_SUBSYS_BOOT,
         "bootstrap store: %s does not read its replies (%zu bytes queued); closing its connection",
         c->peer, c->tcp.write_queue_size);
@@ -233,6 +247,37 @@ static void timer_want(skv__store_server_t *srv, uint64_t due) {
   uint64_t now = uv_now(&srv->loop);
   srv->timer_due = due;
   uv_timer_start(&srv->timer, on_timer, due > now ? due - now : 0, 0);
+}
+
+/* ---- connections before HELLO ---------------------------------------------------------- */
+
+static void pre_add(conn_t *c) {
+  skv__store_server_t *srv = c->srv;
+  c->qnext = NULL;
+  c->qprev = srv->pre_tail;
+  if (srv->pre_tail)
+    srv->pre_tail->qnext = c;
+  else
+    srv->pre_head = c;
+  srv->pre_tail = c;
+  c->in_pre = true;
+  srv->npre++;
+}
+
+static void pre_del(conn_t *c) {
+  skv__store_server_t *srv = c->srv;
+  if (!c->in_pre) return;
+  if (c->qprev)
+    c->qprev->qnext = c->qnext;
+  else
+    srv->pre_head = c->qnext;
+  if (c->qnext)
+    c->qnext->qprev = c->qprev;
+  else
+    srv->pre_tail = c->qprev;
+  c->qprev = c->qnext = NULL;
+  c->in_pre = false;
+  srv->npre--;
 }
 
 /* ---- closing ---------------------------------------------------------------------------- */
@@ -271,6 +316,7 @@ static void conn_close(conn_t *c, bool after_write) {
   if (c->closing) return;
   skv__store_server_t *srv = c->srv;
   unpark(c);
+  pre_del(c);
   if (c->ready) {
     LIST_DEL(srv->ready, c, rprev, rnext);
     c->ready = false;
@@ -419,19 +465,15 @@ static void on_timer(uv_timer_t *t) {
   skv__store_server_t *srv = t->data;
   uint64_t now = uv_now(&srv->loop), next = UINT64_MAX;
   srv->timer_due = UINT64_MAX;
-  for (conn_t *c = srv->conns; c; c = c->next) {
-    if (c->closing) continue;
-    if (!c->said_hello) {
-      if (now >= c->hello_deadline) {
-        SKV_WARN(SKV_SUBSYS_BOOT,
-                 "bootstrap store: %s did not say HELLO within %d ms; closing its connection",
-                 c->peer, SKV_BOOT_HELLO_TIMEOUT_MS);
-        conn_close(c, false);
-        continue;
-      }
-      next = SKV_MIN(next, c->hello_deadline);
-    }
+  /* connections before HELLO are in accept order, so in deadline order */
+  while (srv->pre_head && now >= srv->pre_head->hello_deadline) {
+    conn_t *c = srv->pre_head;
+    SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                "bootstrap store: %s did not say HELLO within %d ms; closing its connection",
+                c->peer, SKV_BOOT_HELLO_TIMEOUT_MS);
+    conn_close(c, false); /* takes it off the list */
   }
+  if (srv->pre_head) next = srv->pre_head->hello_deadline;
   conn_t *c = srv->parked;
   while (c) {
     conn_t *pn = c->pnext;
@@ -490,10 +532,11 @@ static void park(conn_t *c, uint8_t op, int32_t timeout, const uint8_t *p, size_
 
 static void protocol_error(conn_t *c, const char *what) {
   if (c->said_hello)
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: rank %d (%s) sent %s; closing its connection",
-             c->rank, c->peer, what);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: rank %d (%s) sent %s; closing its connection",
+                c->rank, c->peer, what);
   else
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: %s sent %s; closing its connection", c->peer, what);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: %s sent %s; closing its connection", c->peer,
+                what);
   conn_close(c, false);
 }
 
@@ -519,22 +562,23 @@ static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
   size_t tlen = n - r.off;
   uint8_t vb[4];
   skv__put_le32(vb, SKV_BOOT_PROTO_VERSION);
+  /* The token first: a stranger learns nothing, not even the protocol version. */
+  if (!skv__consttime_eq(tok, tlen, srv->token, srv->token_len)) {
+    SKV_WARN_RL(
+        SKV_SUBSYS_BOOT,
+        "bootstrap store: %s presented a wrong token (claiming rank %d); closing its connection",
+        c->peer, (int)rank);
+    reply_msg(c, SKV_EAUTH, "the bootstrap store rejected this PE's token");
+    conn_close(c, true);
+    return;
+  }
   if (ver != SKV_BOOT_PROTO_VERSION) {
     snprintf(msg, sizeof msg,
              "this PE speaks bootstrap protocol %u, the store speaks %u: every PE must "
              "run the same symkv version",
              ver, SKV_BOOT_PROTO_VERSION);
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: %s: %s; closing its connection", c->peer, msg);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: %s: %s; closing its connection", c->peer, msg);
     reply_msg(c, SKV_EVERSION, msg);
-    conn_close(c, true);
-    return;
-  }
-  if (!skv__consttime_eq(tok, tlen, srv->token, srv->token_len)) {
-    SKV_WARN(
-        SKV_SUBSYS_BOOT,
-        "bootstrap store: %s presented a wrong token (claiming rank %d); closing its connection",
-        c->peer, (int)rank);
-    reply_msg(c, SKV_EAUTH, "the bootstrap store rejected this PE's token");
     conn_close(c, true);
     return;
   }
@@ -549,11 +593,12 @@ static void handle_hello(conn_t *c, const uint8_t *p, size_t n) {
              "rank %d is already connected (from %s): two PEs were given the same rank", (int)rank,
              srv->rank_conn[rank] ? srv->rank_conn[rank]->peer : "?");
   if (msg[0]) {
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: rejected %s: %s", c->peer, msg);
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: rejected %s: %s", c->peer, msg);
     reply_msg(c, SKV_EINVAL, msg);
     conn_close(c, true);
     return;
   }
+  pre_del(c);
   c->said_hello = true;
   c->rank = rank;
   srv->rank_conn[rank] = c;
@@ -790,8 +835,9 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
                "bootstrap store: rank %d (%s) disconnected without leaving (%s); marking it dead",
                c->rank, c->peer, nread == UV_EOF ? "end of stream" : uv_strerror((int)nread));
     else if (nread == UV_ENOBUFS)
-      SKV_WARN(SKV_SUBSYS_BOOT,
-               "bootstrap store: out of memory reading from %s; closing its connection", c->peer);
+      SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                  "bootstrap store: out of memory reading from %s; closing its connection",
+                  c->peer);
     else
       SKV_TRACE(SKV_SUBSYS_BOOT, "bootstrap store: %s closed its connection", c->peer);
     conn_close(c, false);
@@ -826,13 +872,13 @@ static void peer_name(uv_tcp_t *t, char *buf, size_t cap) {
 static void on_connection(uv_stream_t *server, int status) {
   skv__store_server_t *srv = server->data;
   if (status < 0) {
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: accepting a connection failed: %s",
-             uv_strerror(status));
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: accepting a connection failed: %s",
+                uv_strerror(status));
     return;
   }
   conn_t *c = calloc(1, sizeof *c);
   if (!c) {
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: out of memory for a new connection");
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: out of memory for a new connection");
     return;
   }
   c->srv = srv;
@@ -847,20 +893,26 @@ static void on_connection(uv_stream_t *server, int status) {
     return;
   }
   peer_name(&c->tcp, c->peer, sizeof c->peer);
-  if (srv->nconns > MAX_CONNS) {
-    SKV_WARN(SKV_SUBSYS_BOOT,
-             "bootstrap store: %d connections are open, the limit; closing the one from %s",
-             MAX_CONNS, c->peer);
-    conn_close(c, false);
-    return;
+  uint64_t now = uv_now(&srv->loop);
+  if (srv->npre >= srv->pre_max) {
+    /* The budget of unauthenticated connections is full: the oldest goes (closing a tcp
+     * handle closes its descriptor at once), never a PE that said HELLO. */
+    conn_t *old = srv->pre_head;
+    SKV_WARN_RL(SKV_SUBSYS_BOOT,
+                "bootstrap store: %d connections have not said HELLO, the limit; closing the "
+                "oldest, from %s (open for %llu ms)",
+                srv->pre_max, old->peer,
+                (unsigned long long)(now + SKV_BOOT_HELLO_TIMEOUT_MS - old->hello_deadline));
+    conn_close(old, false);
   }
   uv_tcp_nodelay(&c->tcp, 1);
-  c->hello_deadline = uv_now(&srv->loop) + SKV_BOOT_HELLO_TIMEOUT_MS;
+  c->hello_deadline = now + SKV_BOOT_HELLO_TIMEOUT_MS;
+  pre_add(c);
   timer_want(srv, c->hello_deadline);
   int rc = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
   if (rc != 0) {
-    SKV_WARN(SKV_SUBSYS_BOOT, "bootstrap store: reading from %s failed: %s", c->peer,
-             uv_strerror(rc));
+    SKV_WARN_RL(SKV_SUBSYS_BOOT, "bootstrap store: reading from %s failed: %s", c->peer,
+                uv_strerror(rc));
     conn_close(c, false);
   }
   SKV_TRACE(SKV_SUBSYS_BOOT, "bootstrap store: connection from %s", c->peer);
@@ -976,6 +1028,12 @@ int skv__store_server_start(const char *bind_addr, int port, const char *token, 
   pthread_condattr_destroy(&ca);
   srv->nranks = nranks;
   srv->dead_rank = -1;
+  /* Room for every rank to connect at once, and never more than a quarter of the descriptors
+   * this process may open (a flood of strangers must leave rank 0 room for its heaps). */
+  srv->pre_max = SKV_MAX(MAX_PRE_HELLO, SKV_MIN(nranks, MAX_PRE_HELLO_HI));
+  struct rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY)
+    srv->pre_max = (int)SKV_MIN((rlim_t)srv->pre_max, SKV_MAX(nofile.rlim_cur / 4, (rlim_t)16));
   srv->timer_due = UINT64_MAX;
   srv->token_len = strlen(token);
   srv->token = malloc(srv->token_len);

@@ -110,10 +110,10 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   SKV_ARG_CHECK(o.channels <= SKV_COMM_MAX_CHANNELS, SKV_SUBSYS_COMM,
                 "skv_comm_create: opts.channels=%u is not in 1..%d", o.channels,
                 SKV_COMM_MAX_CHANNELS);
-  SKV_ARG_CHECK(
-      (o.flags & ~(uint32_t)SKV_COMM_NO_NCCL) == 0, SKV_SUBSYS_COMM,
-      "skv_comm_create: opts.flags=0x%x has unknown bits (only SKV_COMM_NO_NCCL is defined)",
-      o.flags);
+  SKV_ARG_CHECK((o.flags & ~(uint32_t)(SKV_COMM_NO_NCCL | SKV_COMM_CHECKED)) == 0, SKV_SUBSYS_COMM,
+                "skv_comm_create: opts.flags=0x%x has unknown bits (SKV_COMM_NO_NCCL and "
+                "SKV_COMM_CHECKED are defined)",
+                o.flags);
   if (o.max_bytes == 0) o.max_bytes = DEFAULT_MAX_BYTES;
   SKV_ARG_CHECK(o.max_bytes >= 16 && o.max_bytes <= MAX_MAX_BYTES, SKV_SUBSYS_COMM,
                 "skv_comm_create: opts.max_bytes=%" PRIu64 " is not in 16..%" PRIu64, o.max_bytes,
@@ -134,9 +134,14 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   c->channels = o.channels;
   c->flags = o.flags;
   c->max_bytes = o.max_bytes;
+  /* Checking mode: by flag, or for every comm by SKV_COMM_CHECK=1 (a bad value goes into the
+   * collective check below, like a bad crossover). */
+  long long check_env = 0;
+  int rc_check = skv__env_int(SKV_ENV_COMM_CHECK, 0, 1, 0, &check_env);
+  c->checked = (o.flags & SKV_COMM_CHECKED) || check_env == 1;
   /* A bad SKV_ALLREDUCE_*_MAX on one PE goes into the collective check below, so that the
    * others fail with it at once instead of waiting there for the timeout. */
-  int rc = crossovers(c);
+  int rc = rc_check < 0 ? rc_check : crossovers(c);
   char env_err[400] = "";
   if (rc < 0) snprintf(env_err, sizeof env_err, "%s", skv_last_error());
   /* Layout: [user slots | barrier flags per channel] in the signal pad, two Lamport regions
@@ -151,7 +156,9 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   ho.backend = c->backend;
   ho.data_bytes = c->max_bytes;
   ho.signal_bytes =
-      SKV_ALIGN_UP((uint64_t)c->user_slots * 8u + c->channels * c->flag_chan_bytes, 256u);
+      SKV_ALIGN_UP((uint64_t)c->user_slots * 8u + c->channels * c->flag_chan_bytes +
+                       (uint64_t)c->channels * (uint64_t)c->npes * SKV__CHECK_SLOT_BYTES,
+                   256u);
   ho.scratch_bytes = c->channels * c->chan_bytes;
   bool want_nccl = c->backend == SKV_BACKEND_CUDA && !(c->flags & SKV_COMM_NO_NCCL);
   const char *ne = skv__env(SKV_ENV_NCCL_ALLREDUCE);
@@ -163,12 +170,12 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   }
 #endif
   int rc_env = rc;
-  rc =
-      skv__coll_check(ctx, NULL,
-                      "skv_comm_create(backend=%s, channels=%u, max_bytes=%" PRIu64
-                      ", nccl=%d, oneshot_max=%" PRIu64 ", twoshot_max=%" PRIu64 "%s%s)",
-                      skv__backend_name(c->backend), c->channels, c->max_bytes, (int)want_nccl,
-                      c->oneshot_max, c->twoshot_max, rc_env < 0 ? ", failed here: " : "", env_err);
+  rc = skv__coll_check(
+      ctx, NULL,
+      "skv_comm_create(backend=%s, channels=%u, max_bytes=%" PRIu64
+      ", nccl=%d, oneshot_max=%" PRIu64 ", twoshot_max=%" PRIu64 ", checked=%d%s%s)",
+      skv__backend_name(c->backend), c->channels, c->max_bytes, (int)want_nccl, c->oneshot_max,
+      c->twoshot_max, (int)c->checked, rc_env < 0 ? ", failed here: " : "", env_err);
   if (rc_env < 0 || rc < 0) {
     free(c);
     return rc_env < 0 ? SKV_FAIL(rc_env, SKV_SUBSYS_COMM, "%s", env_err) : rc;
@@ -180,6 +187,7 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
     return rc;
   }
   c->flag_off = c->heap->info.signal_offset + (uint64_t)c->user_slots * 8u;
+  c->check_off = c->flag_off + c->channels * c->flag_chan_bytes;
   c->scratch_off = c->heap->info.scratch_offset;
   if (c->backend == SKV_BACKEND_HOST) {
     rc = skv__comm_host_create(c);
@@ -213,11 +221,11 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   char b1[32], b2[32];
   SKV_INFO(SKV_SUBSYS_COMM,
            "comm: backend %s, %d PEs, %u channels, regions of %s, max message %s, nccl %s, AUTO "
-           "one-shot <= %" PRIu64 " B, two-shot <= %" PRIu64 " B",
+           "one-shot <= %" PRIu64 " B, two-shot <= %" PRIu64 " B%s",
            skv__backend_name(c->backend), c->npes, c->channels,
            skv__fmt_bytes(c->region_bytes, b1, sizeof b1),
            skv__fmt_bytes(c->max_bytes, b2, sizeof b2), c->has_nccl ? "yes" : "no", c->oneshot_max,
-           c->twoshot_max);
+           c->twoshot_max, c->checked ? ", checking mode (every call checked)" : "");
   *out = c;
   return 0;
 }
@@ -252,8 +260,9 @@ int skv_comm_get_signal_slots(const skv_comm_t *comm) {
     if (SKV_UNLIKELY(__atomic_load_n(&(c)->broken, __ATOMIC_RELAXED)))                        \
       return SKV_FAIL(                                                                        \
           SKV_ESTATE, SKV_SUBSYS_COMM,                                                        \
-          "%s: an earlier collective or barrier of this comm timed out, so its flags are no " \
-          "longer consistent; destroy the comm on every PE and create a new one",             \
+          "%s: an earlier collective or barrier of this comm timed out (or, checking mode, "  \
+          "did not match), so its flags are no longer consistent; destroy the comm on every " \
+          "PE and create a new one",                                                          \
           fn);                                                                                \
   } while (0)
 
@@ -294,14 +303,17 @@ int skv_comm_allreduce(skv_comm_t *comm, const void *in, void *out, size_t count
                     bytes, comm->max_bytes, comm->has_nccl ? " or use SKV_ALGO_NCCL / AUTO" : "");
   SKV_TRACE(SKV_SUBSYS_COMM, "allreduce %zu x %s %s, %s, channel %d", count, skv__dtype_name(dtype),
             skv__op_name(op), skv__algo_name(algo), channel);
+  const uint64_t desc = skv__check_desc(SKV__CHECK_ALLREDUCE, dtype, op, algo, channel);
   if (comm->backend == SKV_BACKEND_HOST) {
     SKV_ARG_CHECK(
         stream == NULL, SKV_SUBSYS_COMM,
         "skv_comm_allreduce: the host backend is synchronous, stream must be NULL (got %p)",
         stream);
+    if (comm->checked) SKV_CHECK(skv__comm_host_verify(comm, channel, desc, count));
     return skv__comm_host_allreduce(comm, in, out, count, dtype, op, algo, channel);
   }
 #ifdef SKV_WITH_CUDA
+  if (comm->checked) SKV_CHECK(skv__comm_cuda_verify(comm, channel, desc, count, stream));
   return skv__comm_cuda_allreduce(comm, in, out, count, dtype, op, algo, channel, stream);
 #else
   return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_COMM,
@@ -355,12 +367,15 @@ int skv_comm_barrier(skv_comm_t *comm, int channel, void *stream) {
   SKV_ARG_CHECK(channel >= 0 && (uint32_t)channel < comm->channels, SKV_SUBSYS_COMM,
                 "skv_comm_barrier: channel %d is not in 0..%u (opts.channels)", channel,
                 comm->channels - 1);
+  const uint64_t desc = skv__check_desc(SKV__CHECK_BARRIER, 0, 0, 0, channel);
   if (comm->backend == SKV_BACKEND_HOST) {
     SKV_ARG_CHECK(stream == NULL, SKV_SUBSYS_COMM,
                   "skv_comm_barrier: the host backend is synchronous, stream must be NULL");
+    if (comm->checked) SKV_CHECK(skv__comm_host_verify(comm, channel, desc, 0));
     return skv__comm_host_barrier(comm, channel);
   }
 #ifdef SKV_WITH_CUDA
+  if (comm->checked) SKV_CHECK(skv__comm_cuda_verify(comm, channel, desc, 0, stream));
   return skv__comm_cuda_barrier(comm, channel, stream);
 #else
   return SKV_EINTERNAL;

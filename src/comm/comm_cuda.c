@@ -277,6 +277,7 @@ int skv__comm_cuda_create(skv_comm_t *c) {
   d->scratch_off = c->scratch_off;
   d->chan_bytes = c->chan_bytes;
   d->region_bytes = c->region_bytes;
+  d->check_off = c->check_off;
   d->chan = (skv__chan_state_t *)cc->dmem;
   d->broken = (uint32_t *)((char *)cc->dmem + (size_t)c->channels * sizeof(skv__chan_state_t));
   d->err = (skv__comm_err_t *)err_dev;
@@ -285,6 +286,7 @@ int skv__comm_cuda_create(skv_comm_t *c) {
   d->nsm = nsm;
   d->user_slots = c->user_slots;
   d->grid_cap = nsm * SKV__COMM_BLOCKS_PER_SM;
+  d->channels = (int32_t)c->channels;
   /* Programmatic dependent launch hides most of a kernel's launch latency behind the kernel
    * before it; SKV_COMM_PDL=0 turns it off (to compare, or if a driver mishandles it). */
   const char *pdl = skv__env(SKV_ENV_COMM_PDL);
@@ -424,15 +426,42 @@ int skv__comm_cuda_barrier(skv_comm_t *c, int channel, void *stream) {
   return e ? launch_fail(e, "skv_k_barrier") : 0;
 }
 
+int skv__comm_cuda_verify(skv_comm_t *c, int channel, uint64_t desc, uint64_t count, void *stream) {
+  SKV_CHECK(skv__cuda_use(c->ctx));
+  int e = skv__k_check(dev_of(c), channel, desc, count, stream);
+  return e ? launch_fail(e, "skv_k_check") : 0;
+}
+
 int skv__comm_cuda_check(skv_comm_t *c) {
   volatile skv__comm_err_t *e = cc_of(c)->err;
   int code = e->code;
   if (code == 0) return 0;
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
-  char what[320];
+  char what[768];
   int to = c->ctx->cfg.timeout_ms;
   double waited = (double)e->waited_ns / 1e6;
+  char mine[192], theirs[192];
   switch (e->kind) {
+  case SKV__ERR_CHECK: /* observed, slot: this PE's call and count; value, waited_ns: the peer's
+                          (a mismatch) or how long it waited (a timeout); epoch: the call number */
+    skv__check_name(e->observed, e->slot, mine, sizeof mine);
+    skv__check_name(e->value, e->waited_ns, theirs, sizeof theirs);
+    if (code == SKV_EMISMATCH)
+      snprintf(what, sizeof what,
+               "checking mode, channel %d, checked call %" PRIu64 ": PE %d %s %s, this PE %s; "
+               "every PE must make the same calls in the same order on a channel, and this "
+               "call's kernel did nothing",
+               e->channel, e->epoch, e->peer,
+               e->phase == 1   ? "has made more checked calls on this channel; its latest is"
+               : e->phase == 2 ? "waits in another call,"
+                               : "made",
+               theirs, mine);
+    else
+      snprintf(what, sizeof what,
+               "%s (checking mode, channel %d, checked call %" PRIu64
+               "): PE %d did not post its call (waited %.0f ms, timeout %d ms)",
+               mine, e->channel, e->epoch, e->peer, waited, to);
+    break;
   case SKV__ERR_ALLREDUCE:
     snprintf(what, sizeof what,
              "skv_comm_allreduce (%s, channel %d, epoch %" PRIu64
@@ -455,11 +484,12 @@ int skv__comm_cuda_check(skv_comm_t *c) {
   }
   e->code = 0;
   __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
-  return SKV_FAIL(
-      code, SKV_SUBSYS_COMM,
-      "%s. A stream-ordered wait of this comm gave up, so its flags are no longer consistent: "
-      "destroy the comm on every PE and create a new one",
-      what);
+  return SKV_FAIL(code, SKV_SUBSYS_COMM,
+                  "%s. %s, so its flags are no longer consistent: destroy the comm on every PE "
+                  "and create a new one",
+                  what,
+                  code == SKV_EMISMATCH ? "A checked call of this comm did not match"
+                                        : "A stream-ordered wait of this comm gave up");
 }
 
 int skv__comm_cuda_dev(skv_comm_t *c, skv__comm_dev_t *d) {

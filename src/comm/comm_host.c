@@ -318,3 +318,75 @@ int skv__comm_host_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value) {
   }
   return 0;
 }
+
+/* ---- checking mode ("Checking mode" in kernels/comm_proto.h) ------------------------------ */
+
+static int host_mismatch(skv_comm_t *c, int ch, uint64_t s, int q, uint64_t desc, uint64_t count,
+                         uint64_t qdesc, uint64_t qcount, const char *how) {
+  char mine[192], theirs[192];
+  skv__check_name(desc, count, mine, sizeof mine);
+  skv__check_name(qdesc, qcount, theirs, sizeof theirs);
+  __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
+  return SKV_FAIL(SKV_EMISMATCH, SKV_SUBSYS_COMM,
+                  "%.*s (checking mode, channel %d, checked call %" PRIu64 "): PE %d %s %s, this "
+                  "PE %s; every PE must make the same calls in the same order on a channel. "
+                  "Nothing was reduced; the comm is unusable now: destroy it on every PE",
+                  (int)strcspn(mine, "("), mine, ch, s, q, how, theirs, mine);
+}
+
+int skv__comm_host_verify(skv_comm_t *c, int ch, uint64_t desc, uint64_t count) {
+  const int n = c->npes, me = c->me;
+  const uint64_t s = __atomic_load_n(&c->hchan[ch].check_seq, __ATOMIC_RELAXED) + 1;
+  for (int k = 1; k < n; k++) { /* post: fields, then the call number (release) */
+    uint64_t *slot = host_slot(c, (me + k) % n, skv__check_off(c->check_off, n, ch, me));
+    __atomic_store_n(&slot[1], desc, __ATOMIC_RELAXED);
+    __atomic_store_n(&slot[2], count, __ATOMIC_RELAXED);
+    __atomic_store_n(&slot[0], s, __ATOMIC_RELEASE);
+  }
+  __atomic_store_n(&c->hchan[ch].check_seq, s, __ATOMIC_RELAXED);
+  host_wait_t w = host_wait_start(c);
+  const uint64_t grace = skv__now_ns() + (uint64_t)SKV__CHECK_CHANNEL_MS * 1000000u;
+  for (int k = 1; k < n; k++) {
+    const int q = (me + k) % n;
+    const uint64_t *slot = host_slot(c, me, skv__check_off(c->check_off, n, ch, q));
+    for (;;) {
+      uint64_t seq = __atomic_load_n(&slot[0], __ATOMIC_ACQUIRE);
+      if (seq >= s) {
+        uint64_t qd = __atomic_load_n(&slot[1], __ATOMIC_RELAXED),
+                 qc = __atomic_load_n(&slot[2], __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&slot[0], __ATOMIC_RELAXED) != seq) continue; /* posted again */
+        if (seq > s)
+          return host_mismatch(c, ch, s, q, desc, count, qd, qc,
+                               "has made more checked calls on this channel; its latest is");
+        if (qd != desc || qc != count)
+          return host_mismatch(c, ch, s, q, desc, count, qd, qc, "made");
+        break;
+      }
+      if ((w.spins & 255u) == 255u && skv__now_ns() > grace) {
+        /* still waiting: has q posted a call on a channel this PE has not reached? */
+        for (int c2 = 0; c2 < (int)c->channels; c2++) {
+          if (c2 == ch) continue;
+          const uint64_t *o = host_slot(c, me, skv__check_off(c->check_off, n, c2, q));
+          if (__atomic_load_n(&o[0], __ATOMIC_ACQUIRE) >
+              __atomic_load_n(&c->hchan[c2].check_seq, __ATOMIC_RELAXED))
+            return host_mismatch(c, ch, s, q, desc, count, __atomic_load_n(&o[1], __ATOMIC_RELAXED),
+                                 __atomic_load_n(&o[2], __ATOMIC_RELAXED),
+                                 "waits in another call,");
+        }
+      }
+      if (!host_keep_waiting(&w)) {
+        __atomic_store_n(&c->broken, true, __ATOMIC_RELAXED);
+        char mine[192];
+        return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_COMM,
+                        "%s (checking mode, channel %d, checked call %" PRIu64
+                        "): PE %d did not post its call within %d ms (its slot reads call %" PRIu64
+                        "); is it alive and making the same calls? The comm is unusable now: "
+                        "destroy it on every PE",
+                        skv__check_name(desc, count, mine, sizeof mine), ch, s, q,
+                        c->ctx->cfg.timeout_ms, seq);
+      }
+    }
+  }
+  return 0;
+}

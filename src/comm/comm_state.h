@@ -17,6 +17,7 @@
 typedef struct skv__host_chan {
   uint64_t epoch;
   uint64_t barrier_epoch;
+  uint64_t check_seq; /* checked calls posted (checking mode) */
 } skv__host_chan_t;
 
 struct skv_comm {
@@ -31,6 +32,8 @@ struct skv_comm {
   uint32_t user_slots; /* user signal slots at signal offset 0 */
   uint64_t flag_off;   /* channel c's barrier flags: flag_off + c * flag_chan_bytes */
   uint64_t flag_chan_bytes;
+  uint64_t check_off;   /* check slots, after the flags: skv__check_off (checking mode) */
+  bool checked;         /* checking mode: SKV_COMM_CHECKED or SKV_COMM_CHECK=1 */
   uint64_t scratch_off; /* channel c's regions: scratch_off + c * chan_bytes */
   uint64_t chan_bytes;
   uint64_t region_bytes;
@@ -68,6 +71,8 @@ const char *skv__op_name(int op);
 const char *skv__algo_name(int algo);
 const char *skv__cmp_name(int cmp);     /* SKV_CMP_*: "==", "!=", ... */
 const char *skv__phase_name(int phase); /* SKV__PHASE_*: "one-shot", ... */
+/* A checked call for messages: "skv_comm_allreduce(count 1000, fp32, sum, one-shot, channel 0)". */
+const char *skv__check_name(uint64_t desc, uint64_t count, char *buf, size_t cap);
 /* Round to nearest even, like the GPU; NaN becomes the GPU's canonical one. */
 float skv__bf16_to_float(uint16_t h);
 uint16_t skv__float_to_bf16(float f);
@@ -88,6 +93,9 @@ int skv__comm_host_allreduce(skv_comm_t *c, const void *in, void *out, size_t co
 int skv__comm_host_signal(skv_comm_t *c, int pe, uint32_t slot, uint64_t value, int op);
 int skv__comm_host_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value);
 int skv__comm_host_barrier(skv_comm_t *c, int channel);
+/* Checking mode: check the call (skv__check_desc, count) against every peer's before it runs:
+ * 0, SKV_EMISMATCH or SKV_ETIMEDOUT (the comm is broken then). */
+int skv__comm_host_verify(skv_comm_t *c, int channel, uint64_t desc, uint64_t count);
 
 #ifdef SKV_WITH_CUDA
 /* ---- comm_cuda.c -------------------------------------------------------------------------- */
@@ -104,6 +112,8 @@ int skv__comm_cuda_signal(skv_comm_t *c, int pe, uint32_t slot, uint64_t value, 
                           void *stream);
 int skv__comm_cuda_wait(skv_comm_t *c, uint32_t slot, int cmp, uint64_t value, void *stream);
 int skv__comm_cuda_barrier(skv_comm_t *c, int channel, void *stream);
+/* Checking mode: launch the check of the call before it (a mismatch shows in skv_comm_check). */
+int skv__comm_cuda_verify(skv_comm_t *c, int channel, uint64_t desc, uint64_t count, void *stream);
 int skv__comm_cuda_check(skv_comm_t *c);
 /* The descriptor kernels get (tests and the bench launch the self-test and ping-pong with it). */
 int skv__comm_cuda_dev(skv_comm_t *c, skv__comm_dev_t *d);

@@ -2,6 +2,8 @@
  * all-reduce steps (logs, messages), and the host backend's fp16 / bf16 conversions. */
 #include "comm/comm_state.h"
 
+#include <inttypes.h>
+#include <stdio.h>
 #include <string.h>
 
 /* ---- names -------------------------------------------------------------------------------- */
@@ -43,6 +45,19 @@ const char *skv__algo_name(int algo) {
   default:
     return "?";
   }
+}
+const char *skv__check_name(uint64_t desc, uint64_t count, char *buf, size_t cap) {
+  int kind = (int)(desc & 0xff), dtype = (int)(desc >> 8 & 0xff), op = (int)(desc >> 16 & 0xff),
+      algo = (int)(desc >> 24 & 0xff), ch = (int)(desc >> 32 & 0xffff);
+  if (kind == SKV__CHECK_BARRIER)
+    snprintf(buf, cap, "skv_comm_barrier(channel %d)", ch);
+  else if (kind == SKV__CHECK_ALLREDUCE)
+    snprintf(buf, cap, "skv_comm_allreduce(count %" PRIu64 ", %s, %s, %s, channel %d)", count,
+             skv__dtype_name(dtype), skv__op_name(op), skv__algo_name(algo), ch);
+  else
+    snprintf(buf, cap, "an unknown call (description %#" PRIx64 ", count %" PRIu64 ")", desc,
+             count);
+  return buf;
 }
 const char *skv__cmp_name(int cmp) {
   static const char *names[] = {"==", "!=", ">=", ">", "<", "<="};

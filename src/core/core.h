@@ -112,6 +112,38 @@ static inline bool skv__log_on(int level, unsigned subsys) {
 #define SKV_INFO(subsys, ...)  SKV_LOG(SKV_LOG_INFO, subsys, __VA_ARGS__)
 #define SKV_TRACE(subsys, ...) SKV_LOG(SKV_LOG_TRACE, subsys, __VA_ARGS__)
 
+/* ---- ratelimit.c -------------------------------------------------------------------------- */
+
+/* Lines that other processes can cause at will (hostile connections to the store or to the fd
+ * exchange) or that a hot path may repeat (evictions, inserts) are rate-limited per call site:
+ * at most SKV_LOG_RL_BURST lines per SKV_LOG_RL_WINDOW_MS window; the first line of the next
+ * window says how many were suppressed. A site's state is a static skv__ratelimit_t. */
+#define SKV_LOG_RL_BURST     10
+#define SKV_LOG_RL_WINDOW_MS 10000
+typedef struct skv__ratelimit {
+  uint64_t window_ms; /* start of the current window (skv__now_ms), 0 before the first line */
+  uint32_t lines;     /* lines written in it */
+  uint32_t suppressed;
+} skv__ratelimit_t;
+/* May this site write a line now? *suppressed gets the lines suppressed since the last one
+ * written (to be mentioned in it). Thread-safe. */
+bool skv__ratelimit_take(skv__ratelimit_t *rl, uint64_t *suppressed);
+/* Lines suppressed by every rate limit of the process so far (tests, stats). */
+uint64_t skv__ratelimit_suppressed_total(void);
+void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
+
+#define SKV_LOG_RL(level, subsys, ...)                                                 \
+  do {                                                                                 \
+    static skv__ratelimit_t skv_rl_;                                                   \
+    uint64_t skv_rl_n_;                                                                \
+    if (skv__log_on((level), (subsys)) && skv__ratelimit_take(&skv_rl_, &skv_rl_n_)) { \
+      if (skv_rl_n_) skv__log_suppressed((level), (subsys), skv_rl_n_);                \
+      skv__log((level), (subsys), __FILE__, __LINE__, __VA_ARGS__);                    \
+    }                                                                                  \
+  } while (0)
+#define SKV_WARN_RL(subsys, ...) SKV_LOG_RL(SKV_LOG_WARN, subsys, __VA_ARGS__)
+#define SKV_INFO_RL(subsys, ...) SKV_LOG_RL(SKV_LOG_INFO, subsys, __VA_ARGS__)
+
 /* ---- env.c -------------------------------------------------------------------------------- */
 
 /* Every SKV_* environment variable the library reads: name, default, allowed values, meaning
@@ -140,10 +172,13 @@ static inline bool skv__log_on(int level, unsigned subsys) {
   XX(ALLREDUCE_TWOSHOT_MAX, "by PE count", "0..1T bytes (K/M/G/T suffixes)",                      \
      "all-reduce AUTO: largest two-shot message")                                                \
   XX(COMM_PDL, "1", "0 or 1", "0 launches the comm kernels without programmatic dependent launch") \
+  XX(COMM_CHECK, "0", "0 or 1", "1 checks every all-reduce and barrier of every comm against every PE's (checking mode)") \
   XX(FETCH_KERNEL, "bulk", "bulk, vec or ce", "KV copy: TMA bulk copies, 16-byte loads or copy engines") \
   XX(FETCH_UNROLL, "4", "4 or 8", "KV copy kernels: 16-byte loads in flight per thread")          \
   XX(FETCH_CTAS, "4", "1..32 (occupancy caps it)", "KV copy kernels: CTAs per multiprocessor")    \
   XX(FETCH_THREADS, "256", "128, 256 or 512", "KV copy kernels: threads per CTA")                 \
+  XX(PIN_LEASE_MS, "30000", "0..86400000 (0: pins never expire)",                                \
+     "a pin's lease: a live PE that makes no KV call for this long loses pins others need")     \
   XX(HASH_SECRET, "none", "any bytes", "deployment secret mixed into every key (when the caller passes none)")
 /* clang-format on */
 

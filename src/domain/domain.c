@@ -394,9 +394,12 @@ static void domain_free(skv__domain_t *d) {
   free(d);
 }
 
-int skv__domain_attach(const skv__dom_params_t *p, skv__domain_t **out) {
+/* attach_once's answer when the domain's file was removed while it waited for a slot (the last
+ * participant left): start over, a new domain is laid out */
+#define ATTACH_AGAIN (-100000)
+
+static int attach_once(const skv__dom_params_t *p, skv__domain_t **out) {
   *out = NULL;
-  SKV_CHECK(check_name(p->name));
   skv__domain_t *d = calloc(1, sizeof *d);
   if (!d) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_kv_attach: out of memory");
   d->fd = -1;
@@ -417,8 +420,20 @@ int skv__domain_attach(const skv__dom_params_t *p, skv__domain_t **out) {
   if (rc == 0) {
     d->max_slots = d->hdr->max_slots;
     bind_index(d);
+    /* Every slot taken: participants drop departed owners' mappings on their next call, and
+     * detaching ones need the attach lock to leave, so a slot may come free soon. Wait a little
+     * (bounded) without the lock before saying no. */
     d->slot = pick_slot(d);
-    if (d->slot < 0)
+    for (uint64_t until = skv__now_ms() + SKV_MIN((uint64_t)d->timeout_ms, 2000u);
+         rc == 0 && d->slot < 0 && skv__now_ms() < until;) {
+      ofd_unlock(d->fd, ATTACH_BYTE, 1);
+      usleep(2000);
+      rc = ofd_lock(d->fd, ATTACH_BYTE, 1, d->timeout_ms, "the domain's attach lock");
+      struct stat st;
+      if (rc == 0 && fstat(d->fd, &st) == 0 && st.st_nlink == 0) rc = ATTACH_AGAIN;
+      if (rc == 0) d->slot = pick_slot(d);
+    }
+    if (rc == 0 && d->slot < 0)
       rc = SKV_FAIL(SKV_ENOSPC, SKV_SUBSYS_KV,
                     "domain '%s' has no free slot: its %u slots are held by live processes (or "
                     "still mapped by one); detach some, or create the domain with more slots",
@@ -456,6 +471,10 @@ int skv__domain_attach(const skv__dom_params_t *p, skv__domain_t **out) {
     __atomic_store_n(&rec->state, SKV__DOM_FREE, __ATOMIC_RELEASE);
   }
   if (d->fd >= 0) ofd_unlock(d->fd, ATTACH_BYTE, 1);
+  if (rc == ATTACH_AGAIN) {
+    domain_free(d);
+    return rc;
+  }
   if (rc < 0) {
     char saved[1024];
     snprintf(saved, sizeof saved, "%s", skv_last_error());
@@ -465,6 +484,20 @@ int skv__domain_attach(const skv__dom_params_t *p, skv__domain_t **out) {
   }
   *out = d;
   return 0;
+}
+
+int skv__domain_attach(const skv__dom_params_t *p, skv__domain_t **out) {
+  *out = NULL;
+  SKV_CHECK(check_name(p->name));
+  for (int tries = 0;; tries++) {
+    int rc = attach_once(p, out);
+    if (rc != ATTACH_AGAIN) return rc;
+    if (tries == 3)
+      return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
+                      "skv_kv_attach: domain '%s' was removed and laid out again %d times "
+                      "while this process waited for a slot",
+                      p->name, tries + 1);
+  }
 }
 
 /* ---- detach -------------------------------------------------------------------------------- */

@@ -127,6 +127,10 @@ const skv__dom_hdr_t *skv__domain_hdr(const skv__domain_t *d);
 int skv__domain_map_begin(skv__domain_t *d, const uint32_t *pe, size_t step, size_t n,
                           void (*quiesce)(void *arg), void *arg);
 void skv__domain_map_end(skv__domain_t *d);
+/* Drop the mappings of slots whose owner left or died since this process last looked (every
+ * lookup and publish does, not only fetches), so that a process that stopped fetching does not
+ * keep departed owners' slots from new attachers. Cheap when nothing changed (one load). */
+void skv__domain_tidy(skv__domain_t *d, void (*quiesce)(void *arg), void *arg);
 /* Is slot s's participant alive (its lock held)? */
 bool skv__domain_alive(skv__domain_t *d, int s);
 

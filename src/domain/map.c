@@ -257,7 +257,7 @@ int skv__domain_map_begin(skv__domain_t *d, const uint32_t *pe, size_t step, siz
     int rc = 0;
     uint64_t gen = __atomic_load_n(&d->hdr->gen, __ATOMIC_ACQUIRE);
     if (gen != d->seen_gen) drop_gone(d, quiesce, arg);
-    d->seen_gen = gen;
+    __atomic_store_n(&d->seen_gen, gen, __ATOMIC_RELAXED);
     for (size_t i = 0; rc == 0 && i < n; i++) {
       uint32_t s = pe[i * step];
       if (!d->mapped[s]) rc = map_one(d, (int)s);
@@ -265,6 +265,17 @@ int skv__domain_map_begin(skv__domain_t *d, const uint32_t *pe, size_t step, siz
     pthread_rwlock_unlock(&d->map_rw);
     if (rc < 0) return rc;
   }
+}
+
+void skv__domain_tidy(skv__domain_t *d, void (*quiesce)(void *arg), void *arg) {
+  if (__atomic_load_n(&d->hdr->gen, __ATOMIC_ACQUIRE) ==
+      __atomic_load_n(&d->seen_gen, __ATOMIC_RELAXED))
+    return;
+  pthread_rwlock_wrlock(&d->map_rw);
+  uint64_t gen = __atomic_load_n(&d->hdr->gen, __ATOMIC_ACQUIRE);
+  if (gen != d->seen_gen) drop_gone(d, quiesce, arg);
+  __atomic_store_n(&d->seen_gen, gen, __ATOMIC_RELAXED);
+  pthread_rwlock_unlock(&d->map_rw);
 }
 
 void skv__domain_map_end(skv__domain_t *d) {

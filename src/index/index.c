@@ -166,7 +166,7 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
     uint64_t now = skv__now_ms();
     if (!start) start = now;
     if (now - start >= COPY_TICKET_WAIT_MS) {
-      SKV_LOG(
+      SKV_LOG_RL(
           SKV_LOG_INFO, SKV_SUBSYS_INDEX,
           "index insert: PE %d's copy of key %016llx%016llx has no ticket after %d ms (stopped?); "
           "not caching ours",

@@ -49,10 +49,10 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   skv_key_t k = {key_hi, key_lo};
   uint64_t val = skv__val_pack((uint32_t)kv->pool.me, page, gen);
   if (skv__index_erase(&kv->index, k, val) != 0)
-    SKV_WARN(SKV_SUBSYS_KV,
-             "evicting page %u (generation %u): its index entry was not found; please report "
-             "this with the SKV_DEBUG=INFO log",
-             page, gen);
+    SKV_WARN_RL(SKV_SUBSYS_KV,
+                "evicting page %u (generation %u): its index entry was not found; please report "
+                "this with the SKV_DEBUG=INFO log",
+                page, gen);
   __atomic_add_fetch(&kv->evicted, 1, __ATOMIC_RELAXED);
 }
 
@@ -376,6 +376,13 @@ static int check_refs(const skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, 
   return 0;
 }
 
+/* An attached cache drops its mappings of departed owners' slots on every lookup and publish
+ * too (skv__domain_tidy), not only when it fetches. */
+static void tidy(skv_kv_t *kv) {
+  if (kv->domain) skv__domain_tidy(kv->domain, quiesce, kv);
+  (void)skv__pool_renew(&kv->pool); /* this PE makes progress: its pins' lease goes on */
+}
+
 int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
                   uint32_t flags, skv_page_ref_t *refs, size_t *nhit) {
   KV_CHECK_NULL(kv, "skv_kv_lookup");
@@ -386,6 +393,7 @@ int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
   SKV_ARG_CHECK(refs || n == 0, SKV_SUBSYS_KV, "skv_kv_lookup: refs is NULL with n=%zu", n);
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_LOOKUP_PIN) == 0, SKV_SUBSYS_KV,
                 "skv_kv_lookup: unknown flags 0x%x", flags);
+  tidy(kv);
   uint64_t now = skv__now_ns();
   uint64_t vals[256], asked = 0, live = 0;
   size_t done = 0, stale = 0;
@@ -423,6 +431,7 @@ int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
 int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
   KV_CHECK_NULL(kv, "skv_kv_unpin");
   SKV_CHECK(check_refs(kv, refs, n, "skv_kv_unpin"));
+  (void)skv__pool_renew(&kv->pool);
   int rc = 0;
   for (size_t i = 0; i < n; i++) {
     int r = skv__pool_unpin(&kv->pool, refs[i].pe, refs[i].page);
@@ -665,6 +674,23 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
 #else
   SKV_UNUSED(flags);
 #endif
+  size_t bad = 0;
+  if (b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0 && kv->pool.lease_lost)
+    return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
+                    "%s: reference %zu (PE %u, page %u) is no longer pinned by this PE: this "
+                    "PE's pins were revoked when it made no call for longer than its lease "
+                    "(SKV_PIN_LEASE_MS, %llu ms) while other PEs needed the pages; nothing was "
+                    "copied. Look the keys up again",
+                    fn, bad, refs[bad].pe, refs[bad].page, (unsigned long long)kv->pool.lease_ms);
+  if (b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0)
+    return SKV_FAIL(
+        SKV_EINVAL, SKV_SUBSYS_KV,
+        "%s: reference %zu (PE %u, page %u) is not pinned by this PE (or is listed more "
+        "times than it is pinned), but SKV_FETCH_UNPIN releases the caller's pins; "
+        "nothing was copied. Pin with skv_kv_lookup(SKV_LOOKUP_PIN) first, or fetch "
+        "without SKV_FETCH_UNPIN",
+        fn, bad, refs[bad].pe, refs[bad].page);
+  const uint64_t revoked0 = skv__pool_revoked(&kv->pool);
   SKV_CHECK(pin_all(kv, b, refs, fn));
 #ifdef SKV_WITH_CUDA
   if (path == PATH_DEVICE) {
@@ -675,6 +701,15 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
   }
 #endif
   int rc = copy_sync_fetch(kv, b, path, dst, block_ids, stream, fn);
+  /* This process stopped inside the copy for longer than its lease and an evictor revoked pins
+   * of ours meanwhile: a page may have been rewritten under the copy (pool.h, Leases). */
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  if (rc == 0 && skv__pool_revoked(&kv->pool) != revoked0)
+    rc = SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
+                  "%s: this PE's pin lease ran out during the copy (it made no progress for "
+                  "longer than SKV_PIN_LEASE_MS, %llu ms) and pages it pinned may have been "
+                  "reused: the destination's contents are undefined; look the keys up again",
+                  fn, (unsigned long long)kv->pool.lease_ms);
   int r2 = release(kv, b, 0, n, b->unpin_caller && rc == 0);
   return rc ? rc : r2;
 }
@@ -688,6 +723,7 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_FETCH_UNPIN) == 0, SKV_SUBSYS_KV,
                 "skv_kv_fetch: unknown flags 0x%x", flags);
   if (n == 0) return 0;
+  (void)skv__pool_renew(&kv->pool);
   int path;
   SKV_CHECK(choose_path(kv, dst, &path, fn));
   const bool unpin = (flags & SKV_FETCH_UNPIN) != 0;
@@ -744,6 +780,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
                     "SKV_ROLE_OWNER to publish",
                     fn);
   if (n == 0) return 0;
+  tidy(kv);
   int path;
   SKV_CHECK(choose_path(kv, src, &path, fn));
   size_t chunk = 1; /* pages allocated, copied and finished together */

@@ -119,6 +119,12 @@ int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const
   h->start_time = start;
   p->my_pidns = h->pidns = pid_namespace();
   h->pages = pages;
+  long long lease = 30000;
+  if (skv__env_int(SKV_ENV_PIN_LEASE_MS, 0, 86400000, 30000, &lease) != 0) lease = 30000;
+  p->lease_ms = (uint64_t)lease;
+  p->seen_revoked = __atomic_load_n(&h->revoked, __ATOMIC_ACQUIRE); /* a slot used before */
+  __atomic_store_n(&h->lease_until, p->lease_ms ? skv__now_ms() + p->lease_ms : 0,
+                   __ATOMIC_RELEASE);
   __atomic_store_n(&h->magic, PE_MAGIC, __ATOMIC_RELEASE);
   return 0;
 }
@@ -198,6 +204,92 @@ bool skv__pool_alive(skv__pool_t *p, int pe) {
 
 /* ---- pins ---------------------------------------------------------------------------- */
 
+/* The owner of a page died inside its own eviction, between its CAS to EVICTING(gen) and its
+ * FREE store: nobody else would ever move the page again, and its key would stay broken for the
+ * cache's life (indexed but never pinnable). Its bytes are intact (an eviction writes none), so
+ * the eviction is undone: READY(gen) again, pinnable and readable like the dead owner's other
+ * pages. If the owner had already erased the index entry, the page is simply not found any more
+ * and the key can be published again. Returns the state now. */
+static uint64_t undo_dead_eviction(skv__page_meta_t *m, uint32_t gen, uint32_t pe, uint32_t page) {
+  uint64_t expect = skv__st_make(gen, SKV_PAGE_EVICTING);
+  if (__atomic_compare_exchange_n(&m->state, &expect, skv__st_make(gen, SKV_PAGE_READY), false,
+                                  __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+    SKV_WARN_RL(SKV_SUBSYS_POOL,
+                "PE %u died while evicting its page %u (generation %u): eviction undone, the page "
+                "is READY again",
+                pe, page, gen);
+  return __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
+}
+
+/* ---- leases ------------------------------------------------------------------------- */
+
+bool skv__pool_renew(skv__pool_t *p) {
+  if (!p->lease_ms || !p->hdr) return false;
+  skv__pe_hdr_t *h = p->hdr[p->me];
+  __atomic_store_n(&h->lease_until, skv__now_ms() + p->lease_ms, __ATOMIC_SEQ_CST);
+  uint64_t rv = __atomic_load_n(&h->revoked, __ATOMIC_SEQ_CST);
+  if (rv == __atomic_load_n(&p->seen_revoked, __ATOMIC_RELAXED)) return false;
+  pthread_mutex_lock(&p->pin_mu);
+  bool dropped = rv != p->seen_revoked;
+  if (dropped) {
+    uint64_t n = 0;
+    for (uint64_t i = 0; i < (uint64_t)p->npes * p->pages; i++) {
+      if (!p->pins[i]) continue;
+      __atomic_fetch_and(&p->meta[i / p->pages][i % p->pages].pinmask, ~(1ull << p->me),
+                         __ATOMIC_SEQ_CST);
+      p->pins[i] = 0;
+      n++;
+    }
+    p->pinned_pages = 0;
+    p->lease_lost++;
+    __atomic_store_n(&p->seen_revoked, rv, __ATOMIC_RELAXED);
+    SKV_WARN_RL(SKV_SUBSYS_POOL,
+                "PE %d made no call for longer than its pin lease (%llu ms) while other PEs "
+                "needed its pinned pages: its pins were revoked, %llu pins dropped; fetches of "
+                "pages that went fail with SKV_ESTALE (SKV_PIN_LEASE_MS sets the lease)",
+                p->me, (unsigned long long)p->lease_ms, (unsigned long long)n);
+  }
+  pthread_mutex_unlock(&p->pin_mu);
+  return dropped;
+}
+
+uint64_t skv__pool_revoked(const skv__pool_t *p) {
+  return p->hdr ? __atomic_load_n(&p->hdr[p->me]->revoked, __ATOMIC_SEQ_CST) : 0;
+}
+
+/* Has PE pe's lease run out (it lives but made no call for lease_ms)? Its own setting counts:
+ * every PE of a cache reads the same SKV_PIN_LEASE_MS only by convention, so the holder's
+ * lease_until, which it computed, is what is compared. */
+static bool lease_expired(skv__pool_t *p, int pe) {
+  if (!p->lease_ms) return false; /* this evictor does not revoke */
+  uint64_t until = __atomic_load_n(&p->hdr[pe]->lease_until, __ATOMIC_SEQ_CST);
+  return until != 0 && skv__now_ms() > until;
+}
+
+/* The pins on page record m (page `page` of ours) that still hold: bits of dead PEs are cleared
+ * (their leases ended with them) and bits of live PEs whose lease ran out are revoked (counter
+ * first, then the bit). Our own bit is left to the caller. */
+static uint64_t live_pins(skv__pool_t *p, skv__page_meta_t *m, uint32_t page) {
+  uint64_t pins = __atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST);
+  for (int pe = 0; pins && pe < p->npes; pe++) {
+    uint64_t bit = 1ull << pe;
+    if (!(pins & bit) || pe == p->me) continue;
+    if (!skv__pool_alive(p, pe)) {
+      __atomic_fetch_and(&m->pinmask, ~bit, __ATOMIC_SEQ_CST);
+      pins &= ~bit;
+    } else if (lease_expired(p, pe)) {
+      __atomic_fetch_add(&p->hdr[pe]->revoked, 1, __ATOMIC_SEQ_CST);
+      __atomic_fetch_and(&m->pinmask, ~bit, __ATOMIC_SEQ_CST);
+      pins &= ~bit;
+      SKV_WARN_RL(SKV_SUBSYS_POOL,
+                  "PE %d holds a pin on page %u but made no call for longer than its lease: "
+                  "pin revoked",
+                  pe, page);
+    }
+  }
+  return pins;
+}
+
 int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
   skv__page_meta_t *m = &p->meta[pe][page];
   uint64_t bit = 1ull << p->me;
@@ -222,7 +314,10 @@ int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
       } else { /* the evictor was descheduled in its window: let it run, if it lives */
         uint64_t now = skv__now_ms();
         if (!until) {
-          if (!skv__pool_alive(p, (int)pe)) break; /* it died there: the page stays EVICTING */
+          if (!skv__pool_alive(p, (int)pe)) {
+            st = undo_dead_eviction(m, gen, pe, page);
+            break;
+          }
           until = now + PIN_EVICTING_WAIT_MS;
         }
         if (now > until) break; /* it stopped there: stale for us */
@@ -245,7 +340,8 @@ int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
 int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page) {
   pthread_mutex_lock(&p->pin_mu);
   uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
-  if (*c == 0 && p->forgot[pe]) { /* dropped with its incarnation: nothing left to release */
+  if (*c == 0 && (p->forgot[pe] || p->lease_lost)) {
+    /* dropped with its incarnation, or with a lease that ran out: nothing left to release */
     pthread_mutex_unlock(&p->pin_mu);
     return 0;
   }
@@ -268,6 +364,26 @@ int skv__pool_held(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen) {
   pthread_mutex_lock(&p->pin_mu);
   uint32_t c = p->pins[(uint64_t)pe * p->pages + page];
   int rc = c == 0 ? SKV_ENOTFOUND : skv__pool_gen(p, pe, page) != gen ? SKV_ESTALE : 0;
+  pthread_mutex_unlock(&p->pin_mu);
+  return rc;
+}
+
+int skv__pool_held_refs(skv__pool_t *p, const skv_page_ref_t *refs, size_t n, size_t *bad) {
+  /* Count each reference against this PE's pins (taken one by one, so that a page listed twice
+   * needs two), then give every one back: the counts are private to this PE, under pin_mu. */
+  int rc = 0;
+  size_t i = 0;
+  pthread_mutex_lock(&p->pin_mu);
+  for (; i < n; i++) {
+    uint32_t *c = &p->pins[(uint64_t)refs[i].pe * p->pages + refs[i].page];
+    if (*c == 0) {
+      rc = SKV_ENOTFOUND;
+      *bad = i;
+      break;
+    }
+    (*c)--;
+  }
+  while (i-- > 0) p->pins[(uint64_t)refs[i].pe * p->pages + refs[i].page]++;
   pthread_mutex_unlock(&p->pin_mu);
   return rc;
 }
@@ -315,15 +431,7 @@ static bool try_evict(skv__pool_t *p, uint32_t page, uint32_t gen, skv__pool_evi
   if (!__atomic_compare_exchange_n(&m->state, &expect, skv__st_make(gen, SKV_PAGE_EVICTING), false,
                                    __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
     return false;
-  uint64_t pins = __atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST);
-  for (int pe = 0; pins && pe < p->npes; pe++) {
-    uint64_t bit = 1ull << pe;
-    if (!(pins & bit)) continue;
-    if (pe != p->me && !skv__pool_alive(p, pe)) {
-      __atomic_fetch_and(&m->pinmask, ~bit, __ATOMIC_SEQ_CST); /* a dead reader's lease */
-      pins &= ~bit;
-    }
-  }
+  uint64_t pins = live_pins(p, m, page);
   if (pins) {
     __atomic_store_n(&m->state, ready, __ATOMIC_SEQ_CST);
     return false;
@@ -383,13 +491,7 @@ static void recycle_retired(skv__pool_t *p) {
   for (uint64_t i = 0; i < p->nretired;) {
     uint32_t pg = p->retired[i];
     skv__page_meta_t *m = &p->meta[p->me][pg];
-    uint64_t pins = __atomic_load_n(&m->pinmask, __ATOMIC_ACQUIRE);
-    for (int pe = 0; pins && pe < p->npes; pe++)
-      if ((pins & (1ull << pe)) && !skv__pool_alive(p, pe)) {
-        __atomic_fetch_and(&m->pinmask, ~(1ull << pe), __ATOMIC_SEQ_CST);
-        pins &= ~(1ull << pe);
-      }
-    if (pins) {
+    if (live_pins(p, m, pg)) {
       i++;
       continue;
     }
@@ -477,12 +579,7 @@ uint64_t skv__pool_drain(skv__pool_t *p, skv__pool_evict_cb evict, void *arg,
       continue;
     /* From here no new pin succeeds (Dekker, as in try_evict); wait for the ones held. */
     for (;;) {
-      uint64_t pins = __atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST) & ~(1ull << p->me);
-      for (int pe = 0; pins && pe < p->npes; pe++)
-        if ((pins & (1ull << pe)) && !skv__pool_alive(p, pe)) {
-          __atomic_fetch_and(&m->pinmask, ~(1ull << pe), __ATOMIC_SEQ_CST);
-          pins &= ~(1ull << pe);
-        }
+      uint64_t pins = live_pins(p, m, (uint32_t)pg) & ~(1ull << p->me);
       if (!pins) break;
       if (skv__now_ms() >= deadline_ms) {
         still++;

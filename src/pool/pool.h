@@ -39,12 +39,33 @@
  *   that fails otherwise (EMFILE...) says nothing, and a PE in another PID namespace (another
  *   container sharing the host's network) is never judged: its pins stay until it unpins.
  * - A pin that meets the evictor between its CAS and its pinmask read (EVICTING, same
- *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS; not at all once the
- *   owner is dead): READY again when the evictor saw the pin, else FREE(g + 1) and the
- *   reference is stale.
+ *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS): READY again when the
+ *   evictor saw the pin, else FREE(g + 1) and the reference is stale.
+ * - The owner dies inside its own eviction (EVICTING, before or after erasing the index entry):
+ *   a pin that meets EVICTING of a dead owner undoes the eviction (CAS EVICTING(g) -> READY(g):
+ *   an eviction writes no page bytes) and pins. The key stays usable (lookups hit and fetch),
+ *   or, when the entry was already erased, is simply missing and can be published again.
  * - An owner dies: its READY pages stay readable (their memory lives while peers map it) but
  *   can no longer be evicted; the other PEs' capacity is unaffected.
  * - Pins must balance: unpinning a page the PE does not hold fails with SKV_EINVAL.
+ *
+ * Leases
+ * ------
+ * A live PE that stops (SIGSTOP, a debugger, a hung thread) would keep its pins for ever, and
+ * its pages could never be evicted. So a PE's pins are leased: every call of the PE into the
+ * KV cache (lookup, fetch, unpin, publish) renews its lease, lease_until = now + lease_ms in its
+ * header (SKV_PIN_LEASE_MS, default 30 s; 0: no leases). An evictor that finds the pin bit of
+ * a live PE whose lease has run out revokes it: it first adds one to that PE's revoked counter,
+ * then clears the bit, and evicts the page if nothing else pins it.
+ * The holder notices on its next call (revoked moved): it drops every pin it holds (counts and
+ * bits), and later unpins of pages it no longer holds succeed without effect. Its references
+ * stay references: a fetch pins each page again by generation, so it copies the page if it is
+ * unchanged and fails with SKV_ESTALE if it went; a fetch with SKV_FETCH_UNPIN of pins that were
+ * dropped fails with SKV_ESTALE naming the lease. A copy the holder was inside when it stopped
+ * is checked after it ends: if revoked moved since the copy's pins were taken, the fetch fails
+ * with SKV_ESTALE (the destination may hold anything). The revoked counter is added to before
+ * the bit is cleared, and the page is rewritten only after, so a copy that read rewritten bytes
+ * always sees the counter moved.
  */
 
 enum { SKV_PAGE_FREE = 0, SKV_PAGE_WRITING = 1, SKV_PAGE_READY = 2, SKV_PAGE_EVICTING = 3 };
@@ -62,8 +83,10 @@ typedef struct skv__pe_hdr {
   int64_t pid;
   uint64_t start_time; /* /proc/<pid>/stat field 22 */
   uint64_t pages;
-  uint64_t pidns; /* inode of /proc/self/ns/pid: pids mean something only within one */
-  uint64_t pad[3];
+  uint64_t pidns;       /* inode of /proc/self/ns/pid: pids mean something only within one */
+  uint64_t lease_until; /* skv__now_ms() time this PE's pins are good until; 0: not yet leased */
+  uint64_t revoked;     /* pins of this PE revoked by evictors (only grows) */
+  uint64_t pad;
 } skv__pe_hdr_t;
 
 static inline uint32_t skv__st_state(uint64_t st) {
@@ -109,6 +132,10 @@ typedef struct skv__pool {
   uint32_t *retired;
   uint64_t nretired;
   uint8_t *forgot; /* [npes] */
+  /* leases (see above) */
+  uint64_t lease_ms;     /* 0: pins never expire */
+  uint64_t seen_revoked; /* our header's revoked when we last looked (under pin_mu) */
+  uint64_t lease_lost;   /* times our pins were dropped because a lease ran out */
 } skv__pool_t;
 
 /* skv__pool_init flags (elastic domains). REUSE: the records belong to a slot that was used
@@ -131,6 +158,12 @@ void skv__pool_set_alive(skv__pool_t *p, bool (*fn)(void *arg, int pe), void *ar
  * mask bits cleared; later unpins of such pages succeed without effect. */
 void skv__pool_forget_pe(skv__pool_t *p, int pe);
 
+/* Renew this PE's lease (every call into the KV cache does). When evictors revoked pins of ours
+ * since the last call, every pin we hold is dropped first and true is returned. */
+bool skv__pool_renew(skv__pool_t *p);
+/* Our header's revoked counter (a copy compares it before and after). */
+uint64_t skv__pool_revoked(const skv__pool_t *p);
+
 /* Pin / unpin a page of any PE with generation check. SKV_ESTALE when the page is no longer
  * READY with that generation. */
 int skv__pool_pin(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
@@ -139,6 +172,9 @@ int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page);
 /* Does this PE hold a pin on page `page` of PE `pe` at generation `gen`? 0 when it does,
  * SKV_ENOTFOUND when it holds none there, SKV_ESTALE when its pin is on another generation. */
 int skv__pool_held(skv__pool_t *p, uint32_t pe, uint32_t page, uint32_t gen);
+/* Does this PE hold a pin on every page of refs[0..n) (a page listed k times: k pins)? 0, or
+ * SKV_ENOTFOUND with *bad the first reference short of a pin. Changes nothing. */
+int skv__pool_held_refs(skv__pool_t *p, const skv_page_ref_t *refs, size_t n, size_t *bad);
 /* The page's current generation. */
 static inline uint32_t skv__pool_gen(const skv__pool_t *p, uint32_t pe, uint32_t page) {
   return skv__st_gen(__atomic_load_n(&p->meta[pe][page].state, __ATOMIC_ACQUIRE));

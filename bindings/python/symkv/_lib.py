@@ -3,6 +3,7 @@ include/symkv.h with argtypes/restype; failing calls raise symkv.Error subclasse
 
 import ctypes
 import ctypes.util
+import numbers
 import os
 import re
 from ctypes import (POINTER, Structure, byref, c_char, c_char_p, c_int, c_int32, c_int64,
@@ -47,6 +48,7 @@ ALGO_AUTO, ALGO_ONESHOT, ALGO_TWOSHOT, ALGO_NCCL = 0, 1, 2, 3
 SIGNAL_SET, SIGNAL_ADD = 0, 1
 CMP_EQ, CMP_NE, CMP_GE, CMP_GT, CMP_LT, CMP_LE = 0, 1, 2, 3, 4, 5
 COMM_NO_NCCL = 1
+COMM_CHECKED = 2  # checking mode: every all-reduce and barrier checked against every PE's
 STORE_MAX_KEY = 256
 STORE_MAX_VALUE = 16 << 20
 
@@ -223,6 +225,31 @@ def raise_error(code, message):
 
 def invalid(message):
     raise errors.make_error(errors.InvalidArgument.code, message + " (SKV_EINVAL, python)")
+
+
+def as_bytes(v, what, none_ok=True):
+    """The bytes of a bytes-like value (bytes, bytearray, memoryview, a buffer such as a numpy
+    array, an iterable of ints 0..255) or of a str (UTF-8); None is b"" when none_ok. An int is
+    refused: bytes(5) is five zero bytes and bytes(0) none, so an int salt or value would
+    silently be zeros (and salt=0 no salt at all). Encode it yourself, e.g. str(n).encode() or
+    n.to_bytes(8, "little")."""
+    if v is None and none_ok:
+        return b""
+    if isinstance(v, str):
+        return v.encode("utf-8")
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v)
+    if isinstance(v, numbers.Integral):  # int, bool, numpy integers
+        invalid("%s: an int (%r) is not bytes (bytes(n) would be n zero bytes); encode it "
+                "explicitly, e.g. str(n).encode() or n.to_bytes(8, \"little\")" % (what, v))
+    try:
+        return bytes(memoryview(v))
+    except TypeError:
+        pass
+    try:
+        return bytes(v)
+    except (TypeError, ValueError):
+        invalid("%s: expected bytes or str, got %s" % (what, type(v).__name__))
 
 
 # ---- the function table -----------------------------------------------------------------------

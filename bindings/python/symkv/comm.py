@@ -66,11 +66,11 @@ class Comm(CollectiveResource):
 
     _what = "comm"
 
-    def __init__(self, ctx, backend="host", channels=0, nccl=True, max_bytes=0):
+    def __init__(self, ctx, backend="host", channels=0, nccl=True, max_bytes=0, checked=False):
         opts = _lib.comm_opts_init()
         opts.backend = backend_id(backend)
         opts.channels = check_uint("channels", channels, 32)
-        opts.flags = 0 if nccl else _lib.COMM_NO_NCCL
+        opts.flags = (0 if nccl else _lib.COMM_NO_NCCL) | (_lib.COMM_CHECKED if checked else 0)
         opts.max_bytes = check_uint("max_bytes", max_bytes)
         self.backend = opts.backend
         h = c_void_p()

@@ -155,7 +155,7 @@ class Context(Resource):
             src = arr.view(np.uint8).reshape(-1) if arr.size else np.zeros(0, np.uint8)
             payload = src.tobytes()
         else:
-            payload = bytes(data)
+            payload = _lib.as_bytes(data, "allgather data", none_ok=False)
         n = len(payload)
         out = ctypes.create_string_buffer(n * self._world or 1)
         lib.skv_ctx_allgather(self.handle, payload, out, n)
@@ -174,20 +174,21 @@ class Context(Resource):
             lib.skv_ctx_broadcast(self.handle, data.ctypes.data if data.size else None,
                                   data.nbytes, root)
             return data
-        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        data = _lib.as_bytes(data, "broadcast data", none_ok=False)
+        buf = ctypes.create_string_buffer(data, len(data))
         lib.skv_ctx_broadcast(self.handle, buf if len(data) else None, len(data), root)
         return buf.raw
 
     # -- the bootstrap store (point to point) -----------------------------------------------
     @staticmethod
     def _key(key):
-        k = key.encode("utf-8") if isinstance(key, str) else bytes(key)
+        k = _lib.as_bytes(key, "store key", none_ok=False)
         if b"\0" in k:
             _lib.invalid("store key %r contains a NUL character" % key)
         return k
 
     def store_set(self, key, value):
-        value = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        value = _lib.as_bytes(value, "store value", none_ok=False)
         lib.skv_store_set(self.handle, self._key(key), value, len(value))
 
     def store_get(self, key):
@@ -231,10 +232,11 @@ class Context(Resource):
         from .kv import KVCache
         return KVCache(self, geometry, pages_per_pe, backend, index_slots)
 
-    def comm(self, backend="host", channels=0, nccl=True, max_bytes=0):
-        """Collectives, signals and barrier (collective); see symkv.Comm."""
+    def comm(self, backend="host", channels=0, nccl=True, max_bytes=0, checked=False):
+        """Collectives, signals and barrier (collective); see symkv.Comm. checked=True: every
+        all-reduce and barrier is checked against every PE's (docs/comm.md, "Checking mode")."""
         from .comm import Comm
-        return Comm(self, backend, channels, nccl, max_bytes)
+        return Comm(self, backend, channels, nccl, max_bytes, checked)
 
     # -- closing ----------------------------------------------------------------------------
     def close(self):

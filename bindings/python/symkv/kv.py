@@ -496,14 +496,7 @@ def as_tokens(tokens):
 
 
 def _bytes_arg(v, what):
-    if v is None:
-        return b""
-    if isinstance(v, str):
-        return v.encode("utf-8")
-    try:
-        return bytes(v)
-    except TypeError:
-        _lib.invalid("%s: expected bytes or str, got %s" % (what, type(v).__name__))
+    return _lib.as_bytes(v, what)
 
 
 class Namespace(LocalResource):
@@ -516,7 +509,7 @@ class Namespace(LocalResource):
 
     def __init__(self, model, geometry, salt=b"", secret=None):
         self.geometry = _as_geometry(geometry)
-        m = model.encode("utf-8") if isinstance(model, str) else _bytes_arg(model, "model")
+        m = _lib.as_bytes(model, "model", none_ok=False)
         if b"\0" in m:
             _lib.invalid("namespace model name contains a NUL byte")
         s = _bytes_arg(salt, "salt")

@@ -172,6 +172,7 @@ def test_namespaces_separate():
     (lambda ns: ns.hash_tokens([1, 2], parent=(0, 5)), symkv.InvalidArgument, r"parent.*hi"),
     (lambda ns: ns.hash_tokens([1, 2], parent="zz"), symkv.InvalidArgument, "32 hex digits"),
     (lambda ns: ns.key_from_bytes(3.5), symkv.InvalidArgument, "expected bytes"),
+    (lambda ns: ns.key_from_bytes(5), symkv.InvalidArgument, "int"),
 ])
 def test_bad_hash_input(call, exc, match):
     g = symkv.Geometry(num_layers=1, num_kv_heads=1, head_dim=1, page_tokens=2, elem_bytes=1)
@@ -185,6 +186,11 @@ def test_bad_hash_input(call, exc, match):
     (dict(model="a\0b"), "NUL"),
     (dict(salt=b"s" * 4097), r"salt"),
     (dict(secret=b"s" * 4097), r"secret"),
+    # bytes(n) is n zero bytes, and bytes(0) no salt at all: an int is refused, not converted
+    (dict(salt=0), r"salt: an int"),
+    (dict(salt=5), r"salt: an int"),
+    (dict(secret=7), r"secret: an int"),
+    (dict(model=3), r"model: an int"),
 ])
 def test_bad_namespace(kw, match):
     g = symkv.Geometry(num_layers=1, num_kv_heads=1, head_dim=1, page_tokens=2, elem_bytes=1)
@@ -192,6 +198,16 @@ def test_bad_namespace(kw, match):
     args.update(kw)
     with pytest.raises(symkv.InvalidArgument, match=match):
         symkv.Namespace(args["model"], g, salt=args["salt"], secret=args["secret"])
+
+
+def test_salts_that_are_not_bytes():
+    """An int salt is an error (it was turned into that many zero bytes, and salt=0 into the
+    unsalted namespace); its explicit encodings are distinct namespaces."""
+    g = symkv.Geometry(num_layers=1, num_kv_heads=1, head_dim=1, page_tokens=2, elem_bytes=1)
+    ids = {symkv.Namespace("m", g, salt=s).id for s in (None, b"", "")}
+    assert len(ids) == 1  # no salt, however spelled
+    enc = [b"\0", b"\0" * 5, str(5).encode(), (5).to_bytes(8, "little"), b"0"]
+    assert len({symkv.Namespace("m", g, salt=s).id for s in enc} | ids) == len(enc) + 1
 
 
 def test_namespace_is_released():

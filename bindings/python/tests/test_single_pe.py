@@ -48,6 +48,15 @@ def test_store(ctx):
     ctx.store_wait(["a"])
     with pytest.raises(symkv.InvalidArgument, match="key length 300"):
         ctx.store_set("k" * 300, b"")
+    for bad in (5, 0, True):  # bytes(5) would store five zero bytes
+        with pytest.raises(symkv.InvalidArgument, match="an int"):
+            ctx.store_set("i", bad)
+        with pytest.raises(symkv.InvalidArgument, match="an int"):
+            ctx.allgather(bad)
+        with pytest.raises(symkv.InvalidArgument, match="an int"):
+            ctx.broadcast(bad)
+    with pytest.raises(symkv.InvalidArgument, match="an int"):
+        ctx.store_get(7)
     ctx.timeout_ms = 300
     with pytest.raises(symkv.Timeout) as ei:
         ctx.store_get("never-set")

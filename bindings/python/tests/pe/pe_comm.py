@@ -1,5 +1,6 @@
 """Run on 2+ PEs: the host-backend comm: all-reduce (sum/max/min, fp32/fp16, every algorithm,
-in place, zero copy in the comm's heap), signals, wait, barrier, timeouts and bad input."""
+in place, zero copy in the comm's heap), signals, wait, barrier, timeouts, bad input and the
+checking mode."""
 import time
 
 import numpy as np
@@ -77,6 +78,18 @@ for bad, exc in [(lambda: comm.allreduce(np.zeros(4, np.int32)), symkv.InvalidAr
     else:
         raise AssertionError("bad input accepted")
 comm.barrier()
+
+# checking mode: matching calls pass; the last PE reducing with another op fails on every PE
+chk = ctx.comm(backend="host", nccl=False, checked=True)
+x = np.ones(100, np.float32)
+assert (chk.allreduce(x) == n).all()
+try:
+    chk.allreduce(x, op="max" if rank == n - 1 else "sum")
+except symkv.CollectiveMismatch as e:
+    assert "checking mode" in str(e) and ("max" in str(e) and "sum" in str(e)), e
+else:
+    raise AssertionError("a mismatched op went unnoticed in checking mode")
+chk.close()
 ctx.close()
 assert comm.closed
 print("OK", rank)
