@@ -1,15 +1,17 @@
 """One vLLM engine (CPU) driven over stdin/stdout, for test_vllm.py and bench/vllm_prefix.py:
 
     python vllm_engine.py make-model OUT [hidden=256 layers=2 heads=4 kv_heads=2]
+    python vllm_engine.py make-mla-model OUT [hidden=256 layers=2 heads=4]  (DeepSeek-V2, MLA)
     python vllm_engine.py serve MODEL --domain NAME|none [--block-size 32] [--tp 1]
-                                      [--prefix-caching] [--cache-gb 0.25]
+                                      [--prefix-caching] [--cache-gb 0.25] [--load-async]
 
 `serve` reads one JSON command per line and answers one line "@@ {json}" (vLLM's own log lines
 go to stderr). Commands: {"op": "generate", "prompt": [ids], "max_tokens": 8, "cache_salt": s}
--> tokens, num_cached_tokens, seconds; {"op": "loads"} / {"op": "saves"} -> each worker's last
-loads / saves with the sha256 of every block's bytes (all layers); {"op": "poison", "value": v}
--> each worker evicts its pages and publishes pages of constant v under every key it saved;
-{"op": "stats"}; {"op": "quit"}."""
+-> tokens, num_cached_tokens, seconds; {"op": "generate_many", "prompts": [[ids], ...],
+"max_tokens": 8} -> the same as lists, one batch, its seconds; {"op": "loads"} / {"op": "saves"}
+-> each worker's last loads / saves with the sha256 of every block's bytes (all layers);
+{"op": "poison", "value": v} -> each worker evicts its pages and publishes pages of constant v
+under every key it saved; {"op": "stats"}; {"op": "quit"}."""
 
 import hashlib
 import json
@@ -21,20 +23,44 @@ import time
 def make_model(out, hidden=256, layers=2, heads=4, kv_heads=2, vocab=1024):
     """A random-weight Llama with a word-level tokenizer ("w4 w5 ..."), no hub access."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, max_position_embeddings=4096, bos_token_id=1,
                       eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    _save_tokenizer(out, vocab)
+
+
+def _save_tokenizer(out, vocab):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
     words = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     words.update({"w%d" % i: i for i in range(4, vocab)})
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                             unk_token="<unk>", pad_token="<pad>").save_pretrained(out)
+
+
+def make_mla_model(out, hidden=256, layers=2, heads=4, vocab=1024):
+    """A random-weight DeepSeek-V2 (MLA attention, dense MLPs: no experts) with the same
+    word-level tokenizer, no hub access. kv_lora_rank 512 + rope 64: the 576-wide latent that
+    vLLM's CPU MLA kernel takes (its kernel blocks are 16 tokens: 32-token blocks split)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    torch.manual_seed(0)
+    cfg = DeepseekV2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=heads, kv_lora_rank=512, q_lora_rank=None,
+                           qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                           n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                           moe_intermediate_size=hidden, first_k_dense_replace=layers,
+                           max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0, tie_word_embeddings=False)
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    _save_tokenizer(out, vocab)
 
 
 # ---- functions run in every worker (collective_rpc; cloudpickled by value from __main__) -----
@@ -118,6 +144,7 @@ def serve(argv):
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--cache-gb", type=float, default=0.25)
+    ap.add_argument("--load-async", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=4096)
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -137,6 +164,8 @@ def serve(argv):
             "kv_connector": "SymkvConnector", "kv_connector_module_path": "symkv.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"domain": a.domain, "cache_gb": a.cache_gb}}
+        if a.load_async:
+            kw["kv_transfer_config"]["kv_connector_extra_config"]["load_async"] = True
     t0 = time.perf_counter()
     llm = LLM(model=a.model, dtype="float32", max_model_len=a.max_model_len,
               max_num_batched_tokens=a.max_model_len, block_size=a.block_size,
@@ -167,6 +196,15 @@ def serve(argv):
                 answer(dict(tokens=list(o.outputs[0].token_ids),
                             num_cached_tokens=o.num_cached_tokens,
                             seconds=time.perf_counter() - t))
+            elif op == "generate_many":  # one batch: request throughput
+                sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8),
+                                    detokenize=False, ignore_eos=True)
+                ps = [TokensPrompt(prompt_token_ids=x) for x in cmd["prompts"]]
+                t = time.perf_counter()
+                outs = llm.generate(ps, sp, use_tqdm=False)
+                answer(dict(tokens=[list(o.outputs[0].token_ids) for o in outs],
+                            num_cached_tokens=[o.num_cached_tokens for o in outs],
+                            seconds=time.perf_counter() - t))
             elif op in rpc:
                 answer(dict(workers=llm.collective_rpc(rpc[op], timeout=60)))
             elif op == "poison":
@@ -183,7 +221,9 @@ def serve(argv):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "make-model":
+    if len(sys.argv) > 2 and sys.argv[1] == "make-mla-model":
+        make_mla_model(sys.argv[2], **{k: int(v) for k, v in (x.split("=") for x in sys.argv[3:])})
+    elif len(sys.argv) > 2 and sys.argv[1] == "make-model":
         make_model(sys.argv[2], **{k: int(v) for k, v in (x.split("=") for x in sys.argv[3:])})
     elif len(sys.argv) > 2 and sys.argv[1] == "serve":
         serve(sys.argv[2:])
