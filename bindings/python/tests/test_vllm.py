@@ -28,13 +28,16 @@ BLOCK = 32
 class Engine:
     """A vLLM engine process answering JSON commands (vllm_engine.py serve)."""
 
-    def __init__(self, model, domain, tp=1, prefix_caching=False, start_timeout=600):
+    def __init__(self, model, domain, tp=1, prefix_caching=False, start_timeout=600,
+                 load_async=False):
         env = dict(os.environ)
         env["PYTHONPATH"] = PKG + os.pathsep + env.get("PYTHONPATH", "")
         args = [sys.executable, ENGINE, "serve", model, "--domain", domain, "--block-size",
                 str(BLOCK), "--tp", str(tp)]
         if prefix_caching:
             args.append("--prefix-caching")
+        if load_async:
+            args.append("--load-async")
         self.log = []
         self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, env=env)
@@ -133,11 +136,13 @@ def test_vllm_two_engines_share_a_prefix(model):
     external, the loaded blocks are byte for byte A's, and B's greedy tokens are those of an
     engine with no connector. Another cache_salt matches nothing. Negative control: A replaces
     its pages by constant ones under the same keys; B then loads those bytes and its tokens
-    change, so the bytes B used came from symkv."""
+    change, so the bytes B used came from symkv. Engine C loads asynchronously (load_async:
+    vLLM's WAITING_FOR_REMOTE_KVS and get_finished path) and gets the same tokens."""
     dom = _domain("ab")
     base = Engine(model, "none")
     a = Engine(model, dom)
     b = Engine(model, dom)
+    c = Engine(model, dom, load_async=True)
     try:
         ra = a.call(op="generate", prompt=P1)
         assert ra["num_cached_tokens"] == 0
@@ -148,6 +153,10 @@ def test_vllm_two_engines_share_a_prefix(model):
         rb = b.call(op="generate", prompt=P2)
         assert rb["num_cached_tokens"] == 128, rb
         assert rb["tokens"] == want, (rb, want)
+        # C, asynchronous: A's 4 blocks and B's block 4 (P2's 5 full blocks, 160 tokens).
+        rc = c.call(op="generate", prompt=P2)
+        assert rc["num_cached_tokens"] == 160 and rc["tokens"] == want, (rc, want)
+        assert c.call(op="stats")["workers"][0]["loaded_pages"] == 5
 
         saves = a.call(op="saves")["workers"][0]["saves"]
         a_digest = {}
@@ -177,7 +186,7 @@ def test_vllm_two_engines_share_a_prefix(model):
         assert vals[:4] == [[0.25]] * 4 and len(vals) == 5 and vals[4] != [0.25], vals
         assert rp["tokens"] != want, "poisoned KV gave the right tokens: not read from symkv?"
     finally:
-        for e in (a, b, base):
+        for e in (a, b, c, base):
             e.close()
     assert _shm_gone(dom)
 
@@ -200,6 +209,42 @@ def test_vllm_local_prefix_cache_then_symkv(model):
         assert r["num_cached_tokens"] == 192, r     # local 96 + external 96
         loads = b.call(op="loads")["workers"][0]["loads"]
         assert [x["loaded"] for x in loads] == [3, 3], loads
+    finally:
+        a.close()
+        b.close()
+    assert _shm_gone(dom)
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory):
+    """A 2-layer random-weight DeepSeek-V2 (MLA: a 576-wide latent per token), made here."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (SKV_WITH_VLLM=1 tests/deps.sh)")
+    out = str(tmp_path_factory.mktemp("tiny-mla"))
+    r = subprocess.run([sys.executable, ENGINE, "make-mla-model", out], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@needs_vllm
+def test_vllm_mla_model_shares_a_prefix(mla_model):
+    """An MLA model (DeepSeek-V2 on vLLM's CPU_MLA backend, which makes 16-token blocks): B
+    loads the 9 full blocks P2 shares with A's P1 (144 tokens), byte for byte A's, and gives the
+    tokens it computes itself for P2 under another cache_salt (nothing loaded)."""
+    dom = _domain("mla")
+    a = Engine(mla_model, dom)
+    b = Engine(mla_model, dom)
+    try:
+        assert a.call(op="generate", prompt=P1)["num_cached_tokens"] == 0
+        rb = b.call(op="generate", prompt=P2)
+        # The blocks' digests now, before B's next request reuses its blocks.
+        saves = a.call(op="saves")["workers"][0]["saves"]
+        loads = b.call(op="loads")["workers"][0]["loads"]
+        assert loads[0]["loaded"] == 9 and loads[0]["digests"] == saves[0]["digests"][:9]
+        own = b.call(op="generate", prompt=P2, cache_salt="own")
+        assert own["num_cached_tokens"] == 0
+        assert rb["num_cached_tokens"] == 144 and rb["tokens"] == own["tokens"], (rb, own)
     finally:
         a.close()
         b.close()
@@ -237,8 +282,8 @@ def test_vllm_tp2_every_rank_loads_its_own_shard(model):
 
 
 @needs_vllm
-@pytest.mark.parametrize("case", ["share", "salt", "failure", "layouts",
-                                  "async_load+stats+tp2"])
+@pytest.mark.parametrize("case", ["share+salt+failure", "layouts",
+                                  "async_load+async_failure+stats+tp2"])
 def test_vllm_connector_through_vllm_objects(model, case):
     """vllm_scheduler_case.py: vLLM's own Scheduler, Requests, KV cache views of every layout
     and runner outputs around the connector, in one process (see its cases; a+b runs both in

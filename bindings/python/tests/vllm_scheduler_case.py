@@ -358,6 +358,38 @@ def case_async_load(model):
         b.close()
 
 
+def case_async_failure(model):
+    """load_async and the owner of the matched pages leaves before the workers copy them: the
+    workers name the request in get_finished and its blocks in get_block_ids_with_load_errors
+    in the same step (no stale byte copied), and vLLM (policy recompute) schedules it from
+    token 0."""
+    dom = _domain()
+    a = Engine(model, dom, fill=8, timeout_ms=500)
+    b = Engine(model, dom, load_async=True, timeout_ms=500)
+    try:
+        a.add("a1", P1)
+        a.step()
+        req = b.add("b1", P2)
+        so = b.sched.schedule()
+        check(req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "status %s" % req.status)
+        table = list(so.kv_connector_metadata.loads[0].block_ids)
+        a.worker.shutdown()       # detach: waits 0.5 s for B's pins, then leaves anyway
+        _, kvo, _ = b.finish(so)
+        check(kvo.finished_recving == {"b1"}, "finished_recving %r" % kvo.finished_recving)
+        check(kvo.invalid_block_ids == set(table), "errors %r, blocks %r"
+              % (kvo.invalid_block_ids, table))
+        zero = [torch.zeros_like(t) for t in b.block(table[0])]
+        check(all(torch.equal(x, z) for x, z in zip(b.block(table[0]), zero)),
+              "a stale page was copied")
+        so = b.step()[0]
+        check(len(so.scheduled_new_reqs) == 1 and so.scheduled_new_reqs[0].num_computed_tokens
+              == 0 and so.num_scheduled_tokens["b1"] == len(P2),
+              "after the failed load: %r %r" % (so.scheduled_new_reqs, so.num_scheduled_tokens))
+    finally:
+        a.sched.shutdown()
+        b.close()
+
+
 def case_stats(model):
     """The connector's counters through vLLM's stats interface: workers' and the scheduler's
     get_kv_connector_stats, merged by KVOutputAggregator and the Scheduler into
@@ -458,7 +490,8 @@ def case_tp2(model):
 
 CASES = dict(share=case_share, salt=case_salt_and_no_whole_prompt,
              failure=case_load_failure_recomputes, layouts=case_layouts,
-             async_load=case_async_load, stats=case_stats, tp2=case_tp2)
+             async_load=case_async_load, async_failure=case_async_failure, stats=case_stats,
+             tp2=case_tp2)
 
 
 def main():
