@@ -172,9 +172,8 @@ def connector_config(vllm_config, kv_cache_config):
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,48}", name):
         raise ValueError("SymkvConnector: domain %r must be 1..48 of [A-Za-z0-9._-]" % name)
     return dict(domain=name, geometry=geom, model=model, tp=tp, pages_per_pe=pages, mla=mla,
-                shards=shards,
-                load_async=load_async,
-                backend=backend, salt=str(extra.get("salt", "")), layers=layers, spec=spec,
+                shards=shards, load_async=load_async, backend=backend,
+                salt=str(extra.get("salt", "")), layers=layers, spec=spec,
                 timeout_ms=int(extra.get("timeout_ms", _DEFAULT_TIMEOUT_MS)),
                 max_slots=int(extra.get("max_slots", 0)))
 
