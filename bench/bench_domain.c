@@ -495,6 +495,7 @@ static uint64_t *model_slot(model_t *m, skv_key_t key, bool insert) {
   }
 }
 
+#ifdef SKV_WITH_CUDA
 /* The bytes of the page of `key`: every engine publishes and checks the same. */
 static void page_fill(uint8_t *p, uint64_t pb, skv_key_t key) {
   for (uint64_t i = 0; i + 8 <= pb; i += 8) {
@@ -502,6 +503,7 @@ static void page_fill(uint8_t *p, uint64_t pb, skv_key_t key) {
     memcpy(p + i, &v, 8);
   }
 }
+#endif
 
 /* An engine of the replay (a forked process): attaches as an owner, serves its requests in the
  * global order (lookup, then publish the misses), leaves and attaches again when told. With
