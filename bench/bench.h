@@ -113,6 +113,11 @@ static inline uint64_t bench_rand(uint64_t *s) {
 /* Median of n doubles (sorts in place). */
 double bench_median(double *v, size_t n);
 double bench_percentile(double *v, size_t n, double p);
+/* A comma list of counts or sizes with an optional K, M or G suffix ("64K,1M"): up to `cap`
+ * into out, *n of them; -1 on anything else. */
+int bench_parse_list(const char *s, uint64_t *out, int cap, int *n);
+/* A loopback TCP port free at the time of the call (0 if none could be had). */
+int bench_free_port(void);
 /* The parsed options (bench_parse checked every value against its kind): the value of
  * `name` or NULL when not given; a flag given; the value as a number, or `def`. Asking for an
  * option the command did not declare aborts (a programming error). */

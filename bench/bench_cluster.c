@@ -6,34 +6,20 @@
 #include "bench.h"
 #include "workload.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
 #include <inttypes.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #define MAX_SIZES  16
 #define MAX_ROUNDS 15
-
-static int free_port(void) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t len = sizeof a;
-  if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
-      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-    port = ntohs(a.sin_port);
-  if (fd >= 0) close(fd);
-  return port;
-}
 
 static void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -53,23 +39,6 @@ static pid_t spawn(char *const argv[], bool quiet) {
     _exit(127);
   }
   return pid;
-}
-
-static int parse_list(const char *s, uint64_t *out, int cap, int *n) {
-  *n = 0;
-  while (s && *s && *n < cap) {
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (end == s) return -1;
-    if (*end == 'K' || *end == 'k')
-      v <<= 10, end++;
-    else if (*end == 'M' || *end == 'm')
-      v <<= 20, end++;
-    out[(*n)++] = v;
-    if (*end && *end != ',') return -1;
-    s = *end == ',' ? end + 1 : end;
-  }
-  return 0;
 }
 
 /* Pages of `bytes`: 2 heads x 32 dims x 2 bytes x 16 tokens x K and V = 4 KiB per layer. */
@@ -160,7 +129,7 @@ static _Noreturn void server_main(const char *domain, const char *url, const cha
 
 /* ucx_perftest ucp_get of `bytes`, `outstanding` operations in flight: MB/s (2^20 bytes). */
 static double perftest_get(uint64_t bytes, int iters, int outstanding, char *cmd, size_t cap) {
-  int port = free_port();
+  int port = bench_free_port();
   char ps[16], ss[32], ns[16], os[16];
   snprintf(ps, sizeof ps, "%d", port);
   snprintf(ss, sizeof ss, "%llu", (unsigned long long)bytes);
@@ -374,7 +343,7 @@ static int bench_cluster(bench_t *b) {
   uint64_t sizes[MAX_SIZES];
   int nsizes = 0;
   const char *ss = bench_opt(b, "--sizes");
-  if (parse_list(ss ? ss : "64K,256K,1M,4M", sizes, MAX_SIZES, &nsizes) || nsizes == 0)
+  if (bench_parse_list(ss ? ss : "64K,256K,1M,4M", sizes, MAX_SIZES, &nsizes) || nsizes == 0)
     bench_usage_error(b, "--sizes: a comma list of sizes (64K,1M,...)");
   for (int i = 0; i < nsizes; i++)
     if (sizes[i] < 4096 || sizes[i] % 4096)
@@ -405,7 +374,7 @@ static int bench_cluster(bench_t *b) {
   if (url_opt) {
     snprintf(url, sizeof url, "%s", url_opt);
   } else {
-    int port = free_port();
+    int port = bench_free_port();
     char ps[16];
     snprintf(ps, sizeof ps, "%d", port);
     char *argv[] = {"redis-server", "--port", ps,  "--bind", "127.0.0.1", "--save", "",

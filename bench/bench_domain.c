@@ -114,6 +114,15 @@ typedef struct side {
   int dev; /* -1: the engine cache is in host memory; else on this CUDA device */
 } side_t;
 
+/* A row name "WHAT/256_KiBxN": the page size as skv__fmt_bytes writes it, spaces as '_'. */
+static void batch_row_name(char *nm, size_t cap, const char *what, uint64_t pb, uint64_t batch) {
+  char sz[32];
+  snprintf(nm, cap, "%s/%sx%llu", what, skv__fmt_bytes(pb, sz, sizeof sz),
+           (unsigned long long)batch);
+  for (char *p = nm; *p; p++)
+    if (*p == ' ') *p = '_';
+}
+
 /* Publish `nkeys` keys (chains of CHAIN) from `keys` into s->kv. */
 static int fill(side_t *s, const skv_key_t *keys, uint64_t nkeys) {
   uint64_t bids[CHAIN];
@@ -253,11 +262,7 @@ static int datapath(bench_t *b) {
     snprintf(nm, sizeof nm, "lookup/attached/%d-key_chains", CHAIN);
     bench_row(b, nm, bench_median(la, (size_t)r), "Mkeys/s", "higher", "collective path",
               bench_median(lc, (size_t)r));
-    char sz[32];
-    snprintf(nm, sizeof nm, "fetch_host/attached/%sx%llu", skv__fmt_bytes(pb, sz, sizeof sz),
-             (unsigned long long)batch);
-    for (char *p = nm; *p; p++)
-      if (*p == ' ') *p = '_';
+    batch_row_name(nm, sizeof nm, "fetch_host/attached", pb, batch);
     bench_row(b, nm, bench_median(fa, (size_t)r), "GB/s", "higher", "collective path",
               bench_median(fc, (size_t)r));
   }
@@ -417,19 +422,14 @@ static int nvlink(bench_t *b) {
                     "%llu of the %llu fetched bytes differ from what PE 1 published",
                     (unsigned long long)wrong, (unsigned long long)(2 * coll.eng_bytes));
     if (rc == 0) {
-      char nm[96], sz[32];
-      snprintf(nm, sizeof nm, "fetch_gpu/attached/%sx%llu", skv__fmt_bytes(pb, sz, sizeof sz),
-               (unsigned long long)batch);
-      for (char *p = nm; *p; p++)
-        if (*p == ' ') *p = '_';
+      char nm[96];
       const double bytes = (double)(batch * pb);
-      bench_row(b, nm, bytes / bench_median(ta, (size_t)reps) / 1e9, "GB/s", "higher",
-                "collective path", bytes / bench_median(tc, (size_t)reps) / 1e9);
-      snprintf(nm, sizeof nm, "fetch_gpu/collective/%sx%llu", skv__fmt_bytes(pb, sz, sizeof sz),
-               (unsigned long long)batch);
-      for (char *p = nm; *p; p++)
-        if (*p == ' ') *p = '_';
-      bench_row(b, nm, bytes / bench_median(tc, (size_t)reps) / 1e9, "GB/s", "higher", NULL, -1);
+      const double ga = bytes / bench_median(ta, (size_t)reps) / 1e9,
+                   gc = bytes / bench_median(tc, (size_t)reps) / 1e9;
+      batch_row_name(nm, sizeof nm, "fetch_gpu/attached", pb, batch);
+      bench_row(b, nm, ga, "GB/s", "higher", "collective path", gc);
+      batch_row_name(nm, sizeof nm, "fetch_gpu/collective", pb, batch);
+      bench_row(b, nm, gc, "GB/s", "higher", NULL, -1);
       bench_row(b, "fetch_gpu/bytes_checked", 2 * (double)coll.eng_bytes, "bytes", "higher", NULL,
                 -1);
       bench_config_str(b, "gpu_pe0", bus[0]);

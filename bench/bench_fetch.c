@@ -643,25 +643,6 @@ static int breakdown_e2e(fb_t *f, int method, const batch_t *bt, int reps, break
 
 /* ---- the command ---------------------------------------------------------------------------- */
 
-static int parse_list(const char *s, uint64_t *out, int cap, int *n) {
-  *n = 0;
-  while (s && *s && *n < cap) {
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (end == s) return -1;
-    if (*end == 'K' || *end == 'k')
-      v <<= 10, end++;
-    else if (*end == 'M' || *end == 'm')
-      v <<= 20, end++;
-    else if (*end == 'G' || *end == 'g')
-      v <<= 30, end++;
-    out[(*n)++] = v;
-    s = *end == ',' ? end + 1 : end;
-    if (*end && *end != ',') return -1;
-  }
-  return 0;
-}
-
 static void size_name(uint64_t bytes, char *buf, size_t cap) {
   if (bytes >= (1u << 20) && bytes % (1u << 20) == 0)
     snprintf(buf, cap, "%lluMiB", (unsigned long long)(bytes >> 20));
@@ -693,15 +674,15 @@ static int bench_fetch(bench_t *b) {
   uint64_t sizes[16], batches[16];
   int nsizes = 0, nbatches = 0;
   const char *ss = bench_opt(b, "--page-sizes"), *bs = bench_opt(b, "--batches");
-  if (parse_list(ss      ? ss
-                 : quick ? "64K,1M"
-                         : "16K,64K,256K,1M,4M",
-                 sizes, 16, &nsizes) ||
+  if (bench_parse_list(ss      ? ss
+                       : quick ? "64K,1M"
+                               : "16K,64K,256K,1M,4M",
+                       sizes, 16, &nsizes) ||
       nsizes == 0 ||
-      parse_list(bs      ? bs
-                 : quick ? "1,16,1024"
-                         : "1,4,16,64,256,1024,4096",
-                 batches, 16, &nbatches) ||
+      bench_parse_list(bs      ? bs
+                       : quick ? "1,16,1024"
+                               : "1,4,16,64,256,1024,4096",
+                       batches, 16, &nbatches) ||
       nbatches == 0)
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_BENCH,
                     "fetch: --page-sizes / --batches take comma lists (16K,64K,...)");

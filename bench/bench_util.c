@@ -1,13 +1,18 @@
 /* symkv-bench output: rows with baselines measured in the same run, a table for people and
- * one JSON object (jansson) in the format docs/benchmarks.md gives; statistics. */
+ * one JSON object (jansson) in the format docs/benchmarks.md gives; statistics; the option
+ * helpers the commands share (size lists, a free port). */
 #define _GNU_SOURCE
 #include "bench.h"
 
+#include <arpa/inet.h>
 #include <jansson.h>
 #include <math.h>
+#include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 bench_row_t *bench_row(bench_t *b, const char *name, double value, const char *unit,
                        const char *better, const char *baseline_name, double baseline) {
@@ -194,4 +199,34 @@ double bench_percentile(double *v, size_t n, double p) {
 
 double bench_median(double *v, size_t n) {
   return bench_percentile(v, n, 0.5);
+}
+
+int bench_parse_list(const char *s, uint64_t *out, int cap, int *n) {
+  *n = 0;
+  while (s && *s && *n < cap) {
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s) return -1;
+    if (*end == 'K' || *end == 'k')
+      v <<= 10, end++;
+    else if (*end == 'M' || *end == 'm')
+      v <<= 20, end++;
+    else if (*end == 'G' || *end == 'g')
+      v <<= 30, end++;
+    out[(*n)++] = v;
+    s = *end == ',' ? end + 1 : end;
+    if (*end && *end != ',') return -1;
+  }
+  return 0;
+}
+
+int bench_free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+    port = ntohs(a.sin_port);
+  if (fd >= 0) close(fd);
+  return port;
 }

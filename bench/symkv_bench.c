@@ -3,10 +3,7 @@
 #define _GNU_SOURCE
 #include "bench.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <stdio.h>
-#include <sys/socket.h>
 #include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,13 +35,7 @@ static void default_single_pe(void) {
   for (int i = 0; i < 16; i++) snprintf(tok + 2 * i, 3, "%02x", r[i]);
   setenv("SKV_TOKEN", tok, 1);
   /* a free loopback port for the private store */
-  int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t len = sizeof a;
-  if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
-      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-    port = ntohs(a.sin_port);
-  if (fd >= 0) close(fd);
+  int port = bench_free_port();
   char addr[64];
   snprintf(addr, sizeof addr, "tcp://127.0.0.1:%d", port ? port : 29517);
   setenv("SKV_BOOTSTRAP", addr, 1);

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "python"))
 import symkv.torch as st  # noqa: E402
 
-from torch_symm_mem import fmt_size, parse_size  # noqa: E402
+from torch_symm_mem import fmt_size, parse_size, time_graph  # noqa: E402
 
 
 def slowest(us, device):
@@ -73,30 +73,6 @@ def host_us(variants, calls, reps, sync):
             sync()
             res[k].append((time.perf_counter() - t0) * 1e6 / calls)
     return {k: statistics.median(v) for k, v in res.items()}
-
-
-def time_graph(fn, calls, reps, stream):
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(calls):
-                fn()
-    g.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        g.replay()
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / calls)
-    del g
-    return statistics.median(times)
 
 
 def main():

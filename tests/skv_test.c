@@ -20,6 +20,12 @@ int skv_test_gpu_probe(char *msg, size_t cap);
 #include <time.h>
 #include <unistd.h>
 
+void skv_test_sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
 int skv_test_free_port(void) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;

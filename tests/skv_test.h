@@ -25,6 +25,8 @@ typedef struct skv_test_job {
 
 /* A free loopback TCP port. */
 int skv_test_free_port(void);
+/* Sleep `ms` milliseconds (all of them, also when a signal interrupts). */
+void skv_test_sleep_ms(int ms);
 /* Fill a config for PE `rank` of `job` (bootstrap and token of the job). */
 void skv_test_config(const skv_test_job_t *job, int rank, skv_config_t *cfg);
 /* Fork `npes` children running fn(rank, npes, arg) with SKV_RANK/SKV_WORLD_SIZE/SKV_BOOTSTRAP/

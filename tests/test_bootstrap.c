@@ -30,12 +30,6 @@ TestSuite(fdpass, .timeout = 60);
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-  }
-}
-
 static int count_fds(void) {
   DIR *d = opendir("/proc/self/fd");
   if (!d) return -1;
@@ -212,7 +206,7 @@ static bool cap_wait(const char *needle, int timeout_ms) {
   uint64_t end = skv__now_ms() + (uint64_t)timeout_ms;
   while (skv__now_ms() < end) {
     if (cap_has(needle)) return true;
-    sleep_ms(5);
+    skv_test_sleep_ms(5);
   }
   return cap_has(needle);
 }
@@ -524,8 +518,8 @@ Test(store, dead_rank_fails_waiting_and_later_requests) {
   getter_t g = {a, "never", 10000, 0, 0, ""};
   pthread_t th;
   cr_assert_eq(pthread_create(&th, NULL, getter_main, &g), 0);
-  sleep_ms(150);       /* let the GET park */
-  skv__store_abort(c); /* rank 2 "crashes" */
+  skv_test_sleep_ms(150); /* let the GET park */
+  skv__store_abort(c);    /* rank 2 "crashes" */
   pthread_join(th, NULL);
   cr_assert_eq(g.rc, SKV_EPEERDEAD, "parked GET got %s: %s", skv_err_name(g.rc), g.err);
   cr_assert(g.ms < 3000, "took %llu ms", (unsigned long long)g.ms);
@@ -573,7 +567,7 @@ typedef struct late_server {
 
 static void *late_server_main(void *arg) {
   late_server_t *l = arg;
-  sleep_ms(l->delay_ms);
+  skv_test_sleep_ms(l->delay_ms);
   l->rc = skv__store_server_start("127.0.0.1", l->port, "tok-late", 1, &l->srv);
   return NULL;
 }
@@ -635,7 +629,7 @@ typedef struct closer {
 
 static void *closer_main(void *arg) {
   closer_t *c = arg;
-  sleep_ms(c->delay_ms);
+  skv_test_sleep_ms(c->delay_ms);
   skv__store_close(c->st);
   return NULL;
 }
@@ -781,7 +775,7 @@ Test(store, malformed_input_closes_only_that_connection) {
   skv__frame_end(&f);
   for (size_t i = 0; i < f.len; i++) {
     raw_send(fd, f.p + i, 1);
-    sleep_ms(2);
+    skv_test_sleep_ms(2);
   }
   cr_assert_eq(raw_reply(fd, pl, sizeof pl, &n), 0);
   cr_assert(n == 3 && memcmp(pl, "abc", 3) == 0, "TRY_GET reply after a split frame");
@@ -797,7 +791,7 @@ Test(store, malformed_input_closes_only_that_connection) {
   skv__frame_end(&f);
   skv__frame_put(&all, f.p, f.len);
   raw_send(fd, all.p, all.len);
-  sleep_ms(100);
+  skv_test_sleep_ms(100);
   struct pollfd pf = {.fd = fd, .events = POLLIN};
   cr_assert_eq(poll(&pf, 1, 0), 0, "a reply came before the parked GET was answered");
   cr_assert_eq(skv__store_set(st, "parked", "P", 1), 0);
@@ -954,7 +948,7 @@ static void silent_flood(int port, int n, int ready_fd) {
       (void)!write(ready_fd, &who, 1);
       told = true;
     }
-    sleep_ms(100);
+    skv_test_sleep_ms(100);
   }
 }
 
@@ -991,7 +985,7 @@ Test(store, silent_flood_does_not_lock_out_late_pes, .timeout = 120) {
   close(pfd[0]);
   cr_log_info("flood of %d silent connections, %s", FLOOD,
               other ? "from user 'nobody'" : "from this user (cannot switch users)");
-  sleep_ms(500); /* the flood is established */
+  skv_test_sleep_ms(500); /* the flood is established */
   skv__store_t *st[NPES] = {NULL};
   int failed = 0;
   uint64_t worst = 0;
@@ -1015,7 +1009,7 @@ Test(store, silent_flood_does_not_lock_out_late_pes, .timeout = 120) {
         st[r] = NULL;
       }
     }
-    sleep_ms(200);
+    skv_test_sleep_ms(200);
   }
   cr_log_info("%d PEs joined %d times each; the slowest join took %llu ms", NPES, rounds,
               (unsigned long long)worst);
@@ -1073,7 +1067,7 @@ static int pe_get_blocks(int rank, int npes, void *arg) {
     size_t len = 0;
     PE_CHECK(skv__store_get(pe.st, "ready", &v, &len, 10000) == 0, "get ready");
     free(v);
-    sleep_ms(300);
+    skv_test_sleep_ms(300);
     PE_CHECK(skv__store_set(pe.st, "late", "from 0", 6) == 0, "set");
   }
   LEAVE(&pe);
@@ -1133,10 +1127,10 @@ static int pe_wait(int rank, int npes, void *arg) {
     PE_CHECK(strstr(skv_last_error(), "is 10"), "message: %s", skv_last_error());
   } else {
     char key[16];
-    sleep_ms(100 * rank);
+    skv_test_sleep_ms(100 * rank);
     snprintf(key, sizeof key, "w/%d", rank);
     PE_CHECK(skv__store_set(pe.st, key, "x", 1) == 0, "set");
-    sleep_ms(100);
+    skv_test_sleep_ms(100);
     PE_CHECK(skv__store_add(pe.st, "ge", 5, NULL) == 0, "add");
   }
   LEAVE(&pe);
@@ -1224,7 +1218,7 @@ static int pe_killed(int rank, int npes, void *arg) {
   JOIN(&pe, rank, npes);
   PE_CHECK(skv__store_barrier(pe.st, "start", 20000) == 0, "start");
   if (rank == 2) {
-    sleep_ms(200);
+    skv_test_sleep_ms(200);
     raise(SIGKILL);
   }
   uint64_t t0 = skv__now_ms();
@@ -1253,7 +1247,7 @@ static int pe_server_killed(int rank, int npes, void *arg) {
   JOIN(&pe, rank, npes);
   PE_CHECK(skv__store_barrier(pe.st, "start", 20000) == 0, "start");
   if (rank == 0) {
-    sleep_ms(200);
+    skv_test_sleep_ms(200);
     raise(SIGKILL);
   }
   uint64_t t0 = skv__now_ms();
@@ -1332,7 +1326,7 @@ static int pe_server_stopped(int rank, int npes, void *arg) {
   memcpy(&pid, v, sizeof pid);
   free(v);
   PE_CHECK(skv__store_set(pe.st, "past", "1", 1) == 0, "past");
-  sleep_ms(300);
+  skv_test_sleep_ms(300);
   uint64_t t0 = skv__now_ms();
   int rc = skv__store_barrier(pe.st, "mid", 1000);
   uint64_t dt = skv__now_ms() - t0;
@@ -1501,7 +1495,7 @@ static void *intruder_main(void *arg) {
     if (connect(s, (struct sockaddr *)&a, alen) == 0) break;
     close(s);
     s = -1;
-    sleep_ms(2);
+    skv_test_sleep_ms(2);
   }
   if (s < 0) return NULL;
   /* a header of the right size with a wrong nonce, and an fd attached */
@@ -1578,7 +1572,7 @@ static int pe_fd_dead_peer(int rank, int npes, void *arg) {
     /* arrive last, so that the others pass the barrier before this PE is gone */
     PE_CHECK(skv__store_wait_ge(pe.st, "dead/ready/0", npes - 1, 20000) == 0, "others ready");
     PE_CHECK(skv__store_add(pe.st, "dead/ready/0", 1, NULL) == 0, "ready");
-    if (mode == 1) sleep_ms(1000);
+    if (mode == 1) skv_test_sleep_ms(1000);
     _exit(0);
   }
   skv_log_set_level(SKV_LOG_NONE, SKV_SUBSYS_ALL);
@@ -1649,7 +1643,7 @@ static int connect_to_pe0(skv__store_t *st, const char *tag, uint8_t nonce[16]) 
     int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (connect(s, (struct sockaddr *)&a, alen) == 0) return s;
     close(s);
-    sleep_ms(2);
+    skv_test_sleep_ms(2);
   }
   return -1;
 }

@@ -30,11 +30,6 @@ TestSuite(cluster, .timeout = 120, .init = setup);
 
 #define BLOCKS 64
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 /* ---- redis-server, started and stopped by the test ---------------------------------------- */
 
 typedef struct redis {
@@ -57,7 +52,7 @@ static bool redis_ping(int port, int ms) {
     } else if (c) {
       redisFree(c);
     }
-    sleep_ms(20);
+    skv_test_sleep_ms(20);
   } while (skv__now_ms() < end);
   return false;
 }
@@ -450,7 +445,7 @@ Test(cluster, node_killed_mid_fetch) {
    * one (a fetch of 8 MiB takes milliseconds here; under load, longer) */
   uint64_t until = skv__now_ms() + 20000;
   while (__atomic_load_n(&f.fetches, __ATOMIC_ACQUIRE) < 2 && !f.last_rc && skv__now_ms() < until)
-    sleep_ms(1);
+    skv_test_sleep_ms(1);
   child_kill(&a);
   uint64_t killed = skv__now_ms();
   pthread_join(t, NULL);
@@ -469,7 +464,7 @@ Test(cluster, node_killed_mid_fetch) {
   uint64_t end = skv__now_ms() + 5000;
   long long left;
   while ((left = redis_count(&r, pat_k) + redis_count(&r, pat_a)) > 0 && skv__now_ms() < end)
-    sleep_ms(100);
+    skv_test_sleep_ms(100);
   cr_assert_eq(left, 0, "%lld entries of node a in Redis 5 s after the kill (lease 1 s)", left);
   lookup_all(&c, 0, 32, refs, &nl, &nh);
   cr_assert_eq(nh, 0);
@@ -545,11 +540,11 @@ Test(cluster, redis_killed_then_restarted_directory_rebuilt) {
   cr_assert_eq(eng_wrong(&c, 0, 8, 1, &poisoned), 0);
   cr_assert_eq(poisoned, 0);
   /* Redis comes back empty on the same port: both nodes republish, lookups find all again */
-  sleep_ms(300);
+  skv_test_sleep_ms(300);
   redis_start(&r, port);
   uint64_t t0 = skv__now_ms(), end = t0 + 10000;
   do {
-    sleep_ms(100);
+    skv_test_sleep_ms(100);
     rc = skv_cluster_lookup(c.cl, c.ns, keys, 24, 0, refs, &nl, &nh);
   } while ((rc || nh < 24) && skv__now_ms() < end);
   cr_assert_eq(rc, 0, "%s", skv_last_error());

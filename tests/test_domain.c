@@ -47,11 +47,6 @@ static bool shm_exists(const char *name) {
   return access(path, F_OK) == 0;
 }
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 /* A process's engine cache: BLOCKS contiguous blocks of one page each, and its namespace. */
 typedef struct eng {
   skv_geometry_t g;
@@ -165,7 +160,8 @@ static int pe_basic(int rank, int npes, void *arg) {
     uint64_t idx[BLOCKS];
     for (int i = 0; i < BLOCKS; i++) idx[i] = (uint64_t)i;
     PE_CHECK(publish(kv, &e, idx, BLOCKS) == 0, "publish");
-    sleep_ms(1500); /* the reader fetches meanwhile; then leave first (the reader still maps) */
+    skv_test_sleep_ms(
+        1500); /* the reader fetches meanwhile; then leave first (the reader still maps) */
   } else {
     int got = 0;
     for (int tries = 0; tries < 100 && got < BLOCKS; tries++) {
@@ -175,13 +171,13 @@ static int pe_basic(int rank, int npes, void *arg) {
         PE_CHECK(r >= 0, "key %llu: %d", (unsigned long long)i, r);
         got += r;
       }
-      if (got < BLOCKS) sleep_ms(10);
+      if (got < BLOCKS) skv_test_sleep_ms(10);
     }
     PE_CHECK(got == BLOCKS, "fetched %d of %d", got, BLOCKS);
     /* a reader cannot publish */
     uint64_t idx = 99;
     PE_CHECK(publish(kv, &e, &idx, 1) == SKV_ESTATE, "reader publish: %s", skv_last_error());
-    sleep_ms(3000); /* the owner leaves meanwhile: its pages are gone, never wrong */
+    skv_test_sleep_ms(3000); /* the owner leaves meanwhile: its pages are gone, never wrong */
     for (uint64_t i = 0; i < BLOCKS; i++)
       PE_CHECK(found(kv, &e, i) == 0, "key %llu after leave", (unsigned long long)i);
   }
@@ -304,7 +300,7 @@ Test(domain, kill_9_of_owners_and_readers_at_random_points, .timeout = 600) {
   for (int t = 0; t < trials; t++) {
     pid_t o = fork_fn(pe_kill_owner, name);
     pid_t r = fork_fn(pe_kill_reader, name);
-    sleep_ms(20 + (int)(skv_test_rand(&s) % 80));
+    skv_test_sleep_ms(20 + (int)(skv_test_rand(&s) % 80));
     bool kill_owner = skv_test_rand(&s) % 2;
     kill(kill_owner ? o : r, SIGKILL);
     owners_killed += kill_owner, readers_killed += !kill_owner;
@@ -364,7 +360,7 @@ Test(domain, restart_reattach_old_references_are_stale_never_wrong) {
     uint64_t idx[BLOCKS];
     for (int i = 0; i < BLOCKS; i++) idx[i] = (uint64_t)i;
     if (publish(kv, &e, idx, BLOCKS)) _exit(2);
-    sleep_ms(800);
+    skv_test_sleep_ms(800);
     _exit(skv_kv_detach(kv) ? 3 : 0);
   }
   /* pin references of the first incarnation while it is up */
@@ -379,7 +375,7 @@ Test(domain, restart_reattach_old_references_are_stale_never_wrong) {
       cr_assert_eq(skv_kv_lookup(reader, e.ns, &keys[i], 1, 0, &refs[i], &h), 0);
       nhit += h;
     }
-    if (nhit < BLOCKS) sleep_ms(5);
+    if (nhit < BLOCKS) skv_test_sleep_ms(5);
   }
   cr_assert_eq(nhit, BLOCKS);
   int st;
@@ -430,7 +426,7 @@ Test(domain, an_owner_leaving_waits_for_pins_then_their_fetch_is_stale) {
   size_t nhit = 0;
   for (int tries = 0; tries < 400 && !nhit; tries++) {
     cr_assert_eq(skv_kv_lookup(reader, e.ns, &k, 1, SKV_LOOKUP_PIN, &ref, &nhit), 0);
-    if (!nhit) sleep_ms(5);
+    if (!nhit) skv_test_sleep_ms(5);
   }
   cr_assert_eq(nhit, 1);
   cr_assert_eq(write(go[1], "x", 1), 1);
@@ -584,7 +580,7 @@ Test(domain, a_killed_readers_pins_are_reclaimed) {
   kill(p, SIGKILL);
   int ws;
   waitpid(p, &ws, 0);
-  sleep_ms(20); /* past the liveness cache */
+  skv_test_sleep_ms(20); /* past the liveness cache */
   cr_assert_eq(skv_kv_evict(owner, BLOCKS, &ev), 0);
   cr_assert_eq(ev, BLOCKS, "a dead reader's pins kept %llu pages",
                (unsigned long long)(BLOCKS - ev));
