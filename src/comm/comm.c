@@ -21,15 +21,16 @@
  * prints the measured values as "crossover" rows). A count between rows uses the row below.
  * 2 PEs: measured on nvidia-h200-x2 and nvidia-h100-x2 (bench/results/allreduce_*-x2.json):
  * two-shot beats NCCL up to 64 MiB on 2 H100 (0.938x there), and is level with it at 64 MiB
- * on 2 H200 (1.005x), so AUTO runs two-shot up to 64 MiB. 4 and 8 PEs:
- * not measured (no 4- or 8-GPU host was lent), a conservative guess that keeps one-shot, whose
- * traffic grows with the PE count, to small messages. */
+ * on 2 H200 (1.005x), so AUTO runs two-shot up to 64 MiB. 4 PEs: measured on nvidia-h100-x4
+ * (bench/results/allreduce_nvidia-h100-x4.json: one-shot wins up to 256 KiB, two-shot up to
+ * 16 MiB). 8 PEs: not measured (no 8-GPU host was lent), a conservative guess that keeps
+ * one-shot, whose traffic grows with the PE count, to small messages. */
 static const struct {
   int npes;
   uint64_t oneshot_max, twoshot_max;
 } cuda_crossovers[] = {
     {2, 2ull << 20, 64ull << 20},
-    {4, 256ull << 10, 4ull << 20},
+    {4, 256ull << 10, 16ull << 20},
     {8, 64ull << 10, 2ull << 20},
 };
 
