@@ -49,13 +49,13 @@ from torch_symm_mem import fmt_size, parse_size, time_graph  # noqa: E402
 
 
 def slowest(us, device):
-    t = torch.tensor([us if us == us else -1.0], dtype=torch.float64)
+    t = torch.tensor([us if us == us else float("-inf")], dtype=torch.float64)
     if dist.is_initialized():
         if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
             t = t.to(device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     v = t.item()
-    return float("nan") if v < 0 else v
+    return float("nan") if v == float("-inf") else v
 
 
 def host_us(variants, calls, reps, sync):
@@ -241,6 +241,7 @@ def write_json(args, world, shared, rows, final):
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
            "command": " ".join(sys.argv),
            "config": {"pes": world, "device": args.device, "shared_gpu": shared,
+                      "op_kernels": "python" if args.device.upper() in st._py_kernels else "c++",
                       "torch": torch.__version__, "reps": args.reps, "calls": args.calls},
            "rows": rows}
     if args.json_out:
@@ -248,6 +249,7 @@ def write_json(args, world, shared, rows, final):
             json.dump(obj, f, indent=1)
     if not final:
         return
+    print("torch.ops.symkv.* kernels: %s" % obj["config"]["op_kernels"])
     print("%-44s %10s unit  %-38s %10s %7s" % ("name", "value", "baseline", "baseline",
                                               "ratio"))
     for r in rows:

@@ -83,7 +83,7 @@ fi
 # "The two commands"); .ci/run opts in.
 if [ "$python" = all ] && [ "${SKV_WITH_TORCH:-0}" = 1 ]; then
   need=""
-  for m in torch triton; do "$py" -c "import $m" 2>/dev/null || need="$need $m"; done
+  for m in torch triton ninja; do "$py" -c "import $m" 2>/dev/null || need="$need $m"; done
   if [ -n "$need" ]; then
     echo "installing Python packages into $venv:$need (about 5 GB)"
     "$py" -m pip install -q --disable-pip-version-check $need

@@ -190,7 +190,7 @@ void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
   "SKV_RUN_PID", "SKV_RUN", "SKV_LIBRARY", "SKV_TEST_BIN_DIR", "SKV_TEST_STRESS_SECONDS",      \
       "SKV_HEAP_BACKEND", "SKV_BENCH_PES", "SKV_TRACE", "SKV_TRACE_PES", "SKV_HOST_KIND",      \
       "SKV_WITH_TORCH", "SKV_WITH_PYTHON_DEPS", "SKV_WITH_VLLM", "SKV_VLLM_TP2", "SKV_NO_MPS", \
-      "SKV_SIZES", "SKV_BENCH_DEBUG"
+      "SKV_SIZES", "SKV_BENCH_DEBUG", "SKV_TORCH_CPP"
 
 /* clang-format off */
 typedef enum skv__env_id {

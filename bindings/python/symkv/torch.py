@@ -9,8 +9,12 @@ tensors use the host backend (synchronous), which is how the ops, their tracing 
 process-group bootstrap are tested without a GPU. See docs/python.md, "PyTorch"."""
 
 import contextlib
+import ctypes
 import itertools
+import logging
 import os
+import re
+import shutil
 import socket
 import threading
 import weakref
@@ -27,6 +31,7 @@ DTYPES = {torch.float32: _lib.DTYPE_FP32, torch.float16: _lib.DTYPE_FP16,
           torch.bfloat16: _lib.DTYPE_BF16}
 ALIGN = 256  # bytes: every empty() tensor starts at a multiple (16 takes the kernels' fast path)
 
+_log = logging.getLogger("symkv.torch")
 _groups = {}  # id -> Group: the ops name their group by this int (ops take no Python objects)
 _ids = itertools.count(1)
 _default = [None]
@@ -173,6 +178,8 @@ class Group:
         self._alloc = _Allocator(info.data_bytes)
         self.id = next(_ids)
         _groups[self.id] = self
+        if _cpp is not None:  # the C++ kernels' table (symkv/_torch_ops.cpp)
+            _cpp.set_group(self.id, self._h, _ALLREDUCE_ADDR, self._index)
         if _default[0] is None:
             _default[0] = self
 
@@ -205,18 +212,18 @@ class Group:
         self._fn(self._h, x.data_ptr(), out.data_ptr(), n, dt, o, a, channel, stream)
 
     def all_reduce(self, x, op="sum", algo="auto", channel=0):
-        """A new tensor: op over the group's ranks of x (torch.ops.symkv.all_reduce; in plain
-        eager mode its kernel is called directly, see _eager)."""
-        if _eager(x):
+        """A new tensor: op over the group's ranks of x (torch.ops.symkv.all_reduce; where its
+        kernels are Python ones, plain eager mode calls the kernel directly, see _eager)."""
+        if _py_kernels and _eager(x):
             return _all_reduce(x, self.id, op, algo, channel)
-        return torch.ops.symkv.all_reduce(x, self.id, op, algo, channel)
+        return _OP(x, self.id, op, algo, channel)
 
     def all_reduce_(self, x, op="sum", algo="auto", channel=0):
         """x reduced in place (torch.ops.symkv.all_reduce_); returns x."""
-        if _eager(x):
+        if _py_kernels and _eager(x):
             _all_reduce_(x, self.id, op, algo, channel)
         else:
-            torch.ops.symkv.all_reduce_(x, self.id, op, algo, channel)
+            _OP_(x, self.id, op, algo, channel)
         return x
 
     # -- symmetric tensors ---------------------------------------------------------------------
@@ -295,6 +302,8 @@ class Group:
     def close(self):
         """Collective: destroys the comm and the context."""
         if _groups.pop(getattr(self, "id", None), None) is not None:
+            if _cpp is not None:
+                _cpp.set_group(self.id, 0, 0, -1)
             if _default[0] is self:
                 _default[0] = None
             self.ctx.close()
@@ -388,9 +397,68 @@ def _all_reduce_(x, group, op="sum", algo="auto", channel=0):
         x.copy_(y)
 
 
-for _key in ("CPU", "CUDA"):
+def _raise(rc):
+    raise _lib.error_from_code(rc, "skv_comm_allreduce")
+
+
+def _load_cpp():
+    """The op kernels in C++ (symkv/_torch_ops.cpp), built once per torch version with
+    torch.utils.cpp_extension and cached (TORCH_EXTENSIONS_DIR); None where SKV_TORCH_CPP=0 or
+    the build fails (no compiler, no ninja): the Python kernels then serve, about 5 us slower
+    per torch.ops call (docs/python.md, "Overhead")."""
+    if os.environ.get("SKV_TORCH_CPP", "1") == "0" or \
+            isinstance(lib.skv_comm_allreduce, _lib._Missing):
+        return None
+    quiet = logging.getLogger("torch.utils.cpp_extension")  # its notes on CUDA_HOME
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.cpp")
+        cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+        name = "symkv_torch_ops_%s%s" % (re.sub(r"\W", "_", torch.__version__),
+                                         "_cuda" if cuda else "")
+        # no .cu file is compiled, but torch derives arch flags from the visible GPUs and
+        # fails on a machine with none unless a list is set
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if cuda and not arch:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        path = os.environ.get("PATH", "")
+        if shutil.which("ninja") is None:  # torch runs `ninja`; PyPI's package has one
+            try:
+                import ninja
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+            except ImportError:
+                pass
+        try:
+            mod = cpp_extension.load(name=name, sources=[src], with_cuda=cuda, verbose=False,
+                                     extra_cflags=["-O2"] + (["-DSYMKV_TORCH_CUDA"] if cuda
+                                                             else []))
+        finally:
+            os.environ["PATH"] = path
+            if cuda and not arch:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+    except Exception as e:  # noqa: BLE001 - any failure leaves the Python kernels in place
+        last = (str(e).strip().splitlines() or [""])[-1]
+        _log.warning("symkv.torch: the C++ op kernels were not built (%s: %s); the Python "
+                     "kernels serve torch.ops.symkv.* (SKV_TORCH_CPP=0 skips the build)",
+                     type(e).__name__, last)
+        return None
+    finally:
+        quiet.setLevel(level)
+    mod.set_tables([DTYPES[torch.float32], DTYPES[torch.float16], DTYPES[torch.bfloat16]],
+                   sorted(OPS.items()), sorted(ALGOS.items()), _all_reduce, _all_reduce_, _raise)
+    return mod
+
+
+_cpp = _load_cpp()
+_ALLREDUCE_ADDR = ctypes.cast(lib.skv_comm_allreduce, ctypes.c_void_p).value if _cpp else 0
+# the keys the C++ library did not take (a build without CUDA headers leaves CUDA to Python)
+_py_kernels = ("CPU", "CUDA") if _cpp is None else () if _cpp.has_cuda() else ("CUDA",)
+for _key in _py_kernels:
     _LIB.impl("all_reduce", _all_reduce, _key)
     _LIB.impl("all_reduce_", _all_reduce_, _key)
+_OP, _OP_ = torch.ops.symkv.all_reduce.default, torch.ops.symkv.all_reduce_.default
 
 
 @torch.library.register_fake("symkv::all_reduce")

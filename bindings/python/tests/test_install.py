@@ -58,6 +58,7 @@ def test_pip_install_bundles_the_library(tmp_path):
     assert (target / "symkv" / "__init__.py").exists()
     assert (target / "symkv" / "connector.py").exists()
     assert (target / "symkv" / "vllm.py").exists()
+    assert (target / "symkv" / "_torch_ops.cpp").exists()  # symkv.torch builds it on first use
     lib = target / "symkv" / "libsymkv.so"
     assert lib.exists() and not lib.is_symlink()
     r = _load(target, tmp_path)                 # no SKV_LIBRARY: the bundled library

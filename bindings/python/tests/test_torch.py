@@ -4,11 +4,15 @@ on every rank, torch.compile(fullgraph=True), CUDA graphs, symmetric tensors and
 CustomAllreduce. CPU tensors use the host backend (run in CI); CUDA ones skip without a GPU and
 run with 2 processes on one GPU (MPS) on the GPU hosts."""
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
 import symkv
-from conftest import run_torch_pes, torch_or_skip
+from conftest import PKG, run_torch_pes, torch_or_skip
 
 
 def _need():
@@ -21,9 +25,47 @@ def _need():
 @pytest.mark.parametrize("n", [2, 4])
 def test_torch_ops_cpu_gloo_group(n):
     _need()
-    # 2 PEs: sizes up to 64 MiB (bf16) and Inductor; 4 PEs: up to 4 MiB, aot_eager only
-    r = run_torch_pes(n, "pe_torch.py", "cpu", *(["quick"] if n > 2 else ["inductor"]))
+    # 2 PEs: sizes up to 64 MiB (bf16) and Inductor, the C++ kernels; 4 PEs: up to 4 MiB,
+    # aot_eager only, the Python kernels (SKV_TORCH_CPP=0)
+    r = run_torch_pes(n, "pe_torch.py", "cpu", *(["quick"] if n > 2 else ["inductor"]),
+                      env={"SKV_TORCH_CPP": "0"} if n > 2 else None)
     assert r.ok(), str(r)
+    assert ("kernels of torch.ops.symkv.*: " + ("Python" if n > 2 else "C++")) in r.out, str(r)
+
+
+def _kernels(env):
+    code = ("import torch, symkv.torch\n"
+            "print(torch._C._dispatch_dump('symkv::all_reduce'))\n"
+            "print(torch._C._dispatch_dump('symkv::all_reduce_'))\n")
+    e = dict(os.environ, PYTHONPATH=PKG, **env)
+    p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout, p.stderr
+
+
+def test_torch_op_kernels_are_cpp():
+    torch = _need()
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: symkv.torch keeps its Python kernels")
+    out, err = _kernels({})
+    keys = ["CPU"]
+    from torch.utils import cpp_extension
+    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
+        keys.append("CUDA")
+    for op in ("all_reduce", "all_reduce_"):
+        text = out.split("name: symkv::%s\n" % op)[1].split("name: ")[0]
+        for key in keys:
+            assert re.search(r"^%s: registered at \S*_torch_ops\.cpp" % key, text, re.M), \
+                (op, key, out, err)
+    assert "were not built" not in err, err
+
+
+def test_torch_op_kernels_python_when_disabled():
+    _need()
+    out, err = _kernels({"SKV_TORCH_CPP": "0"})
+    assert re.search(r"^CPU: registered at \S*symkv/torch\.py", out, re.M), out + err
+    assert "_torch_ops.cpp" not in out, out
 
 
 def test_torch_ops_cuda_two_pes():
