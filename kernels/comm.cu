@@ -684,7 +684,8 @@ extern "C" int skv__k_allreduce(const skv__comm_dev_t *d, int alg, int dtype, in
   const uint64_t work = alg == SKV__ALG_ONESHOT ? nvec : skv__ts_cv(nvec, d->npes);
   const int block = work >= (uint64_t)kThreads ? kThreads : (int)((work + 31) / 32 * 32);
   uint64_t grid = (work + (uint64_t)block - 1) / (uint64_t)block;
-  uint64_t cap = (uint64_t)(d->grid_cap > 0 ? d->grid_cap : 1);
+  const int32_t gc = count * es >= SKV__COMM_LARGE_BYTES ? d->grid_cap_large : d->grid_cap;
+  uint64_t cap = (uint64_t)(gc > 0 ? gc : 1);
   if (cap > SKV__EPOCH_LANES) cap = SKV__EPOCH_LANES;
   if (grid > cap) grid = cap;
   if (grid < 1) grid = 1;

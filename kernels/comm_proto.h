@@ -197,16 +197,20 @@ typedef struct skv__comm_dev {
   int32_t nsm; /* multiprocessors of the device */
   uint32_t user_slots;
   int32_t pdl;      /* launch with programmatic dependent launch (SKV_COMM_PDL, default 1) */
-  int32_t grid_cap; /* most blocks of one all-reduce kernel (skv__comm_grid_cap) */
+  int32_t grid_cap; /* most blocks of an all-reduce launch below SKV__COMM_LARGE_BYTES */
   int32_t channels;
-  int32_t reserved;
+  int32_t grid_cap_large; /* most blocks of a launch of SKV__COMM_LARGE_BYTES or more */
 } skv__comm_dev_t;
 
-/* Blocks of the all-reduce kernels: 256 threads, registers capped so that 3 fit on an SM; a grid
- * takes at most 2 per SM, leaving room for another channel's kernel. */
-#define SKV__COMM_THREADS           256
-#define SKV__COMM_BLOCKS_PER_SM     2
-#define SKV__COMM_MIN_BLOCKS_PER_SM 3
+/* Blocks of the all-reduce kernels: 256 threads, registers capped so that 3 fit on an SM. A
+ * launch below SKV__COMM_LARGE_BYTES takes at most 2 per SM, leaving room for another channel's
+ * kernel; a larger one takes 3 (on 2 H100, 16 MiB launches: 64 MiB two-shot 214 us against
+ * 223 us with 2 per SM; 4 MiB launches are faster with 2: bench/results/comm_tuning_*). */
+#define SKV__COMM_THREADS             256
+#define SKV__COMM_BLOCKS_PER_SM       2
+#define SKV__COMM_MIN_BLOCKS_PER_SM   3
+#define SKV__COMM_BLOCKS_PER_SM_LARGE 3
+#define SKV__COMM_LARGE_BYTES         (8ull << 20)
 
 enum { SKV__ALG_ONESHOT = 1, SKV__ALG_TWOSHOT = 2 };
 

@@ -520,6 +520,69 @@ Test(gpu_comm, checking_mode_catches_a_mismatched_op, .timeout = 300) {
   cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
 }
 
+/* ---- SKV_COMM_CHUNK: a message cut into launches of another size ------------------------- */
+
+static int pe_chunk_bad(int rank, int npes, void *arg) {
+  (void)npes, (void)arg;
+  /* a bad value on one PE fails skv_comm_create on every PE, nothing left waiting */
+  setenv("SKV_COMM_CHUNK", rank == 0 ? "12" : "64K", 1);
+  skv__env_reload();
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
+  skv_comm_t *c = NULL;
+  int rc = skv_comm_create(ctx, NULL, &c);
+  PE_CHECK(c == NULL, "comm created");
+  /* PE 0 names its bad value; the others fail with a mismatch that names it */
+  PE_CHECK(rc == (rank == 0 ? SKV_EINVAL : SKV_EMISMATCH) &&
+               strstr(skv_last_error(), "SKV_COMM_CHUNK=12") != NULL,
+           "%s: %s", skv_err_name(rc), skv_last_error());
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "the job is still usable");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+static int pe_chunk(int rank, int npes, void *arg) {
+  (void)arg;
+  /* 64 KiB chunks: 1 MiB messages take 16+ launches; bits as the float64 reference says, and
+   * the epoch lanes advanced once per launch on every PE */
+  setenv("SKV_COMM_CHUNK", "64K", 1);
+  skv__env_reload();
+  pe_env_t e;
+  if (env_open(&e, rank, npes, 60000)) return 1;
+  PE_CHECK(e.comm->region_bytes == (128u << 10), "region %llu, want 128 KiB",
+           (unsigned long long)e.comm->region_bytes);
+  uint64_t seed = skv_test_seed();
+  PE_CHECK(skv_ctx_broadcast(e.ctx, &seed, sizeof seed, 0) == 0, "seed");
+  static const ar_case_t ks[] = {
+      {(1u << 19) + 3, SKV_DTYPE_BF16, SKV_OP_SUM, SKV_ALGO_TWOSHOT, 0, 0, 0, 0},
+      {(1u << 18) + 1, SKV_DTYPE_FP32, SKV_OP_MAX, SKV_ALGO_TWOSHOT, 1, 0, 1, 0},
+      {100001, SKV_DTYPE_FP16, SKV_OP_SUM, SKV_ALGO_ONESHOT, 0, 1, 0, 0}};
+  char why[256];
+  uint64_t launches = 0;
+  for (size_t i = 0; i < SKV_ARRAY_LEN(ks); i++) {
+    PE_CHECK(run_case(&e, &ks[i], seed + i, why, sizeof why) == 0, "%s: %s", case_str(&ks[i]), why);
+    uint64_t per = skv__comm_chunk_count(e.comm, ks[i].algo, esize(ks[i].dtype));
+    launches += (ks[i].count + per - 1) / per;
+  }
+  PE_CHECK(launches >= 30, "only %llu launches", (unsigned long long)launches);
+  skv__comm_dev_t d;
+  PE_CHECK(skv__comm_cuda_dev(e.comm, &d) == 0, "dev");
+  skv__chan_state_t st;
+  CU(cudaMemcpy(&st, d.chan, sizeof st, cudaMemcpyDeviceToHost));
+  PE_CHECK(st.epoch[0] == launches, "epoch %llu, want %llu launches",
+           (unsigned long long)st.epoch[0], (unsigned long long)launches);
+  return env_close(&e);
+}
+
+Test(gpu_comm, chunk_size_from_the_environment, .timeout = 300) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_chunk_bad, NULL, 120000);
+  cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
+  bad = skv_test_run(&job, 2, pe_chunk, NULL, 160000);
+  cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
+}
+
 /* ---- signals, barriers, the device API, capture rules ------------------------------------- */
 
 static int pe_signals(int rank, int npes, void *arg) {

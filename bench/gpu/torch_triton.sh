@@ -19,6 +19,8 @@ export PYTHONUNBUFFERED=1 SKV_TIMEOUT_MS=${SKV_TIMEOUT_MS:-60000}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/skv-triton-cache}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/skv-inductor-cache}
 ngpu=$(nvidia-smi -L | wc -l)
+# CUDA_VISIBLE_DEVICES=0 on a host of several GPUs: the PEs share that one (MPS as on one-GPU hosts)
+[ -z "${CUDA_VISIBLE_DEVICES:-}" ] || ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
 model=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'h100|h200' |
   tr '[:upper:]' '[:lower:]')
 kind=${SKV_HOST_KIND:-nvidia-${model:-h200}-x$ngpu}

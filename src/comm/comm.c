@@ -11,9 +11,13 @@
 #define DEFAULT_CHANNELS  4u
 #define DEFAULT_MAX_BYTES (64ull << 20)
 #define MAX_MAX_BYTES     (16ull << 30)
-#define CUDA_CHUNK_BYTES  (4ull << 20) /* most bytes one Lamport launch carries (two-shot) */
-#define HOST_CHUNK_BYTES  (1ull << 20)
-#define MIN_REGION_BYTES  (64ull << 10)
+/* Most bytes one Lamport launch carries (SKV_COMM_CHUNK): each launch ends in a wait for its
+ * slowest block, so larger is faster, for 4x its size of scratch per channel. On 2 H100, 64 MiB
+ * two-shot (3 blocks per SM): 4M 247 us, 8M 218, 16M 214, 32M 219, 64M 219
+ * (bench/results/comm_tuning_nvidia-h100-x2.txt). */
+#define CUDA_CHUNK_BYTES (16ull << 20)
+#define HOST_CHUNK_BYTES (1ull << 20)
+#define MIN_REGION_BYTES (64ull << 10)
 
 /* ---- algorithm choice --------------------------------------------------------------------- */
 
@@ -151,8 +155,20 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
    * per channel in the scratch, max_bytes of data for buffers used in place. */
   c->user_slots = SKV__USER_SLOTS;
   c->flag_chan_bytes = SKV_ALIGN_UP((uint64_t)c->npes * 8u, 128u);
-  uint64_t chunk =
-      SKV_MIN(c->max_bytes, c->backend == SKV_BACKEND_HOST ? HOST_CHUNK_BYTES : CUDA_CHUNK_BYTES);
+  uint64_t chunk = c->backend == SKV_BACKEND_HOST ? HOST_CHUNK_BYTES : CUDA_CHUNK_BYTES;
+  if (c->backend == SKV_BACKEND_CUDA && rc == 0) {
+    /* A larger chunk means fewer launches (each ends in a wait for the slowest block) for more
+     * scratch; part of the collective check below, like the crossovers. */
+    const char *s = skv__env(SKV_ENV_COMM_CHUNK);
+    long long x;
+    if (s && *s && !skv__parse_int(s, 64 << 10, 1ll << 30, true, &x))
+      rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_COMM, "SKV_COMM_CHUNK=%s is not a byte count in 64K..1G",
+                    s);
+    else if (s && *s)
+      chunk = (uint64_t)x;
+    if (rc < 0) snprintf(env_err, sizeof env_err, "%s", skv_last_error());
+  }
+  chunk = SKV_MIN(c->max_bytes, chunk);
   c->region_bytes = SKV_ALIGN_UP(SKV_MAX(2 * chunk, MIN_REGION_BYTES), 4096u);
   c->chan_bytes = SKV__LAMPORT_REGIONS * c->region_bytes;
   skv_heap_opts_t ho = SKV_HEAP_OPTS_INIT;
@@ -173,12 +189,13 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   }
 #endif
   int rc_env = rc;
-  rc = skv__coll_check(
-      ctx, NULL,
-      "skv_comm_create(backend=%s, channels=%u, max_bytes=%" PRIu64
-      ", nccl=%d, oneshot_max=%" PRIu64 ", twoshot_max=%" PRIu64 ", checked=%d%s%s)",
-      skv__backend_name(c->backend), c->channels, c->max_bytes, (int)want_nccl, c->oneshot_max,
-      c->twoshot_max, (int)c->checked, rc_env < 0 ? ", failed here: " : "", env_err);
+  rc = skv__coll_check(ctx, NULL,
+                       "skv_comm_create(backend=%s, channels=%u, max_bytes=%" PRIu64
+                       ", nccl=%d, oneshot_max=%" PRIu64 ", twoshot_max=%" PRIu64
+                       ", region=%" PRIu64 ", checked=%d%s%s)",
+                       skv__backend_name(c->backend), c->channels, c->max_bytes, (int)want_nccl,
+                       c->oneshot_max, c->twoshot_max, c->region_bytes, (int)c->checked,
+                       rc_env < 0 ? ", failed here: " : "", env_err);
   if (rc_env < 0 || rc < 0) {
     free(c);
     return rc_env < 0 ? SKV_FAIL(rc_env, SKV_SUBSYS_COMM, "%s", env_err) : rc;

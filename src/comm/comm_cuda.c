@@ -285,7 +285,13 @@ int skv__comm_cuda_create(skv_comm_t *c) {
   d->npes = c->npes;
   d->nsm = nsm;
   d->user_slots = c->user_slots;
-  d->grid_cap = nsm * SKV__COMM_BLOCKS_PER_SM;
+  /* Blocks of a launch by its size (comm_proto.h); SKV_COMM_BLOCKS_PER_SM sets one value for
+   * every size, for tuning (the slots a block fills and reads are named by element, not by
+   * block, so PEs may differ). PEs sharing a GPU are capped below. */
+  long long bps = 0;
+  SKV_CHECK(skv__env_int(SKV_ENV_COMM_BLOCKS_PER_SM, 1, SKV__COMM_MIN_BLOCKS_PER_SM, 0, &bps));
+  d->grid_cap = nsm * (bps ? (int)bps : SKV__COMM_BLOCKS_PER_SM);
+  d->grid_cap_large = nsm * (bps ? (int)bps : SKV__COMM_BLOCKS_PER_SM_LARGE);
   d->channels = (int32_t)c->channels;
   /* Programmatic dependent launch hides most of a kernel's launch latency behind the kernel
    * before it; SKV_COMM_PDL=0 turns it off (to compare, or if a driver mishandles it). */
@@ -304,6 +310,7 @@ int skv__comm_cuda_create(skv_comm_t *c) {
     int share = c->heap->gpu_sharers * (int)c->channels;
     d->grid_cap = SKV_MAX(1, nsm * SKV__COMM_MIN_BLOCKS_PER_SM / share);
     d->grid_cap = SKV_MIN(d->grid_cap, nsm * SKV__COMM_BLOCKS_PER_SM);
+    d->grid_cap_large = d->grid_cap;
     d->pdl = 0;
     SKV_INFO(SKV_SUBSYS_COMM,
              "%d PEs share GPU %d: at most %d blocks per all-reduce kernel (%d channels each), "
