@@ -147,10 +147,12 @@ template <int DT> __device__ __forceinline__ uint4 pack(const float (&acc)[8]) {
 /* Vector v of a user buffer of `count` elements: one 16-byte access when aligned and whole,
  * else element by element with the part beyond the end reading as zero. */
 template <int DT>
-__device__ __forceinline__ uint4 load_in(const void *in, uint64_t v, uint64_t count, bool aligned) {
+__device__ __forceinline__ uint4 load_in(const void *in, uint64_t v, uint64_t count, int aligned) {
   constexpr int L = Dt<DT>::kLanes;
   const uint64_t e0 = v * L;
-  if (aligned && e0 + L <= count) return reinterpret_cast<const uint4 *>(in)[v];
+  if ((aligned & 1) && e0 + L <= count)
+    return (aligned & 2) ? __ldcs(reinterpret_cast<const uint4 *>(in) + v)
+                         : reinterpret_cast<const uint4 *>(in)[v];
   uint32_t w[4] = {0u, 0u, 0u, 0u};
   if constexpr (Dt<DT>::kEs == 4) {
     const uint32_t *p = reinterpret_cast<const uint32_t *>(in);
@@ -167,12 +169,15 @@ __device__ __forceinline__ uint4 load_in(const void *in, uint64_t v, uint64_t co
 }
 
 template <int DT>
-__device__ __forceinline__ void store_out(void *out, uint64_t v, uint64_t count, bool aligned,
+__device__ __forceinline__ void store_out(void *out, uint64_t v, uint64_t count, int aligned,
                                           uint4 x) {
   constexpr int L = Dt<DT>::kLanes;
   const uint64_t e0 = v * L;
-  if (aligned && e0 + L <= count) {
-    reinterpret_cast<uint4 *>(out)[v] = x;
+  if ((aligned & 1) && e0 + L <= count) {
+    if (aligned & 2)
+      __stcs(reinterpret_cast<uint4 *>(out) + v, x);
+    else
+      reinterpret_cast<uint4 *>(out)[v] = x;
     return;
   }
   const uint32_t w[4] = {x.x, x.y, x.z, x.w};
@@ -689,7 +694,10 @@ extern "C" int skv__k_allreduce(const skv__comm_dev_t *d, int alg, int dtype, in
   if (cap > SKV__EPOCH_LANES) cap = SKV__EPOCH_LANES;
   if (grid > cap) grid = cap;
   if (grid < 1) grid = 1;
-  const int aligned = ((((uintptr_t)in) | ((uintptr_t)out)) & 15u) == 0;
+  /* bit 0: 16-byte aligned; bit 1: stream the caller's buffers past L2 (evict first), which
+   * leaves L2 to the slots the peers write and this PE reads next */
+  const int aligned = (((((uintptr_t)in) | ((uintptr_t)out)) & 15u) == 0) |
+                      (d->stream_hints && count * es >= SKV__COMM_LARGE_BYTES ? 2 : 0);
   return launch(d, pick_kernel(alg, dtype, op), dim3((unsigned)grid), dim3(block), stream, *d,
                 channel, in, out, count, aligned);
 }

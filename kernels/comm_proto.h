@@ -200,6 +200,8 @@ typedef struct skv__comm_dev {
   int32_t grid_cap; /* most blocks of an all-reduce launch below SKV__COMM_LARGE_BYTES */
   int32_t channels;
   int32_t grid_cap_large; /* most blocks of a launch of SKV__COMM_LARGE_BYTES or more */
+  int32_t stream_hints;   /* large launches read and write the caller's buffers evict-first */
+  int32_t reserved;
 } skv__comm_dev_t;
 
 /* Blocks of the all-reduce kernels: 256 threads, registers capped so that 3 fit on an SM. A

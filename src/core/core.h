@@ -173,6 +173,7 @@ void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
      "all-reduce AUTO: largest two-shot message")                                                \
   XX(COMM_PDL, "1", "0 or 1", "0 launches the comm kernels without programmatic dependent launch") \
   XX(COMM_BLOCKS_PER_SM, "2", "1..3", "CUDA all-reduce: blocks per multiprocessor of a launch (PEs with a GPU each)") \
+  XX(COMM_STREAMING, "1", "0 or 1", "0: CUDA all-reduce launches of 8 MiB or more read and write the caller's buffers through L2 as usual, not evict-first") \
   XX(COMM_CHUNK, "16M", "64K..1G bytes (K/M/G suffixes)",                                          \
      "CUDA all-reduce: most bytes one launch carries; each channel's scratch is 4x this")        \
   XX(COMM_CHECK, "0", "0 or 1", "1 checks every all-reduce and barrier of every comm against every PE's (checking mode)") \
