@@ -33,6 +33,13 @@ mkdir -p "$build/criterion"
 py_summary=""
 if [ -z "$san" ] && [ -d bindings/python/tests ]; then
   echo "== Python tests =="
+  # symkv.torch builds its C++ op kernels on the first import (a minute here, then cached):
+  # once now, so that no timed test pays for it
+  if .venv/bin/python3 -c "import torch" 2>/dev/null; then
+    SKV_LIBRARY="$PWD/$build/libsymkv.so" PYTHONPATH=bindings/python .venv/bin/python3 -c \
+      "import symkv.torch as t; print('symkv.torch op kernels:', 'Python' if t._py_kernels == ('CPU', 'CUDA') else 'C++')" ||
+      status=1
+  fi
   SKV_LIBRARY="$PWD/$build/libsymkv.so" SKV_RUN="$PWD/$build/symkv-run" \
     .venv/bin/python3 -m pytest -q -rs bindings/python/tests 2>&1 | tee "$build/pytest.log" ||
     status=1
