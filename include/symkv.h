@@ -662,7 +662,7 @@ SKV_EXTERN int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
  * stream of the writes, or one ordered after them; skv_kv_sync waits for the inserts), else
  * at once. *ninserted (optional): keys inserted, or, stream-ordered, pages queued. */
 SKV_EXTERN int skv_kv_commit(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys,
-                             const skv_page_ref_t *refs, size_t n, void *stream, size_t *ninserted);
+                             size_t n, const skv_page_ref_t *refs, void *stream, size_t *ninserted);
 /* Give reserved pages back unpublished (generation 0 skipped), ordered on `stream` as
  * skv_kv_commit is, so that no write still in flight lands in a page reused since. */
 SKV_EXTERN int skv_kv_abort(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, void *stream);

@@ -1622,13 +1622,13 @@ static int pe_layers(int rank, int npes, void *arg) {
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
   if (rank == 0) {
     size_t ins;
-    PE_CHECK(skv_kv_commit(kv, ns, keys, refs, NPAGES, NULL, &ins) == 0 && ins == NPAGES,
+    PE_CHECK(skv_kv_commit(kv, ns, keys, NPAGES, refs, NULL, &ins) == 0 && ins == NPAGES,
              "commit: %zu: %s", ins, skv_last_error());
     /* committed: no longer reserved */
     int rc = skv_kv_write(kv, refs, NPAGES, last, sb, NULL);
     PE_CHECK(rc == SKV_ESTATE && strstr(skv_last_error(), "reserved"), "write after commit: %s %s",
              skv_err_name(rc), skv_last_error());
-    rc = skv_kv_commit(kv, ns, keys, refs, NPAGES, NULL, &ins);
+    rc = skv_kv_commit(kv, ns, keys, NPAGES, refs, NULL, &ins);
     PE_CHECK(rc == SKV_ESTATE, "second commit: %s", skv_err_name(rc));
     /* a key cached already reserves nothing */
     skv_page_ref_t again[NPAGES];
@@ -1746,7 +1746,7 @@ Test(kv, layer_ranges_and_reservations_are_checked) {
   skv_layout_destroy(sub);
   cr_expect_eq(skv_kv_reserve(NULL, NULL, NULL, 0, NULL, NULL), SKV_EINVAL);
   cr_expect_eq(skv_kv_write(NULL, NULL, 0, e.lay, NULL, NULL), SKV_EINVAL);
-  cr_expect_eq(skv_kv_commit(NULL, NULL, NULL, NULL, 0, NULL, NULL), SKV_EINVAL);
+  cr_expect_eq(skv_kv_commit(NULL, NULL, NULL, 0, NULL, NULL, NULL), SKV_EINVAL);
   cr_expect_eq(skv_kv_abort(NULL, NULL, 0, NULL), SKV_EINVAL);
   engine_free(&e);
 }

@@ -1142,8 +1142,8 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
   return rc;
 }
 
-int skv_kv_commit(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys,
-                  const skv_page_ref_t *refs, size_t n, void *stream, size_t *ninserted) {
+int skv_kv_commit(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
+                  const skv_page_ref_t *refs, void *stream, size_t *ninserted) {
   const char *fn = "skv_kv_commit";
   KV_CHECK_NULL(kv, "skv_kv_commit");
   if (ninserted) *ninserted = 0;
