@@ -657,10 +657,11 @@ SKV_EXTERN int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
 /* Insert keys[i] for page refs[i] (the arrays skv_kv_reserve took and filled; generation 0
  * skipped) and hand the pages to the cache, as skv_kv_publish does once its copy is done: a key
  * another PE inserted meanwhile is deduplicated (its page freed). The caller must have written
- * every layer of every page. Stream-ordered on `stream` when the cache's pages are GPU pages and
- * a GPU is in use here (the inserts wait for what was enqueued on `stream` before: pass the
- * stream of the writes, or one ordered after them; skv_kv_sync waits for the inserts), else
- * at once. *ninserted (optional): keys inserted, or, stream-ordered, pages queued. */
+ * every layer of every page. Stream-ordered on `stream` when the cache's pages are GPU pages or
+ * host pages GPUs write (cuda, cuda_host) and a GPU is in use here (the inserts wait for what was
+ * enqueued on `stream` before: pass the stream of the writes, or one ordered after them;
+ * skv_kv_sync waits for the inserts), else at once. *ninserted (optional): keys inserted, or,
+ * stream-ordered, pages queued. */
 SKV_EXTERN int skv_kv_commit(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys,
                              size_t n, const skv_page_ref_t *refs, void *stream, size_t *ninserted);
 /* Give reserved pages back unpublished (generation 0 skipped), ordered on `stream` as

@@ -1107,8 +1107,9 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
   for (size_t q = 0; rc == 0 && keys && q < k; q++) pk[q] = keys[idx[q]];
   bool done = false;
 #ifdef SKV_WITH_CUDA
-  /* GPU pages written by this process's GPU: ordered after the stream's writes */
-  if (rc == 0 && k > 0 && kv->cuda && kv->data->info.backend == SKV_BACKEND_CUDA) {
+  /* pages a GPU may still be writing (cuda, or cuda_host pages written by the kernels):
+   * ordered after what the stream holds */
+  if (rc == 0 && k > 0 && kv->cuda) {
     bool capturing;
     rc = skv__kvc_begin(kv->cuda, stream, &capturing, true);
     if (rc == 0 && capturing)

@@ -14,9 +14,12 @@ block size and TP rank (MLA: one namespace that TP rank 0 writes and every rank 
 scheduler matches the leading blocks that every TP rank's namespace holds, pins them (pins are
 leases of the scheduler's slot: owners cannot evict them) until the workers report the load
 done or the request ends, and hands the workers the page references. Workers copy pages into
-the blocks vLLM allocated (before the forward; with extra_config load_async, after the step's
-forward, reported through get_finished while vLLM holds the request) and publish every block
-that fills (the prompt after prefill, generated tokens as blocks fill). Counters go through
+the blocks vLLM allocated layer by layer as the forward reaches each layer (wait_for_layer_load;
+GPUs: every layer's copy enqueued on a side stream, one event per layer), or with extra_config
+load_async whole pages after the step's forward, reported through get_finished while vLLM holds
+the request; and save every block that fills (the prompt after prefill, generated tokens as
+blocks fill) layer by layer into reserved pages (save_kv_layer), committing the keys once every
+layer is written (wait_for_save). Counters go through
 vLLM's stats interface (SymkvConnectorStats).
 A page that cannot be loaded is reported through get_block_ids_with_load_errors, so vLLM
 recomputes it (with kv_load_failure_policy "recompute"); nothing is ever served from a page
