@@ -1199,6 +1199,10 @@ static int pe_layers(int rank, int npes, void *arg) {
     size_t ins;
     PE_CHECK(skv_kv_commit(kv, ns, keys, NPAGES, refs, st2, &ins) == 0 && ins == NPAGES,
              "commit %zu: %s", ins, skv_last_error());
+    /* queued, maybe not done yet: committing, aborting or writing again is refused already */
+    PE_CHECK(skv_kv_commit(kv, ns, keys, NPAGES, refs, st2, &ins) == SKV_ESTATE, "commit twice");
+    PE_CHECK(skv_kv_abort(kv, refs, NPAGES, st2) == SKV_ESTATE, "abort after commit");
+    PE_CHECK(skv_kv_write(kv, refs, NPAGES, s0, sb, st2) == SKV_ESTATE, "write after commit");
     CU_OK(cudaStreamSynchronize(st2));
     PE_CHECK(skv_kv_sync(kv) == 0, "sync after commit");
     PE_CHECK(pages_hold(kv, refs, NPAGES, &ref, sb), "a page differs from the host reference");

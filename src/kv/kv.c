@@ -954,7 +954,12 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
  *   whatever the page held (symkv cannot tell written bytes from old ones); the engine's
  *   connector writes every layer it did not write layer by layer before it commits.
  * - An owner that never commits or aborts: its reserved pages stay WRITING (not evictable) until
- *   it detaches or dies (the domain frees them then). */
+ *   it detaches or dies (the domain frees them then).
+ * - A second commit or abort of a page (a caller's mistake) would index or free it twice: every
+ *   call checks that the page is still WRITING, and a stream-ordered commit or abort makes its
+ *   pages READY-but-not-indexed at once (nobody finds, pins or evicts such a page), so the second
+ *   call fails with SKV_ESTATE. A stream-ordered step that cannot be queued gives its pages back.
+ */
 
 /* The references of refs[0..n) that are this PE's reserved pages (generation 0 skipped), into
  * pages[] and idx[] (their positions); SKV_ESTATE naming the first that is not. */
@@ -1115,12 +1120,17 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
     if (rc == 0 && capturing)
       rc = SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV, "%s cannot be captured in a CUDA graph", fn);
     if (rc == 0) {
+      /* READY but not indexed (no one can find, pin or evict them; a second commit, abort or
+       * write is refused) until the completion indexes or frees them */
+      for (size_t q = 0; q < k; q++)
+        skv__pool_ready(&kv->pool, pages[q], keys ? pk[q].hi : 0, keys ? pk[q].lo : 0);
       const uint32_t me = (uint32_t)kv->pool.me;
       const skv__kv_batch_t b = {
           keys ? SKV__KV_COMMIT : SKV__KV_ABORT, k, &me, 0, pages, 1, pk, false};
       size_t queued = 0;
       rc = skv__kvc_mark(kv->cuda, &b, stream, &queued, fn);
-      if (rc == 0 && ninserted) *ninserted = queued;
+      for (size_t q = queued; q < k; q++) skv__pool_release(&kv->pool, pages[q]); /* not queued */
+      if (ninserted) *ninserted = queued;
     }
     done = true;
   }
