@@ -296,7 +296,7 @@ def test_vllm_tp2_every_rank_loads_its_own_shard(model):
 
 
 @needs_vllm
-@pytest.mark.parametrize("case", ["share+salt+failure", "layouts",
+@pytest.mark.parametrize("case", ["share+layerwise+salt+failure", "layouts",
                                   "async_load+async_failure+stats+tp2"])
 def test_vllm_connector_through_vllm_objects(model, case):
     """vllm_scheduler_case.py: vLLM's own Scheduler, Requests, KV cache views of every layout
