@@ -413,6 +413,16 @@ SKV_EXTERN int skv_layout_create_preset(const skv_geometry_t *geom, skv_layout_p
 SKV_EXTERN int skv_layout_get_preset_layer_bytes(const skv_geometry_t *geom,
                                                  skv_layout_preset_t preset, uint32_t block_tokens,
                                                  uint64_t num_blocks, uint64_t *bytes);
+/* A layout of layers [first, first + n) of `layout` only (first counts the geometry's layers;
+ * the range must lie inside the layers `layout` covers; else SKV_EINVAL naming the range). With
+ * it, skv_kv_fetch and skv_kv_write copy only those layers' bytes of each page (a page is
+ * [layer][k|v][token][head][dim], so they are one contiguous range of it, at byte offset
+ * first * kvn * page_tokens * num_kv_heads * head_dim * elem_bytes): an engine loads and
+ * saves layer by layer, as its forward reaches each layer. skv_kv_publish refuses it (a key is
+ * inserted only once its whole page is written: use skv_kv_reserve / _write / _commit).
+ * Independent of `layout` afterwards (destroy both with skv_layout_destroy). */
+SKV_EXTERN int skv_layout_create_layers(const skv_layout_t *layout, uint32_t first, uint32_t n,
+                                        skv_layout_t **sub);
 SKV_EXTERN int skv_layout_destroy(skv_layout_t *layout);
 
 /* A 128-bit page key. hi is never 0 (0 is reserved by the index). */
@@ -622,6 +632,41 @@ SKV_EXTERN int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
 SKV_EXTERN int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys,
                               size_t n, const skv_layout_t *src, const uint64_t *block_ids,
                               void *stream, size_t *ninserted);
+/* Publishing in parts (an engine saving each layer as its forward computes it): reserve pages,
+ * write them with layouts of some layers (skv_layout_create_layers) as often as needed, then
+ * commit: the keys are inserted only then, so no reader ever finds a page before every one of
+ * its layers was written. A reserved page is this PE's, WRITING: no one can pin, read or evict
+ * it until it is committed or aborted, so reserve shortly before writing and commit or abort
+ * every reservation (a detaching or dying owner's reservations are freed).
+ *
+ * skv_kv_reserve: a page of this PE for each key of keys[0..n) not cached yet (by any PE).
+ * refs[i] gets the page of key i, or generation 0 where there is nothing to write: the key is
+ * cached already, or no page could be had (every page of this PE pinned or being written;
+ * reservation stops at the first such key). *nreserved (optional) counts the pages reserved.
+ * Owners only (SKV_ESTATE for a domain's reader). */
+SKV_EXTERN int skv_kv_reserve(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys,
+                              size_t n, skv_page_ref_t *refs, size_t *nreserved);
+/* Copy engine blocks into reserved pages: page refs[i] from blocks block_ids[i*m .. i*m+m) (m =
+ * page_tokens / block_tokens), only the layers `src` covers. References of generation 0 (and
+ * their blocks) are skipped; every other one must be a page this PE reserved and has not
+ * committed or aborted (SKV_ESTATE otherwise, checked before any byte is copied). GPU layouts:
+ * stream-ordered on `stream` (a cudaStream_t; NULL: the legacy default stream), refused while
+ * it is captured (SKV_ECAPTURE); host layouts copy synchronously. */
+SKV_EXTERN int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
+                            const skv_layout_t *src, const uint64_t *block_ids, void *stream);
+/* Insert keys[i] for page refs[i] (the arrays skv_kv_reserve took and filled; generation 0
+ * skipped) and hand the pages to the cache, as skv_kv_publish does once its copy is done: a key
+ * another PE inserted meanwhile is deduplicated (its page freed). The caller must have written
+ * every layer of every page. Stream-ordered on `stream` when the cache's pages are GPU pages or
+ * host pages GPUs write (cuda, cuda_host) and a GPU is in use here (the inserts wait for what was
+ * enqueued on `stream` before: pass the stream of the writes, or one ordered after them;
+ * skv_kv_sync waits for the inserts), else at once. *ninserted (optional): keys inserted, or,
+ * stream-ordered, pages queued. */
+SKV_EXTERN int skv_kv_commit(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys,
+                             size_t n, const skv_page_ref_t *refs, void *stream, size_t *ninserted);
+/* Give reserved pages back unpublished (generation 0 skipped), ordered on `stream` as
+ * skv_kv_commit is, so that no write still in flight lands in a page reused since. */
+SKV_EXTERN int skv_kv_abort(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, void *stream);
 /* Evict up to `npages` of this PE's least recently used unpinned pages. */
 SKV_EXTERN int skv_kv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted);
 /* Wait until this PE's stream-ordered publishes and fetches have completed their host-side

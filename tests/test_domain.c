@@ -177,6 +177,11 @@ static int pe_basic(int rank, int npes, void *arg) {
     /* a reader cannot publish */
     uint64_t idx = 99;
     PE_CHECK(publish(kv, &e, &idx, 1) == SKV_ESTATE, "reader publish: %s", skv_last_error());
+    /* nor reserve pages to publish in parts */
+    skv_key_t rk = key_of(&e, 99);
+    skv_page_ref_t rref;
+    PE_CHECK(skv_kv_reserve(kv, e.ns, &rk, 1, &rref, NULL) == SKV_ESTATE, "reader reserve: %s",
+             skv_last_error());
     skv_test_sleep_ms(3000); /* the owner leaves meanwhile: its pages are gone, never wrong */
     for (uint64_t i = 0; i < BLOCKS; i++)
       PE_CHECK(found(kv, &e, i) == 0, "key %llu after leave", (unsigned long long)i);

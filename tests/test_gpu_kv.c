@@ -1101,3 +1101,191 @@ Test(gpu_kv, concurrent_publish_of_the_same_keys_is_deduplicated, .timeout = 120
   int bad = skv_test_run(&job, 4, pe_dedup, NULL, 100000);
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
+
+/* ---- layer by layer: layouts of some layers, reserve / write / commit, against the host ---- */
+
+/* Layers [l0, l1) of page `src` (blocks sb[]) equal in `dst` (blocks db[]), every other layer of
+ * dst's blocks still poison (host mirrors). */
+static int layers_equal_rest_poison(const dengine_t *src, const uint64_t *sb, const dengine_t *dst,
+                                    const uint64_t *db, uint32_t l0, uint32_t l1) {
+  const skv_geometry_t *g = &src->g;
+  uint32_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
+  size_t vb = (size_t)g->head_dim * g->elem_bytes;
+  for (uint32_t l = 0; l < g->num_layers; l++)
+    for (uint32_t kv = 0; kv < kvn; kv++)
+      for (uint32_t t = 0; t < g->page_tokens; t++)
+        for (uint32_t h = 0; h < g->num_kv_heads; h++) {
+          const uint8_t *d = ref_vec(dst, l, kv, db[t / dst->bt], t % dst->bt, h);
+          if (l >= l0 && l < l1) {
+            if (memcmp(ref_vec(src, l, kv, sb[t / src->bt], t % src->bt, h), d, vb) != 0) return 0;
+          } else {
+            for (size_t i = 0; i < vb; i++)
+              if (d[i] != 0xA5) return 0;
+          }
+        }
+  return 1;
+}
+
+/* PE 0 writes a chain layer by layer from its engine (layer 0 on one stream, the rest on
+ * another that waits for it, then a commit on that stream); PE 1 never finds it before the
+ * commit, then fetches the last layer alone and the others after, each compared with the host
+ * reference of PE 0's engine (regenerated from its seed) on poisoned blocks. */
+static int pe_layers(int rank, int npes, void *arg) {
+  SKV_UNUSED(npes);
+  const rt_param_t *p = arg;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
+  int dev = skv_ctx_get_device(ctx);
+  PE_CHECK(dev >= 0, "device: %s", skv_err_name(dev));
+  PE_CHECK(set_variant(p->variant) == 0, "variant");
+  const uint32_t L = p->layers;
+  skv_geometry_t g = geom_make(p->kind, L, p->heads, p->dim, p->eb, p->pt);
+  enum { NPAGES = 6 };
+  const uint32_t m = p->pt / p->bt;
+  const uint64_t nb = NPAGES * m * 3;
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.backend = p->backend;
+  o.pages_per_pe = 16;
+  skv_kv_t *kv;
+  PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "kv create");
+  skv_namespace_t *ns;
+  PE_CHECK(skv_namespace_create("gpu-layers", &g, NULL, 0, "s", 1, &ns) == 0, "ns");
+  const int edev = p->engine_gpu ? dev : -1;
+  dengine_t src, dst, ref;
+  PE_CHECK(de_new(&src, &g, p->preset, p->bt, nb, edev) == 0, "src: %s", skv_last_error());
+  PE_CHECK(de_new(&dst, &g, p->preset, p->bt, nb, edev) == 0, "dst");
+  PE_CHECK(de_new(&ref, &g, p->preset, p->bt, nb, -1) == 0, "ref");
+  uint64_t seed = skv_test_seed(), seeds[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(ctx, &seed, seeds, sizeof seed) == 0, "seeds");
+  PE_CHECK(de_fill(&src, seeds[0]) == 0, "fill");
+  PE_CHECK(de_fill(&ref, seeds[0]) == 0, "ref fill");
+  uint32_t tokens[NPAGES * 64];
+  for (uint32_t i = 0; i < NPAGES * p->pt; i++) tokens[i] = 9000 + i;
+  skv_key_t keys[NPAGES];
+  size_t nk, nhit;
+  PE_CHECK(skv_namespace_hash_tokens(ns, tokens, NPAGES * p->pt, NULL, keys, NPAGES, &nk) == 0,
+           "hash");
+  uint64_t sb[NPAGES * 64], db[NPAGES * 64];
+  uint64_t s = seeds[0] ^ 0x99;
+  pick_blocks(nb, NPAGES * m, sb, &s);
+  cudaStream_t st, st2;
+  CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  CU_OK(cudaStreamCreateWithFlags(&st2, cudaStreamNonBlocking));
+  cudaEvent_t ev;
+  CU_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  skv_layout_t *s0, *srest, *d0, *dlast;
+  PE_CHECK(skv_layout_create_layers(src.lay, 0, 1, &s0) == 0, "s0: %s", skv_last_error());
+  PE_CHECK(skv_layout_create_layers(src.lay, 1, L - 1, &srest) == 0, "srest");
+  PE_CHECK(skv_layout_create_layers(dst.lay, 0, L - 1, &d0) == 0, "d0");
+  PE_CHECK(skv_layout_create_layers(dst.lay, L - 1, 1, &dlast) == 0, "dlast");
+  skv_page_ref_t refs[NPAGES];
+  if (rank == 0) {
+    size_t nres;
+    PE_CHECK(skv_kv_reserve(kv, ns, keys, NPAGES, refs, &nres) == 0 && nres == NPAGES,
+             "reserve %zu", nres);
+    PE_CHECK(skv_kv_write(kv, refs, NPAGES, s0, sb, st) == 0, "write 0: %s", skv_last_error());
+    CU_OK(cudaEventRecord(ev, st));
+    CU_OK(cudaStreamWaitEvent(st2, ev, 0));
+    PE_CHECK(skv_kv_write(kv, refs, NPAGES, srest, sb, st2) == 0, "write rest");
+    CU_OK(cudaStreamSynchronize(st2));
+    PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  skv_page_ref_t probe[NPAGES];
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, NPAGES, 0, probe, &nhit) == 0 && nhit == 0,
+           "written, uncommitted pages found (%zu)", nhit);
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  if (rank == 0) {
+    size_t ins;
+    PE_CHECK(skv_kv_commit(kv, ns, keys, NPAGES, refs, st2, &ins) == 0 && ins == NPAGES,
+             "commit %zu: %s", ins, skv_last_error());
+    /* queued, maybe not done yet: committing, aborting or writing again is refused already */
+    PE_CHECK(skv_kv_commit(kv, ns, keys, NPAGES, refs, st2, &ins) == SKV_ESTATE, "commit twice");
+    PE_CHECK(skv_kv_abort(kv, refs, NPAGES, st2) == SKV_ESTATE, "abort after commit");
+    PE_CHECK(skv_kv_write(kv, refs, NPAGES, s0, sb, st2) == SKV_ESTATE, "write after commit");
+    CU_OK(cudaStreamSynchronize(st2));
+    PE_CHECK(skv_kv_sync(kv) == 0, "sync after commit");
+    PE_CHECK(pages_hold(kv, refs, NPAGES, &ref, sb), "a page differs from the host reference");
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  if (rank == 1) {
+    skv_page_ref_t found[NPAGES];
+    PE_CHECK(skv_kv_lookup(kv, ns, keys, NPAGES, SKV_LOOKUP_PIN, found, &nhit) == 0 &&
+                 nhit == NPAGES,
+             "committed: %zu", nhit);
+    PE_CHECK(de_poison(&dst) == 0, "poison");
+    s = skv_test_seed();
+    pick_blocks(nb, NPAGES * m, db, &s);
+    PE_CHECK(skv_kv_fetch(kv, found, NPAGES, dlast, db, 0, st) == 0, "fetch last layer");
+    CU_OK(cudaStreamSynchronize(st));
+    PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+    PE_CHECK(de_download(&dst) == 0, "download");
+    for (int i = 0; i < NPAGES; i++)
+      PE_CHECK(layers_equal_rest_poison(&ref, &sb[i * m], &dst, &db[i * m], L - 1, L),
+               "page %d after the last layer alone", i);
+    PE_CHECK(skv_kv_fetch(kv, found, NPAGES, d0, db, SKV_FETCH_UNPIN, st) == 0, "fetch rest");
+    CU_OK(cudaStreamSynchronize(st));
+    PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+    PE_CHECK(de_download(&dst) == 0, "download");
+    for (int i = 0; i < NPAGES; i++)
+      PE_CHECK(pages_equal(&ref, &sb[i * m], &dst, &db[i * m]), "page %d after every layer", i);
+    uint8_t *used = calloc(nb, 1);
+    for (uint32_t i = 0; i < NPAGES * m; i++) used[db[i]] = 1;
+    PE_CHECK(untouched_outside(&dst, used), "a layer fetch wrote outside its blocks");
+    free(used);
+    /* abort on a stream: the page goes back once the stream reached it */
+    skv_key_t k2 = keys[0];
+    k2.lo ^= 77;
+    skv_page_ref_t r2;
+    size_t nres;
+    skv_kv_stats_t a = SKV_KV_STATS_INIT, b = SKV_KV_STATS_INIT;
+    PE_CHECK(skv_kv_get_stats(kv, &a) == 0, "stats");
+    PE_CHECK(skv_kv_reserve(kv, ns, &k2, 1, &r2, &nres) == 0 && nres == 1, "reserve");
+    PE_CHECK(skv_kv_write(kv, &r2, 1, dlast, db, st) == 0, "write");
+    PE_CHECK(skv_kv_abort(kv, &r2, 1, st) == 0, "abort: %s", skv_last_error());
+    CU_OK(cudaStreamSynchronize(st));
+    PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+    PE_CHECK(skv_kv_get_stats(kv, &b) == 0 && b.pages_used == a.pages_used, "pages used");
+    PE_CHECK(skv_kv_lookup(kv, ns, &k2, 1, 0, &r2, &nhit) == 0 && nhit == 0, "aborted key");
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  skv_layout_destroy(s0);
+  skv_layout_destroy(srest);
+  skv_layout_destroy(d0);
+  skv_layout_destroy(dlast);
+  CU_OK(cudaEventDestroy(ev));
+  CU_OK(cudaStreamDestroy(st));
+  CU_OK(cudaStreamDestroy(st2));
+  de_free(&src);
+  de_free(&dst);
+  de_free(&ref);
+  skv_namespace_destroy(ns);
+  PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+ParameterizedTestParameters(gpu_kv, layers_match_host_reference) {
+  static rt_param_t p[] = {
+      /* GPU pages, GPU engine (the kernels, offset by the layers' place in the page) */
+      {2, SKV_BACKEND_CUDA, 1, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 4, 2, 64, 2, 16, 16, 0},
+      {2, SKV_BACKEND_CUDA, 1, SKV_LAYOUT_FLASHINFER_HND, SKV_KV_SPLIT, 3, 4, 32, 2, 32, 8, 0},
+      {2, SKV_BACKEND_CUDA, 1, SKV_LAYOUT_MLA, SKV_KV_MLA, 5, 1, 576, 2, 16, 16, 1},
+      {2, SKV_BACKEND_CUDA, 1, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 4, 2, 64, 2, 16, 16, 6},
+      /* GPU pages, host engine (staged: only the layers' bytes cross) */
+      {2, SKV_BACKEND_CUDA, 0, SKV_LAYOUT_VLLM_FLASH_HND, SKV_KV_SPLIT, 3, 2, 64, 2, 16, 8, 0},
+      /* host pages GPUs read, GPU engine */
+      {2, SKV_BACKEND_CUDA_HOST, 1, SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 4, 2, 64, 2, 16, 16,
+       0},
+  };
+  return cr_make_param_array(rt_param_t, p, sizeof p / sizeof p[0]);
+}
+
+ParameterizedTest(rt_param_t *p, gpu_kv, layers_match_host_reference, .timeout = 240) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, p->npes, pe_layers, p, 200000);
+  cr_assert_eq(bad, 0, "backend %d, engine %s, preset %d L%u, variant %d: %s", p->backend,
+               p->engine_gpu ? "GPU" : "host", p->preset, p->layers, p->variant,
+               skv_test_statuses(&job));
+}

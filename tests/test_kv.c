@@ -1526,3 +1526,227 @@ Test(kv, cluster_handle_without_redis_is_node_local, .timeout = 60) {
   skv_namespace_destroy(ns);
   free(mem);
 }
+
+/* ---- layer by layer: layouts of some layers, reserve / write / commit ---- */
+
+/* Do layers [l0, l1) of page `src` (blocks sb[]) and of `dst` (blocks db[]) hold the same
+ * vectors, and every other layer of `dst`'s blocks still poison? */
+static int layers_equal_rest_poison(const engine_t *src, const uint64_t *sb, const engine_t *dst,
+                                    const uint64_t *db, uint32_t l0, uint32_t l1) {
+  const skv_geometry_t *g = &src->g;
+  uint32_t kvn = g->kv_kind == SKV_KV_MLA ? 1 : 2;
+  size_t vb = (size_t)g->head_dim * g->elem_bytes;
+  for (uint32_t l = 0; l < g->num_layers; l++)
+    for (uint32_t kv = 0; kv < kvn; kv++)
+      for (uint32_t t = 0; t < g->page_tokens; t++)
+        for (uint32_t h = 0; h < g->num_kv_heads; h++) {
+          const uint8_t *d = ref_vec(dst, l, kv, db[t / dst->bt], t % dst->bt, h);
+          if (l >= l0 && l < l1) {
+            if (memcmp(ref_vec(src, l, kv, sb[t / src->bt], t % src->bt, h), d, vb) != 0) return 0;
+          } else {
+            for (size_t i = 0; i < vb; i++)
+              if (d[i] != 0xA5) return 0;
+          }
+        }
+  return 1;
+}
+
+typedef struct layers_param {
+  int preset;
+  uint32_t kind, layers;
+} layers_param_t;
+
+/* PE 0 saves a chain layer by layer (reserve, write layers in several calls, commit); PE 1 looks
+ * it up between the writes (never a hit before the commit), then loads it layer by layer into
+ * poisoned blocks, byte-exact against the writer's seed, layers not yet loaded still poison. */
+static int pe_layers(int rank, int npes, void *arg) {
+  SKV_UNUSED(npes);
+  const layers_param_t *p = arg;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 30000) == 0, "init");
+  const uint32_t L = p->layers, bt = 8;
+  skv_geometry_t g = geom_make(p->kind, L, p->kind == SKV_KV_MLA ? 1 : 2, 16, 2, 16);
+  enum { NPAGES = 5 };
+  const uint32_t m = g.page_tokens / bt;
+  const uint64_t nb = NPAGES * m * 3;
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.pages_per_pe = 8;
+  skv_kv_t *kv;
+  PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "kv create");
+  skv_namespace_t *ns;
+  PE_CHECK(skv_namespace_create("layers", &g, NULL, 0, "s", 1, &ns) == 0, "ns");
+  engine_t src, dst;
+  PE_CHECK(engine_new(&src, &g, p->preset, bt, nb) == 0, "src engine: %s", skv_last_error());
+  PE_CHECK(engine_new(&dst, &g, p->preset, bt, nb) == 0, "dst engine");
+  uint64_t seed = skv_test_seed(), seeds[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(ctx, &seed, seeds, sizeof seed) == 0, "seeds");
+  engine_fill(&src, seeds[0]);
+  uint32_t tokens[NPAGES * 16];
+  for (uint32_t i = 0; i < NPAGES * 16; i++) tokens[i] = 7000 + i;
+  skv_key_t keys[NPAGES];
+  size_t nk, nhit;
+  PE_CHECK(skv_namespace_hash_tokens(ns, tokens, NPAGES * 16, NULL, keys, NPAGES, &nk) == 0,
+           "hash");
+  uint64_t sb[NPAGES * 2], db[NPAGES * 2];
+  uint64_t s = seeds[0] ^ 0x77;
+  pick_blocks(nb, NPAGES * m, sb, &s);
+  skv_page_ref_t refs[NPAGES];
+  /* the layer ranges: [0, 1), then [1, L - 1), then [L - 1, L) */
+  skv_layout_t *first, *mid = NULL, *last;
+  PE_CHECK(skv_layout_create_layers(src.lay, 0, 1, &first) == 0, "sub 0: %s", skv_last_error());
+  if (L > 2) PE_CHECK(skv_layout_create_layers(src.lay, 1, L - 2, &mid) == 0, "sub mid");
+  PE_CHECK(skv_layout_create_layers(src.lay, L - 1, 1, &last) == 0, "sub last");
+  skv_page_ref_t found[NPAGES];
+  if (rank == 0) {
+    size_t nres;
+    PE_CHECK(skv_kv_reserve(kv, ns, keys, NPAGES, refs, &nres) == 0 && nres == NPAGES,
+             "reserve: %zu: %s", nres, skv_last_error());
+    PE_CHECK(skv_kv_write(kv, refs, NPAGES, first, sb, NULL) == 0, "write 0: %s", skv_last_error());
+    if (mid) PE_CHECK(skv_kv_write(kv, refs, NPAGES, mid, sb, NULL) == 0, "write mid");
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  /* a partly written page is never found, by anyone */
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, NPAGES, SKV_LOOKUP_PIN, found, &nhit) == 0 && nhit == 0,
+           "partly written pages were found (%zu)", nhit);
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  if (rank == 0) {
+    PE_CHECK(skv_kv_write(kv, refs, NPAGES, last, sb, NULL) == 0, "write last");
+    /* a reserved page is not evictable: nothing else to evict, nothing evicted */
+    uint64_t nev;
+    PE_CHECK(skv_kv_evict(kv, NPAGES, &nev) == 0 && nev == 0, "evicted %llu reserved pages",
+             (unsigned long long)nev);
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, NPAGES, 0, found, &nhit) == 0 && nhit == 0,
+           "written but uncommitted pages were found (%zu)", nhit);
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  if (rank == 0) {
+    size_t ins;
+    PE_CHECK(skv_kv_commit(kv, ns, keys, NPAGES, refs, NULL, &ins) == 0 && ins == NPAGES,
+             "commit: %zu: %s", ins, skv_last_error());
+    /* committed: no longer reserved */
+    int rc = skv_kv_write(kv, refs, NPAGES, last, sb, NULL);
+    PE_CHECK(rc == SKV_ESTATE && strstr(skv_last_error(), "reserved"), "write after commit: %s %s",
+             skv_err_name(rc), skv_last_error());
+    rc = skv_kv_commit(kv, ns, keys, NPAGES, refs, NULL, &ins);
+    PE_CHECK(rc == SKV_ESTATE, "second commit: %s", skv_err_name(rc));
+    /* a key cached already reserves nothing */
+    skv_page_ref_t again[NPAGES];
+    size_t nres = 99;
+    PE_CHECK(skv_kv_reserve(kv, ns, keys, NPAGES, again, &nres) == 0 && nres == 0, "re-reserve");
+    for (int i = 0; i < NPAGES; i++) PE_CHECK(again[i].gen == 0, "ref %d of a cached key", i);
+    PE_CHECK(skv_kv_write(kv, again, NPAGES, src.lay, sb, NULL) == 0, "writing nothing");
+    /* abort: the page goes back, its key never appears */
+    skv_key_t k2 = keys[0];
+    k2.lo ^= 0x1234;
+    skv_page_ref_t r2;
+    skv_kv_stats_t st0 = SKV_KV_STATS_INIT, st1 = SKV_KV_STATS_INIT;
+    PE_CHECK(skv_kv_get_stats(kv, &st0) == 0, "stats");
+    PE_CHECK(skv_kv_reserve(kv, ns, &k2, 1, &r2, &nres) == 0 && nres == 1 && r2.gen, "reserve 1");
+    PE_CHECK(skv_kv_write(kv, &r2, 1, first, sb, NULL) == 0, "write 1");
+    PE_CHECK(skv_kv_abort(kv, &r2, 1, NULL) == 0, "abort: %s", skv_last_error());
+    PE_CHECK(skv_kv_abort(kv, &r2, 1, NULL) == SKV_ESTATE, "second abort");
+    PE_CHECK(skv_kv_get_stats(kv, &st1) == 0 && st1.pages_used == st0.pages_used, "pages used");
+    PE_CHECK(skv_kv_lookup(kv, ns, &k2, 1, 0, &r2, &nhit) == 0 && nhit == 0, "aborted key found");
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  if (rank == 1) {
+    /* publish refuses a layout of some layers; a reader's reference to another PE's page is no
+     * reservation of its own */
+    int rc = skv_kv_publish(kv, ns, keys, 1, first, sb, NULL, NULL);
+    PE_CHECK(rc == SKV_EINVAL && strstr(skv_last_error(), "skv_kv_reserve"), "publish part: %s",
+             skv_last_error());
+    PE_CHECK(skv_kv_lookup(kv, ns, keys, NPAGES, SKV_LOOKUP_PIN, found, &nhit) == 0 &&
+                 nhit == NPAGES,
+             "committed pages: %zu", nhit);
+    rc = skv_kv_write(kv, found, 1, first, sb, NULL);
+    PE_CHECK(rc == SKV_ESTATE, "write into a peer's page: %s", skv_err_name(rc));
+    engine_poison(&dst);
+    s = skv_test_seed();
+    pick_blocks(nb, NPAGES * m, db, &s);
+    skv_layout_t *dfirst, *drest;
+    PE_CHECK(skv_layout_create_layers(dst.lay, 0, 1, &dfirst) == 0, "dst sub 0");
+    PE_CHECK(skv_layout_create_layers(dst.lay, 1, L - 1, &drest) == 0, "dst sub rest");
+    /* layer 0 only: the rest stay poison */
+    PE_CHECK(skv_kv_fetch(kv, found, NPAGES, dfirst, db, 0, NULL) == 0, "fetch layer 0: %s",
+             skv_last_error());
+    for (int i = 0; i < NPAGES; i++)
+      PE_CHECK(layers_equal_rest_poison(&src, &sb[i * m], &dst, &db[i * m], 0, 1),
+               "page %d after loading layer 0", i);
+    /* a layout of one layer of a sub-layout, by its own layer number */
+    skv_layout_t *one;
+    PE_CHECK(skv_layout_create_layers(drest, L - 1, 1, &one) == 0, "sub of sub");
+    PE_CHECK(skv_kv_fetch(kv, found, NPAGES, one, db, 0, NULL) == 0, "fetch last layer");
+    if (L > 2)
+      for (int i = 0; i < NPAGES; i++)
+        PE_CHECK(!layers_equal_rest_poison(&src, &sb[i * m], &dst, &db[i * m], 0, 1),
+                 "page %d: the last layer was not loaded", i);
+    skv_layout_destroy(one);
+    PE_CHECK(skv_kv_fetch(kv, found, NPAGES, drest, db, SKV_FETCH_UNPIN, NULL) == 0, "fetch rest");
+    for (int i = 0; i < NPAGES; i++)
+      PE_CHECK(layers_equal_rest_poison(&src, &sb[i * m], &dst, &db[i * m], 0, L),
+               "page %d after loading every layer", i);
+    uint8_t *used = calloc(nb, 1);
+    for (uint32_t i = 0; i < NPAGES * m; i++) used[db[i]] = 1;
+    PE_CHECK(untouched_outside(&dst, used), "a layer fetch wrote outside its blocks");
+    free(used);
+    skv_layout_destroy(dfirst);
+    skv_layout_destroy(drest);
+  }
+  PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  skv_layout_destroy(first);
+  skv_layout_destroy(mid);
+  skv_layout_destroy(last);
+  engine_free(&src);
+  engine_free(&dst);
+  skv_namespace_destroy(ns);
+  PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+ParameterizedTestParameters(kv, layer_by_layer_save_and_load) {
+  static layers_param_t params[] = {
+      {SKV_LAYOUT_VLLM_FLASH_NHD, SKV_KV_SPLIT, 4},
+      {SKV_LAYOUT_FLASHINFER_HND, SKV_KV_SPLIT, 3},
+      {SKV_LAYOUT_MLA, SKV_KV_MLA, 5},
+  };
+  return cr_make_param_array(layers_param_t, params, sizeof params / sizeof params[0]);
+}
+
+ParameterizedTest(layers_param_t *p, kv, layer_by_layer_save_and_load) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_layers, p, 120000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* Layer ranges outside the layout, and the calls' argument checks. */
+Test(kv, layer_ranges_and_reservations_are_checked) {
+  skv_geometry_t g = geom_make(SKV_KV_SPLIT, 4, 2, 16, 2, 16);
+  engine_t e;
+  cr_assert_eq(engine_new(&e, &g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, 4), 0);
+  skv_layout_t *sub = (skv_layout_t *)0x1, *sub2;
+  const struct {
+    uint32_t first, n;
+  } bad[] = {{0, 0}, {4, 1}, {3, 2}, {0, 5}, {UINT32_MAX, 2}, {1, UINT32_MAX}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    cr_expect_eq(skv_layout_create_layers(e.lay, bad[i].first, bad[i].n, &sub), SKV_EINVAL,
+                 "layers [%u, +%u)", bad[i].first, bad[i].n);
+    cr_expect_null(sub, "no layout on failure");
+    cr_expect(strstr(skv_last_error(), "range"), "message: %s", skv_last_error());
+  }
+  cr_expect_eq(skv_layout_create_layers(NULL, 0, 1, &sub), SKV_EINVAL);
+  cr_expect_eq(skv_layout_create_layers(e.lay, 0, 1, NULL), SKV_EINVAL);
+  cr_assert_eq(skv_layout_create_layers(e.lay, 1, 2, &sub), 0);
+  /* a sub-layout's range counts the geometry's layers and stays inside [1, 3) */
+  cr_expect_eq(skv_layout_create_layers(sub, 0, 1, &sub2), SKV_EINVAL);
+  cr_expect_eq(skv_layout_create_layers(sub, 2, 2, &sub2), SKV_EINVAL);
+  cr_assert_eq(skv_layout_create_layers(sub, 2, 1, &sub2), 0);
+  skv_layout_destroy(sub2);
+  skv_layout_destroy(sub);
+  cr_expect_eq(skv_kv_reserve(NULL, NULL, NULL, 0, NULL, NULL), SKV_EINVAL);
+  cr_expect_eq(skv_kv_write(NULL, NULL, 0, e.lay, NULL, NULL), SKV_EINVAL);
+  cr_expect_eq(skv_kv_commit(NULL, NULL, NULL, 0, NULL, NULL, NULL), SKV_EINVAL);
+  cr_expect_eq(skv_kv_abort(NULL, NULL, 0, NULL), SKV_EINVAL);
+  engine_free(&e);
+}

@@ -502,6 +502,23 @@ static int check_layout(const skv_kv_t *kv, const skv_layout_t *lay, const uint6
   return skv__check_block_ids(lay, block_ids, n, fn);
 }
 
+/* Bytes of a page the layout's layers occupy (all of it for a layout of every layer). */
+static uint64_t layout_bytes(const skv_kv_t *kv, const skv_layout_t *lay) {
+  return (uint64_t)lay->num_layers * lay->kvn * skv__geometry_slab_bytes(&kv->geom);
+}
+
+/* A layout of every layer: what skv_kv_publish needs (a key is inserted only with its whole
+ * page written). */
+static int check_whole(const skv_layout_t *lay, const char *fn) {
+  if (lay->num_layers == lay->geom.num_layers) return 0;
+  return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                  "%s: the layout covers layers [%u, %u) of %u, part of each page, and a key is "
+                  "inserted only once its whole page is written: publish with a layout of every "
+                  "layer, or write the layers with skv_kv_write between skv_kv_reserve and "
+                  "skv_kv_commit",
+                  fn, lay->first_layer, lay->first_layer + lay->num_layers, lay->geom.num_layers);
+}
+
 /* How pages of this cache and blocks of `lay` are copied. */
 static int choose_path(const skv_kv_t *kv, const skv_layout_t *lay, int *path, const char *fn) {
   const int be = kv->data->info.backend;
@@ -600,6 +617,12 @@ static int batch_done(void *arg, const skv__kv_batch_t *b) {
     (void)skv__kp_lap(&kv->prof, SKV__KP_RELEASE, t);
     return rc;
   }
+  if (b->dir == SKV__KV_WRITE) return 0; /* the pages stay reserved until committed */
+  if (b->dir == SKV__KV_ABORT) {
+    for (size_t i = 0; i < b->n; i++) skv__pool_release(&kv->pool, b_page(b, i));
+    return 0;
+  }
+  /* SKV__KV_PUBLISH and SKV__KV_COMMIT: make the pages READY, index them */
   uint32_t ins[64]; /* inserted pages, committed to the LRU 64 at a time (one lock) */
   size_t nins = 0;
   for (size_t i = 0; i < b->n; i++) {
@@ -653,13 +676,15 @@ static int copy_sync_fetch(skv_kv_t *kv, const skv__kv_batch_t *b, int path,
   if (path == PATH_HOST) {
     const bool nt = (uint64_t)b->n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
     for (size_t i = 0; i < b->n; i++)
-      skv__copy_page_to_blocks(dst, skv__kv_page(kv, b_pe(b, i), b_page(b, i)), block_ids + i * m,
-                               nt);
+      skv__copy_page_to_blocks(dst,
+                               (char *)skv__kv_page(kv, b_pe(b, i), b_page(b, i)) + dst->page_off,
+                               block_ids + i * m, nt);
     if (nt) skv__copy_stream_fence();
     return 0;
   }
 #ifdef SKV_WITH_CUDA
-  const uint64_t pb = kv->page_bytes;
+  /* only the bytes of the layers `dst` covers */
+  const uint64_t pb = layout_bytes(kv, dst);
   const size_t per = skv__kvc_stage_pages(kv->cuda);
   char *buf = malloc(SKV_MIN(b->n, per) * pb);
   if (!buf)
@@ -670,7 +695,7 @@ static int copy_sync_fetch(skv_kv_t *kv, const skv__kv_batch_t *b, int path,
     part.n = SKV_MIN(per, b->n - off);
     part.pe = b->pe + off * b->pe_step;
     part.page = b->page + off * b->page_step;
-    rc = skv__kvc_read_pages(kv->cuda, &part, buf, stream, fn);
+    rc = skv__kvc_read_pages(kv->cuda, &part, dst->page_off, pb, buf, stream, fn);
     for (size_t q = 0; rc == 0 && q < part.n; q++)
       skv__copy_page_to_blocks(dst, buf + q * pb, block_ids + (off + q) * m, false);
   }
@@ -793,7 +818,7 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
 #ifdef SKV_WITH_CUDA
   if (path == PATH_STAGED) {
     const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &me, 0, pages, 1, NULL, false};
-    rc = skv__kvc_write_pages(kv->cuda, &b, buf, stream, fn);
+    rc = skv__kvc_write_pages(kv->cuda, &b, 0, pb, buf, stream, fn);
   }
 #else
   SKV_UNUSED(stream), SKV_UNUSED(fn);
@@ -820,6 +845,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   SKV_CHECK(check_ns(kv, ns, fn));
   SKV_CHECK(check_keys(keys, n, fn));
   SKV_CHECK(check_layout(kv, src, block_ids, n, fn));
+  SKV_CHECK(check_whole(src, fn));
   if (kv->domain && skv__domain_role(kv->domain) != SKV_ROLE_OWNER)
     return SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
                     "%s: a reader of a domain has no pages to publish into; attach as "
@@ -906,6 +932,240 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   if (ninserted) *ninserted = inserted;
   (void)skv__kp_lap(P, SKV__KP_CALL, t0);
   return rc;
+}
+
+/* ---- publishing in parts: reserve, write (layer by layer), commit --------------------------- */
+
+/* How it works
+ * ------------
+ * skv_kv_reserve takes pages as a publish does (WRITING: no one pins, reads or evicts them) and
+ * hands their references to the caller instead of copying at once; skv_kv_write copies any
+ * layers into them, as often as the caller likes; skv_kv_commit then takes the publish's last
+ * step (READY, index insert, LRU; freed when deduplicated), so a key is found only once the
+ * caller wrote its whole page. For GPU pages the writes are stream-ordered and the commit (or
+ * abort) is an event on the caller's stream: the completion thread indexes (or frees) the pages
+ * once everything enqueued before it completed, exactly as it finishes a publish's copy.
+ *
+ * What can go wrong
+ * -----------------
+ * - A reference that is not a page this PE reserved (another PE's, a stale generation, one
+ *   committed or aborted already): SKV_ESTATE before anything is copied or indexed.
+ * - The caller commits a page some of whose layers it never wrote: the page is served with
+ *   whatever the page held (symkv cannot tell written bytes from old ones); the engine's
+ *   connector writes every layer it did not write layer by layer before it commits.
+ * - An owner that never commits or aborts: its reserved pages stay WRITING (not evictable) until
+ *   it detaches or dies (the domain frees them then).
+ * - A second commit or abort of a page (a caller's mistake) would index or free it twice: every
+ *   call checks that the page is still WRITING, and a stream-ordered commit or abort makes its
+ *   pages READY-but-not-indexed at once (nobody finds, pins or evicts such a page), so the second
+ *   call fails with SKV_ESTATE. A stream-ordered step that cannot be queued gives its pages back.
+ */
+
+/* The references of refs[0..n) that are this PE's reserved pages (generation 0 skipped), into
+ * pages[] and idx[] (their positions); SKV_ESTATE naming the first that is not. */
+static int reserved_refs(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, uint32_t *pages,
+                         size_t *idx, size_t *k, const char *fn) {
+  *k = 0;
+  if (n && !refs) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, "%s: refs is NULL with n=%zu", fn, n);
+  const uint32_t me = (uint32_t)kv->pool.me;
+  for (size_t i = 0; i < n; i++) {
+    if (refs[i].gen == 0) continue;
+    if (refs[i].pe != me || refs[i].page >= kv->pool.pages)
+      return SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
+                      "%s: reference %zu (PE %u, page %u) is not a page of this PE (PE %u): pass "
+                      "the references skv_kv_reserve filled",
+                      fn, i, refs[i].pe, refs[i].page, me);
+    const uint64_t st = __atomic_load_n(&kv->pool.meta[me][refs[i].page].state, __ATOMIC_ACQUIRE);
+    if (skv__st_state(st) != SKV_PAGE_WRITING || skv__st_gen(st) != refs[i].gen)
+      return SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
+                      "%s: reference %zu (page %u, generation %u) is not a page this PE reserved "
+                      "and still holds (it was committed or aborted already, or the reference "
+                      "is not skv_kv_reserve's); nothing was done",
+                      fn, i, refs[i].page, refs[i].gen);
+    pages[*k] = refs[i].page;
+    idx[(*k)++] = i;
+  }
+  return 0;
+}
+
+static int check_owner(const skv_kv_t *kv, const char *fn) {
+  if (kv->domain && skv__domain_role(kv->domain) != SKV_ROLE_OWNER)
+    return SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
+                    "%s: a reader of a domain has no pages to publish into; attach as "
+                    "SKV_ROLE_OWNER to publish",
+                    fn);
+  return 0;
+}
+
+int skv_kv_reserve(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
+                   skv_page_ref_t *refs, size_t *nreserved) {
+  const char *fn = "skv_kv_reserve";
+  KV_CHECK_NULL(kv, "skv_kv_reserve");
+  if (nreserved) *nreserved = 0;
+  SKV_CHECK(check_ns(kv, ns, fn));
+  SKV_CHECK(check_keys(keys, n, fn));
+  SKV_ARG_CHECK(refs || n == 0, SKV_SUBSYS_KV, "%s: refs is NULL with n=%zu", fn, n);
+  SKV_CHECK(check_owner(kv, fn));
+  const uint32_t me = (uint32_t)kv->pool.me;
+  for (size_t i = 0; i < n; i++) refs[i] = (skv_page_ref_t){me, 0, 0, 0};
+  if (n == 0) return 0;
+  tidy(kv);
+  size_t got = 0;
+  bool full = false;
+  for (size_t i = 0; i < n && !full; i++) {
+    uint64_t val;
+    if (i + PUB_AHEAD < n) skv__index_prefetch(&kv->index, keys[i + PUB_AHEAD]);
+    if (skv__index_lookup(&kv->index, keys[i], &val) == 0) continue; /* cached already */
+    uint32_t page, gen;
+    uint64_t ev = 0;
+    if (skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &page, &gen, &ev) != 0) {
+      full = true; /* every page pinned or being written: the rest stay unreserved */
+      SKV_INFO(SKV_SUBSYS_KV, "%s: no page for key %zu of %zu (all pinned or being written)", fn, i,
+               n);
+      break;
+    }
+    refs[i] = (skv_page_ref_t){me, page, skv__pool_gen(&kv->pool, me, page), 0};
+    got++;
+  }
+  if (nreserved) *nreserved = got;
+  return 0;
+}
+
+int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_layout_t *src,
+                 const uint64_t *block_ids, void *stream) {
+  const char *fn = "skv_kv_write";
+  KV_CHECK_NULL(kv, "skv_kv_write");
+  SKV_CHECK(check_layout(kv, src, block_ids, n, fn));
+  SKV_CHECK(check_owner(kv, fn));
+  if (n == 0) return 0;
+  int path;
+  SKV_CHECK(choose_path(kv, src, &path, fn));
+#ifdef SKV_WITH_CUDA
+  if (path != PATH_HOST) {
+    bool capturing;
+    SKV_CHECK(skv__kvc_begin(kv->cuda, stream, &capturing, false));
+    if (capturing)
+      return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
+                      "%s cannot be captured in a CUDA graph: a replay would write into pages "
+                      "that may have been committed, evicted and reused since",
+                      fn);
+    if (path == PATH_DEVICE) SKV_CHECK(skv__kvc_check(kv->cuda, src, SKV__KV_PUBLISH, fn));
+  }
+#endif
+  uint32_t *pages = malloc(n * sizeof *pages);
+  size_t *idx = malloc(n * sizeof *idx);
+  int rc = 0;
+  size_t k = 0;
+  if (!pages || !idx)
+    rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for %zu pages", fn, n);
+  if (rc == 0) rc = reserved_refs(kv, refs, n, pages, idx, &k, fn);
+  const uint32_t me = (uint32_t)kv->pool.me, m = src->blocks_per_page;
+  if (rc == 0 && k > 0 && path == PATH_HOST) {
+    const bool nt = (uint64_t)k * layout_bytes(kv, src) >= SKV_COPY_STREAM_BYTES;
+    for (size_t q = 0; q < k; q++)
+      skv__copy_blocks_to_page(src, (char *)skv__kv_page(kv, me, pages[q]) + src->page_off,
+                               block_ids + idx[q] * m, nt);
+    if (nt) skv__copy_stream_fence();
+  }
+#ifdef SKV_WITH_CUDA
+  if (rc == 0 && k > 0 && path == PATH_STAGED) {
+    const uint64_t lb = layout_bytes(kv, src);
+    const size_t per = skv__kvc_stage_pages(kv->cuda);
+    char *buf = malloc(SKV_MIN(k, per) * lb);
+    if (!buf)
+      rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for a staging buffer", fn);
+    for (size_t off = 0; rc == 0 && off < k; off += per) {
+      const size_t c = SKV_MIN(per, k - off);
+      for (size_t q = 0; q < c; q++)
+        skv__copy_blocks_to_page(src, buf + q * lb, block_ids + idx[off + q] * m, false);
+      const skv__kv_batch_t b = {SKV__KV_WRITE, c, &me, 0, pages + off, 1, NULL, false};
+      rc = skv__kvc_write_pages(kv->cuda, &b, src->page_off, lb, buf, stream, fn);
+    }
+    free(buf);
+  }
+  if (rc == 0 && k > 0 && path == PATH_DEVICE) {
+    const skv__kv_batch_t b = {SKV__KV_WRITE, k, &me, 0, pages, 1, NULL, false};
+    size_t queued = 0;
+    rc = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
+  }
+#else
+  SKV_UNUSED(stream);
+#endif
+  free(pages);
+  free(idx);
+  return rc;
+}
+
+/* Commit (keys) or abort (keys NULL) reserved pages. */
+static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_ref_t *refs,
+                           size_t n, void *stream, size_t *ninserted, const char *fn) {
+  SKV_CHECK(check_owner(kv, fn));
+  if (n == 0) return 0;
+  uint32_t *pages = malloc(n * sizeof *pages);
+  size_t *idx = malloc(n * sizeof *idx);
+  skv_key_t *pk = keys ? malloc(n * sizeof *pk) : NULL;
+  int rc = 0;
+  size_t k = 0;
+  if (!pages || !idx || (keys && !pk))
+    rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for %zu pages", fn, n);
+  if (rc == 0) rc = reserved_refs(kv, refs, n, pages, idx, &k, fn);
+  for (size_t q = 0; rc == 0 && keys && q < k; q++) pk[q] = keys[idx[q]];
+  bool done = false;
+#ifdef SKV_WITH_CUDA
+  /* pages a GPU may still be writing (cuda, or cuda_host pages written by the kernels):
+   * ordered after what the stream holds */
+  if (rc == 0 && k > 0 && kv->cuda) {
+    bool capturing;
+    rc = skv__kvc_begin(kv->cuda, stream, &capturing, true);
+    if (rc == 0 && capturing)
+      rc = SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV, "%s cannot be captured in a CUDA graph", fn);
+    if (rc == 0) {
+      /* READY but not indexed (no one can find, pin or evict them; a second commit, abort or
+       * write is refused) until the completion indexes or frees them */
+      for (size_t q = 0; q < k; q++)
+        skv__pool_ready(&kv->pool, pages[q], keys ? pk[q].hi : 0, keys ? pk[q].lo : 0);
+      const uint32_t me = (uint32_t)kv->pool.me;
+      const skv__kv_batch_t b = {
+          keys ? SKV__KV_COMMIT : SKV__KV_ABORT, k, &me, 0, pages, 1, pk, false};
+      size_t queued = 0;
+      rc = skv__kvc_mark(kv->cuda, &b, stream, &queued, fn);
+      for (size_t q = queued; q < k; q++) skv__pool_release(&kv->pool, pages[q]); /* not queued */
+      if (ninserted) *ninserted = queued;
+    }
+    done = true;
+  }
+#else
+  SKV_UNUSED(stream);
+#endif
+  if (rc == 0 && !done) {
+    size_t ins = 0;
+    for (size_t q = 0; q < k; q++) {
+      if (keys)
+        ins += (size_t)publish_finish(kv, pages[q], pk[q]);
+      else
+        skv__pool_release(&kv->pool, pages[q]);
+    }
+    if (ninserted) *ninserted = ins;
+  }
+  free(pages);
+  free(idx);
+  free(pk);
+  return rc;
+}
+
+int skv_kv_commit(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
+                  const skv_page_ref_t *refs, void *stream, size_t *ninserted) {
+  const char *fn = "skv_kv_commit";
+  KV_CHECK_NULL(kv, "skv_kv_commit");
+  if (ninserted) *ninserted = 0;
+  SKV_CHECK(check_ns(kv, ns, fn));
+  SKV_CHECK(check_keys(keys, n, fn));
+  return finish_reserved(kv, keys, refs, n, stream, ninserted, fn);
+}
+
+int skv_kv_abort(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, void *stream) {
+  KV_CHECK_NULL(kv, "skv_kv_abort");
+  return finish_reserved(kv, NULL, refs, n, stream, NULL, "skv_kv_abort");
 }
 
 int skv_kv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted) {

@@ -147,7 +147,8 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
                   const char *fn) {
   *queued = 0;
   skv__kvc_plan_t pl;
-  SKV_CHECK(skv__kvc_plan(kc, lay, b->dir, &pl, fn));
+  SKV_CHECK(
+      skv__kvc_plan(kc, lay, b->dir == SKV__KV_FETCH ? SKV__KV_FETCH : SKV__KV_PUBLISH, &pl, fn));
   const uint32_t m = lay->blocks_per_page;
   skv__kv_prof_t *P = kc->p.prof;
   for (size_t off = 0; off < b->n; off += pl.ppl) {
@@ -200,6 +201,38 @@ int skv__kvc_capture_fetch(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_l
   return 0;
 }
 
+int skv__kvc_mark(skv__kvc_t *kc, const skv__kv_batch_t *b, void *stream, size_t *queued,
+                  const char *fn) {
+  *queued = 0;
+  for (size_t off = 0; off < b->n; off += SKV__KVC_MAX_PAGES) {
+    const uint32_t k = (uint32_t)SKV_MIN((size_t)SKV__KVC_MAX_PAGES, b->n - off);
+    skv__kvc_slot_t *s;
+    SKV_CHECK(skv__kvc_slot_get(kc, &s, fn));
+    uint32_t *pp = (uint32_t *)s->args;
+    for (uint32_t q = 0; q < k; q++) {
+      pp[2 * q] = b->pe[(off + q) * b->pe_step];
+      pp[2 * q + 1] = b->page[(off + q) * b->page_step];
+    }
+    if (b->keys) memcpy(s->keys, b->keys + off, k * sizeof *s->keys);
+    s->dir = b->dir;
+    s->n = k;
+    s->refs_off = 0;
+    s->unpin_caller = false;
+    cudaError_t e = cudaEventRecord(s->done, (cudaStream_t)stream);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      skv__kvc_slot_put(kc, s);
+      return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV,
+                      "%s: recording the event that orders the step after the stream failed: %s "
+                      "(%s)",
+                      fn, cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    skv__kvc_slot_pending(kc, s);
+    *queued = off + k;
+  }
+  return 0;
+}
+
 /* ---- staging through host memory ------------------------------------------------------------ */
 
 size_t skv__kvc_stage_pages(const skv__kvc_t *kc) {
@@ -212,16 +245,17 @@ static void *page_addr(const skv__kvc_t *kc, uint32_t pe, uint32_t page) {
          (uint64_t)page * kc->p.page_stride;
 }
 
-/* One DMA per page of `b` between the pages and `buf`, then a wait for the stream. */
-static int stage(skv__kvc_t *kc, const skv__kv_batch_t *b, char *buf, bool to_host, void *stream,
-                 const char *fn) {
-  const uint64_t pb = kc->p.page_bytes;
+/* One DMA per page of `b` between bytes [off, off + len) of the pages and `buf`, then a wait for
+ * the stream. */
+static int stage(skv__kvc_t *kc, const skv__kv_batch_t *b, uint64_t off, uint64_t len, char *buf,
+                 bool to_host, void *stream, const char *fn) {
   cudaError_t e = cudaSuccess;
   for (size_t q = 0; q < b->n && e == cudaSuccess; q++) {
-    char *page = page_addr(kc, b->pe[q * b->pe_step], b->page[q * b->page_step]);
-    e = to_host
-            ? cudaMemcpyAsync(buf + q * pb, page, pb, cudaMemcpyDeviceToHost, (cudaStream_t)stream)
-            : cudaMemcpyAsync(page, buf + q * pb, pb, cudaMemcpyHostToDevice, (cudaStream_t)stream);
+    char *page = (char *)page_addr(kc, b->pe[q * b->pe_step], b->page[q * b->page_step]) + off;
+    e = to_host ? cudaMemcpyAsync(buf + q * len, page, len, cudaMemcpyDeviceToHost,
+                                  (cudaStream_t)stream)
+                : cudaMemcpyAsync(page, buf + q * len, len, cudaMemcpyHostToDevice,
+                                  (cudaStream_t)stream);
   }
   if (e == cudaSuccess) e = cudaStreamSynchronize((cudaStream_t)stream);
   if (e == cudaSuccess) return 0;
@@ -230,14 +264,14 @@ static int stage(skv__kvc_t *kc, const skv__kv_batch_t *b, char *buf, bool to_ho
                   to_host ? "from" : "to", cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
-int skv__kvc_read_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, void *buf, void *stream,
-                        const char *fn) {
-  return stage(kc, b, buf, true, stream, fn);
+int skv__kvc_read_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, uint64_t off, uint64_t len,
+                        void *buf, void *stream, const char *fn) {
+  return stage(kc, b, off, len, buf, true, stream, fn);
 }
 
-int skv__kvc_write_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, const void *buf, void *stream,
-                         const char *fn) {
-  return stage(kc, b, (char *)buf, false, stream, fn);
+int skv__kvc_write_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, uint64_t off, uint64_t len,
+                         const void *buf, void *stream, const char *fn) {
+  return stage(kc, b, off, len, (char *)buf, false, stream, fn);
 }
 
 /* ---- sync ----------------------------------------------------------------------------------- */

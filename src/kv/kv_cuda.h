@@ -26,6 +26,10 @@ typedef struct skv__kv_batch {
 } skv__kv_batch_t;
 
 enum { SKV__KV_FETCH = 0, SKV__KV_PUBLISH = 1 }; /* = SKV_KV_COPY_FETCH, _PUBLISH */
+/* Publishing in parts (skv_kv_reserve / _write / _commit / _abort): WRITE copies blocks into
+ * reserved pages and completes with nothing to do; COMMIT and ABORT copy nothing, they complete
+ * (index the pages, or free them) once what the stream held before them completed. */
+enum { SKV__KV_WRITE = 2, SKV__KV_COMMIT = 3, SKV__KV_ABORT = 4 };
 
 /* The protocol's step after a stream-ordered copy completed (release the fetch's pins, or make
  * the published pages READY and index them). Called once per launch, without the backend's
@@ -73,12 +77,17 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
 int skv__kvc_capture_fetch(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
                            const uint64_t *block_ids, void *stream, const char *fn);
 
-/* Synchronous staging for host layouts over GPU pages: pages of `b` into / from a host buffer of
- * b->n * page_bytes (DMA on `stream`, then a wait for it). */
-int skv__kvc_read_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, void *buf, void *stream,
-                        const char *fn);
-int skv__kvc_write_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, const void *buf, void *stream,
-                         const char *fn);
+/* COMMIT or ABORT `b` (this PE's pages) once what `stream` held before completed: no copy, an
+ * event; `done` runs then. *queued as for skv__kvc_copy. */
+int skv__kvc_mark(skv__kvc_t *kc, const skv__kv_batch_t *b, void *stream, size_t *queued,
+                  const char *fn);
+
+/* Synchronous staging for host layouts over GPU pages: bytes [off, off + len) of each page of
+ * `b` into / from a host buffer of b->n * len (DMA on `stream`, then a wait for it). */
+int skv__kvc_read_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, uint64_t off, uint64_t len,
+                        void *buf, void *stream, const char *fn);
+int skv__kvc_write_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, uint64_t off, uint64_t len,
+                         const void *buf, void *stream, const char *fn);
 /* Pages one staging round moves (a bounded host buffer). */
 size_t skv__kvc_stage_pages(const skv__kvc_t *kc);
 

@@ -50,7 +50,9 @@ int skv__kvc_plan(skv__kvc_t *kc, const skv_layout_t *lay, int dir, skv__kvc_pla
   skv__kv_copy_desc_t *d = &pl->d;
   const uint64_t e = g->elem_bytes;
   d->dir = dir;
-  d->heap = (uint64_t)(uintptr_t)hi->base + hi->data_offset;
+  /* a layout of some layers copies from their offset in each page on (pages are
+   * [layer][k|v][token][head][dim]: the layers' bytes are one run of each page) */
+  d->heap = (uint64_t)(uintptr_t)hi->base + hi->data_offset + lay->page_off;
   d->pe_stride = hi->stride;
   d->page_stride = kc->p.page_stride;
   d->npes = kc->npes;

@@ -389,6 +389,31 @@ int skv_layout_create_preset(const skv_geometry_t *geom, skv_layout_preset_t pre
   return rc;
 }
 
+int skv_layout_create_layers(const skv_layout_t *layout, uint32_t first, uint32_t n,
+                             skv_layout_t **sub) {
+  const char *fn = "skv_layout_create_layers";
+  SKV_ARG_CHECK(sub, SKV_SUBSYS_KV, "%s: sub (the result pointer) is NULL", fn);
+  *sub = NULL;
+  SKV_ARG_CHECK(layout, SKV_SUBSYS_KV, "%s: layout is NULL", fn);
+  const uint32_t lo = layout->first_layer, hi = layout->first_layer + layout->num_layers;
+  SKV_ARG_CHECK(n >= 1 && first >= lo && first < hi && n <= hi - first, SKV_SUBSYS_KV,
+                "%s: layers [%u, %u + %u) are not a non-empty range inside the layers [%u, %u) "
+                "this layout covers (of the geometry's %u)",
+                fn, first, first, n, lo, hi, layout->geom.num_layers);
+  const uint32_t kvn = layout->kvn;
+  skv_layout_t *lay = calloc(1, sizeof *lay + (size_t)n * kvn * sizeof(char *));
+  if (!lay) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory", fn);
+  *lay = *layout;
+  lay->num_layers = n;
+  lay->first_layer = first;
+  lay->page_off = (uint64_t)first * kvn * skv__geometry_slab_bytes(&layout->geom);
+  lay->base = (char **)(lay + 1);
+  memcpy(lay->base, layout->base + (size_t)(first - lo) * kvn, (size_t)n * kvn * sizeof(char *));
+  lay->dev_base = NULL;
+  *sub = lay;
+  return 0;
+}
+
 int skv_layout_destroy(skv_layout_t *layout) {
   /* The pointer array lives in the same allocation. This file never allocates dev_base: a
    * device copy made by the CUDA data path is that path's to release. */

@@ -15,10 +15,12 @@ struct skv_layout {
   uint64_t num_blocks;
   int64_t stride_block, stride_token, stride_head; /* elements */
   int device;                                      /* -1 host, else CUDA device */
-  uint32_t num_layers;
-  uint32_t kvn;   /* 2 or 1 (MLA) */
-  char **base;    /* [num_layers * kvn]: base of layer l, k (0) / v (1) at [l*kvn + kv] */
-  void *dev_base; /* device copy of `base` for the kernels (CUDA layouts), else NULL */
+  uint32_t num_layers;  /* layers this layout covers: geom.num_layers, or fewer (a layer range) */
+  uint32_t first_layer; /* the first of them (skv_layout_create_layers), else 0 */
+  uint64_t page_off;    /* bytes of a page before first_layer's (where its copies start) */
+  uint32_t kvn;         /* 2 or 1 (MLA) */
+  char **base;          /* [num_layers * kvn]: base of layer l, k (0) / v (1) at [l*kvn + kv] */
+  void *dev_base;       /* device copy of `base` for the kernels (CUDA layouts), else NULL */
   /* Contiguity the copy exploits: bytes of the longest run that is contiguous both in the
    * page and in a block (head_dim elements at least; a whole block's [token][head][dim] when
    * the engine stores NHD densely). */

@@ -207,8 +207,10 @@ class Layout(LocalResource):
     _what = "layout"
 
     def __init__(self, geometry, handle, block_tokens, num_blocks, device, kind, keep=(),
-                 writable=True, torch=False):
+                 writable=True, torch=False, first_layer=0, num_layers=None):
         self.geometry = geometry
+        self.first_layer = first_layer
+        self.num_layers = geometry.num_layers if num_layers is None else num_layers
         self._h = handle
         self.block_tokens = block_tokens
         self.num_blocks = num_blocks
@@ -225,9 +227,24 @@ class Layout(LocalResource):
     def blocks_per_page(self):
         return self.geometry.page_tokens // self.block_tokens
 
+    def layers(self, first, n=1):
+        """A layout of layers [first, first + n) only (skv_layout_create_layers; `first` counts
+        the geometry's layers and the range must lie inside this layout's): fetch and write
+        copy only those layers' bytes of each page, so an engine can load and save layer by
+        layer. publish refuses it (a key is inserted only with its whole page written: use
+        reserve / write / commit). InvalidArgument for a range outside this layout."""
+        h = c_void_p()
+        lib.skv_layout_create_layers(self.handle, check_uint("first", first, 32),
+                                     check_uint("n", n, 32), byref(h))
+        return Layout(self.geometry, h.value, self.block_tokens, self.num_blocks, self.device,
+                      self.kind, self.arrays, writable=self.writable, torch=self.torch,
+                      first_layer=int(first), num_layers=int(n))
+
     def __repr__(self):
-        return ("<symkv.Layout %s, %d blocks of %d tokens, device %d%s>"
-                % (self.kind, self.num_blocks, self.block_tokens, self.device,
+        part = ("" if self.num_layers == self.geometry.num_layers else
+                ", layers %d..%d" % (self.first_layer, self.first_layer + self.num_layers - 1))
+        return ("<symkv.Layout %s, %d blocks of %d tokens, device %d%s%s>"
+                % (self.kind, self.num_blocks, self.block_tokens, self.device, part,
                    ", closed" if self.closed else ""))
 
     @classmethod
@@ -759,6 +776,62 @@ class KVCache(CollectiveResource):
                         _arrays.ptr(ids, ctypes.c_uint64), self._stream(layout, stream),
                         byref(ins))
         return ins.value
+
+    def reserve(self, namespace, keys):
+        """Publishing in parts, step 1 (skv_kv_reserve): a page of this PE for each key not
+        cached yet. Returns (n, 4) uint32 references; a row of generation 0 (column 2) has
+        nothing to write (the key is cached already, or no page was free). The pages are this
+        PE's alone (WRITING) until commit() or abort(): call one of them for every
+        reservation."""
+        nsh = self._check_ns(namespace)
+        k = as_keys(keys)
+        n = len(k)
+        refs = np.zeros((n, 4), dtype=np.uint32)
+        got = c_size_t()
+        lib.skv_kv_reserve(self.handle, nsh, _arrays.ptr(k, _lib.Key), n,
+                           _arrays.ptr(refs, _lib.PageRef), byref(got))
+        return refs
+
+    def write(self, refs, layout, block_ids, stream=None):
+        """Step 2 (skv_kv_write): copy engine blocks into reserved pages, only the layers
+        `layout` covers (Layout.layers); rows of generation 0 and their blocks are skipped.
+        Host layouts copy synchronously, CUDA ones on `stream` (default: torch's current
+        stream of the layout's device). InvalidState for a page this PE did not reserve."""
+        lay = self._check_layout(layout)
+        r = as_refs(refs)
+        n = len(r)
+        ids = as_block_ids(block_ids, n * layout.blocks_per_page)
+        lib.skv_kv_write(self.handle, _arrays.ptr(r, _lib.PageRef), n, lay,
+                         _arrays.ptr(ids, ctypes.c_uint64), self._stream(layout, stream))
+
+    def commit(self, namespace, keys, refs, stream=None, device=None):
+        """Step 3 (skv_kv_commit): index keys[i] for page refs[i] once every layer was
+        written; returns the keys inserted (GPU pages: queued after what `stream` holds, or
+        torch's current stream of `device`; sync() waits for the inserts)."""
+        nsh = self._check_ns(namespace)
+        k = as_keys(keys)
+        r = as_refs(refs)
+        if len(r) != len(k):
+            _lib.invalid("commit: %d keys but %d references" % (len(k), len(r)))
+        ins = c_size_t()
+        lib.skv_kv_commit(self.handle, nsh, _arrays.ptr(k, _lib.Key), len(k),
+                          _arrays.ptr(r, _lib.PageRef), self._mark_stream(stream, device),
+                          byref(ins))
+        return ins.value
+
+    def abort(self, refs, stream=None, device=None):
+        """Give reserved pages back unpublished (skv_kv_abort), ordered as commit is."""
+        r = as_refs(refs)
+        lib.skv_kv_abort(self.handle, _arrays.ptr(r, _lib.PageRef), len(r),
+                         self._mark_stream(stream, device))
+
+    @staticmethod
+    def _mark_stream(stream, device):
+        """commit / abort: `stream` as given, else torch's current stream of CUDA `device`,
+        else NULL (host pages, or the legacy default stream)."""
+        if stream is not None:
+            return _arrays.current_stream(-1, stream)
+        return _arrays.current_stream(device) if device is not None and device >= 0 else None
 
     def evict(self, npages):
         """Evict up to `npages` of this PE's least recently used unpinned pages; returns how

@@ -14,9 +14,12 @@ block size and TP rank (MLA: one namespace that TP rank 0 writes and every rank 
 scheduler matches the leading blocks that every TP rank's namespace holds, pins them (pins are
 leases of the scheduler's slot: owners cannot evict them) until the workers report the load
 done or the request ends, and hands the workers the page references. Workers copy pages into
-the blocks vLLM allocated (before the forward; with extra_config load_async, after the step's
-forward, reported through get_finished while vLLM holds the request) and publish every block
-that fills (the prompt after prefill, generated tokens as blocks fill). Counters go through
+the blocks vLLM allocated layer by layer as the forward reaches each layer (wait_for_layer_load;
+GPUs: every layer's copy enqueued on a side stream, one event per layer), or with extra_config
+load_async whole pages after the step's forward, reported through get_finished while vLLM holds
+the request; and save every block that fills (the prompt after prefill, generated tokens as
+blocks fill) layer by layer into reserved pages (save_kv_layer), committing the keys once every
+layer is written (wait_for_save). Counters go through
 vLLM's stats interface (SymkvConnectorStats).
 A page that cannot be loaded is reported through get_block_ids_with_load_errors, so vLLM
 recomputes it (with kv_load_failure_policy "recompute"); nothing is ever served from a page
@@ -105,7 +108,7 @@ def connector_config(vllm_config, kv_cache_config):
     ktc = vllm_config.kv_transfer_config
     extra = dict(ktc.kv_connector_extra_config or {})
     known = {"domain", "cache_gb", "pages_per_pe", "backend", "salt", "model_id", "timeout_ms",
-             "max_slots", "load_async"}
+             "max_slots", "load_async", "layerwise"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError("SymkvConnector: unknown kv_connector_extra_config key(s) %s; known: %s"
@@ -139,6 +142,9 @@ def connector_config(vllm_config, kv_cache_config):
     load_async = extra.get("load_async", False)
     if not isinstance(load_async, bool):
         raise ValueError("SymkvConnector: load_async must be true or false, not %r" % load_async)
+    layerwise = extra.get("layerwise", True)
+    if not isinstance(layerwise, bool):
+        raise ValueError("SymkvConnector: layerwise must be true or false, not %r" % layerwise)
     mc = vllm_config.model_config
     model_id = str(extra.get("model_id") or "%s@%s" % (mc.model, mc.revision or "-"))
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or "-"
@@ -172,7 +178,7 @@ def connector_config(vllm_config, kv_cache_config):
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,48}", name):
         raise ValueError("SymkvConnector: domain %r must be 1..48 of [A-Za-z0-9._-]" % name)
     return dict(domain=name, geometry=geom, model=model, tp=tp, pages_per_pe=pages, mla=mla,
-                shards=shards, load_async=load_async, backend=backend,
+                shards=shards, load_async=load_async, layerwise=layerwise, backend=backend,
                 salt=str(extra.get("salt", "")), layers=layers, spec=spec,
                 timeout_ms=int(extra.get("timeout_ms", _DEFAULT_TIMEOUT_MS)),
                 max_slots=int(extra.get("max_slots", 0)))
@@ -238,7 +244,7 @@ class SymkvWorkerMetadata(KVConnectorWorkerMetadata):
 
 _STAT_KEYS = ("lookups", "matched_tokens", "pinned_pages", "loaded_pages", "loaded_bytes",
               "load_failed_blocks", "saved_pages", "saved_bytes", "save_calls", "save_errors",
-              "load_seconds", "save_seconds")
+              "load_layers", "save_layers", "load_seconds", "save_seconds")
 
 
 @dataclass
@@ -247,7 +253,8 @@ class SymkvConnectorStats(KVConnectorStats):
     (get_kv_connector_stats on the workers and the scheduler; vLLM sums them over TP ranks and
     logs them as "KV Transfer metrics: ..."): scheduler: lookups, matched_tokens, pinned_pages;
     workers: loaded_pages/bytes, load_failed_blocks, saved_pages/bytes, save_calls,
-    save_errors, load_seconds, save_seconds."""
+    save_errors, load_layers / save_layers (layer copies made in wait_for_layer_load /
+    save_kv_layer, as the forward reached each layer), load_seconds, save_seconds."""
 
     def reset(self):
         self.data = {}
@@ -319,10 +326,24 @@ class SymkvConnector(KVConnectorBase_V1):
             self._load_errors = set()
             self._loaded = set()
             self._finished_recving = set()
+            self._layerwise = self._cfg["layerwise"]
+            self._layer_idx = {}      # layer name -> layer number in the pages
+            self._layer_lays = None   # per layer: a Layout of that layer alone
+            self._side = None         # CUDA: the stream layer loads are copied on
+            self._lload = None        # this step's layer-by-layer load (_LayerLoad)
+            self._lsave = None        # this step's layer-by-layer save (_LayerSave)
+            # The connector calls vLLM made, in order (tests read it; debugging).
+            self.hook_log = collections.deque(maxlen=256)
             # The last loads and saves, for tests and debugging: (req_id, block_ids, pages
             # loaded) and (req_id, block_ids, hashes, pages inserted).
             self.load_log = collections.deque(maxlen=256)
             self.save_log = collections.deque(maxlen=256)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config):
+        # wait_for_layer_load / save_kv_layer run between the layers: a full CUDA graph would
+        # skip them on replay
+        return bool((extra_config or {}).get("layerwise", True))
 
     @property
     def requires_kv_delivery(self):
@@ -487,6 +508,11 @@ class SymkvConnector(KVConnectorBase_V1):
         self._ns = _namespace(cfg, self._shard)
         self._layout, self._ratio, self._kv_caches = layout, ratio, dict(zip(names, tensors))
         self._rank = rank
+        if self._layerwise:
+            self._layer_idx = {n: i for i, n in enumerate(names)}
+            self._layer_lays = [layout.layers(i) for i in range(len(names))]
+            if tensors[0].device.type == "cuda":
+                self._side = torch.cuda.Stream(device=tensors[0].device)
         logger.info("symkv: worker (TP rank %d/%d) attached to domain %s as an owner: %d pages "
                     "of %d bytes (%d layers, %d kernel block(s) per block)", rank, world,
                     cfg["domain"], cfg["pages_per_pe"], cfg["geometry"].page_bytes,
@@ -499,27 +525,41 @@ class SymkvConnector(KVConnectorBase_V1):
             return ids
         return (ids[:, None] * r + np.arange(r, dtype=np.uint64)[None, :]).reshape(-1)
 
+    # Layer by layer (extra_config layerwise, the default). vLLM calls, per step: start_load_kv
+    # (before the forward when the step has synchronous loads), then for each attention layer in
+    # order wait_for_layer_load(layer) before it reads the cache and save_kv_layer(layer) after
+    # it wrote this step's KV, then wait_for_save, get_block_ids_with_load_errors and
+    # build_connector_worker_meta. Loads: on a GPU every layer's copy is enqueued up front on a
+    # side stream, one event per layer, and wait_for_layer_load makes the forward's stream wait
+    # for that layer's event only, so layer l's attention starts while later layers still copy.
+    # With host (CPU) caches a copy is synchronous on the one thread that also runs the forward,
+    # so nothing can overlap: each layer is copied in wait_for_layer_load, right before its
+    # attention reads it. A layer the forward never asked for (or whose copy failed) makes the
+    # load's blocks load errors once the forward is over (get_block_ids_with_load_errors):
+    # vLLM recomputes them, nothing is served from a partly loaded block. Saves: the step's
+    # pages are reserved at its first save_kv_layer, each layer is written as vLLM hands it
+    # over, and wait_for_save writes what no save_kv_layer wrote and commits: the keys are
+    # inserted only then, so no reader finds a page before every layer of it was written.
+
     def start_load_kv(self, forward_context, **kwargs):
+        self.hook_log.append(("start_load_kv", None))
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if not isinstance(meta, SymkvMetadata) or not meta.loads:
             return
         t0 = time.perf_counter()
+        layered = []
         for ld in meta.loads:
             self._loaded.add(ld.req_id)
+            if self._layerwise and not ld.load_async and self._layer_lays is not None:
+                layered.append(ld)
+                continue
             n = len(ld.block_ids)
             done = 0
             if self._layout is not None and self._shard < len(ld.refs):
                 done = self._fetch(ld.refs[self._shard][:n], ld.block_ids)
-            if done < n:
-                self._load_errors.update(int(b) for b in ld.block_ids[done:])
-                self._count("load_failed_blocks", n - done)
-                logger.warning("symkv: %s: loaded %d of %d blocks; vLLM recomputes the rest",
-                               ld.req_id, done, n)
-            self._count("loaded_pages", done)
-            self._count("loaded_bytes", done * self._cfg["geometry"].page_bytes)
-            self.load_log.append((ld.req_id, list(ld.block_ids), done))
+            self._account_load(ld, done)
             if ld.load_async:
                 # vLLM called this after the step's forward (no synchronous load in the step)
                 # and holds the request in WAITING_FOR_REMOTE_KVS until get_finished names it;
@@ -527,55 +567,128 @@ class SymkvConnector(KVConnectorBase_V1):
                 # forward. Load errors go out in the same step (allowed up to and including
                 # the step that reports the request finished).
                 self._finished_recving.add(ld.req_id)
+        if layered:
+            self._lload = _LayerLoad(self, layered)
+            if self._side is not None:
+                # every layer now, on the side stream, after what the forward's stream holds
+                self._side.wait_stream(torch.cuda.current_stream(self._side.device))
+                for layer in range(len(self._layer_lays)):
+                    self._lload.copy(layer, self._side)
         self._count("load_seconds", time.perf_counter() - t0)
 
-    def _fetch(self, refs, block_ids):
-        """Copy pages into blocks; returns how many leading blocks were filled."""
+    def _account_load(self, ld, done):
+        n = len(ld.block_ids)
+        if done < n:
+            self._load_errors.update(int(b) for b in ld.block_ids[done:])
+            self._count("load_failed_blocks", n - done)
+            logger.warning("symkv: %s: loaded %d of %d blocks; vLLM recomputes the rest",
+                           ld.req_id, done, n)
+        self._count("loaded_pages", done)
+        self._count("loaded_bytes", done * self._cfg["geometry"].page_bytes)
+        self.load_log.append((ld.req_id, list(ld.block_ids), done))
+
+    def _fetch(self, refs, block_ids, layout=None, stream=None):
+        """Copy pages (only `layout`'s layers: all by default) into blocks; returns how many
+        leading blocks were filled."""
+        layout = layout or self._layout
         k = len(refs)
         if k == 0:
             return 0
         try:
-            self._kv.fetch(refs, self._layout, self._kernel_ids(block_ids[:k]))
+            self._kv.fetch(refs, layout, self._kernel_ids(block_ids[:k]), stream=stream)
             return k
         except errors.Error as e:
             logger.warning("symkv: fetch of %d pages failed (%s); retrying page by page", k, e)
         for i in range(k):  # the longest prefix that still loads
             try:
-                self._kv.fetch(refs[i:i + 1], self._layout, self._kernel_ids(block_ids[i:i + 1]))
+                self._kv.fetch(refs[i:i + 1], layout, self._kernel_ids(block_ids[i:i + 1]),
+                               stream=stream)
             except errors.Error:
                 return i
         return k
 
     def wait_for_layer_load(self, layer_name):
-        return None
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        return None  # whole blocks are published after the forward (wait_for_save)
-
-    def wait_for_save(self):
-        if not self.has_connector_metadata() or self._layout is None or not self._publisher:
-            return
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, SymkvMetadata) or not meta.saves:
+        layer = self._layer_idx.get(layer_name)
+        self.hook_log.append(("wait_for_layer_load", layer))
+        ll = self._lload
+        if ll is None or layer is None:
             return
         t0 = time.perf_counter()
-        for sv in meta.saves:
-            try:
-                keys = self._ns.keys_from_bytes(sv.hashes)
-                n = self._kv.publish(self._ns, keys, self._layout, self._kernel_ids(sv.block_ids))
-                self._count("saved_pages", n)
-                self._count("saved_bytes", n * self._cfg["geometry"].page_bytes)
-                self._count("save_calls")
-                self.save_log.append((sv.req_id, list(sv.block_ids), list(sv.hashes), n))
-            except errors.Error as e:  # a cache: log, never fail the step
-                self._count("save_errors")
-                logger.warning("symkv: saving %d blocks of %s failed: %s", len(sv.block_ids),
-                               sv.req_id, e)
+        if self._side is None:
+            ll.copy(layer, None)  # host: synchronous, right before the layer reads it
+        else:
+            ll.wait(layer)
+        self._count("load_seconds", time.perf_counter() - t0)
+
+    def _finish_loads(self):
+        """After the forward: account this step's layer-by-layer loads; blocks of a layer that
+        was never copied (or failed) are load errors."""
+        ll, self._lload = self._lload, None
+        if ll is not None:
+            ll.finish()
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        layer = self._layer_idx.get(layer_name)
+        self.hook_log.append(("save_kv_layer", layer))
+        if layer is None or not self._save_ready():
+            return
+        ls = self._layer_save()
+        if ls is not None:
+            t0 = time.perf_counter()
+            ls.write(layer)
+            self._count("save_seconds", time.perf_counter() - t0)
+
+    def _save_ready(self):
+        return (self._layout is not None and self._publisher and self.has_connector_metadata()
+                and isinstance(self._get_connector_metadata(), SymkvMetadata))
+
+    def _layer_save(self):
+        """This step's layer-by-layer save: its pages reserved at the first call."""
+        meta = self._get_connector_metadata()
+        if not meta.saves:
+            return None
+        if self._lsave is None or self._lsave.meta is not meta:
+            if self._lsave is not None:  # a step whose wait_for_save never came
+                self._lsave.abort()
+            self._lsave = _LayerSave(self, meta)
+        return self._lsave
+
+    def wait_for_save(self):
+        self.hook_log.append(("wait_for_save", None))
+        self._finish_loads()
+        if not self._save_ready():
+            return
+        meta = self._get_connector_metadata()
+        if not meta.saves:
+            return
+        t0 = time.perf_counter()
+        if self._layerwise:
+            ls = self._layer_save()
+            self._lsave = None
+            ls.commit()
+        else:
+            for sv in meta.saves:
+                try:
+                    keys = self._ns.keys_from_bytes(sv.hashes)
+                    n = self._kv.publish(self._ns, keys, self._layout,
+                                         self._kernel_ids(sv.block_ids))
+                    self._saved(sv, n)
+                except errors.Error as e:  # a cache: log, never fail the step
+                    self._count("save_errors")
+                    logger.warning("symkv: saving %d blocks of %s failed: %s",
+                                   len(sv.block_ids), sv.req_id, e)
         self._count("save_seconds", time.perf_counter() - t0)
+
+    def _saved(self, sv, n):
+        self._count("saved_pages", n)
+        self._count("saved_bytes", n * self._cfg["geometry"].page_bytes)
+        self._count("save_calls")
+        self.save_log.append((sv.req_id, list(sv.block_ids), list(sv.hashes), n))
 
     def get_block_ids_with_load_errors(self):
         if self._role == KVConnectorRole.SCHEDULER:
             return set()
+        self._finish_loads()  # also where wait_for_save is deferred past this step's end
         out, self._load_errors = self._load_errors, set()
         return out
 
@@ -600,8 +713,12 @@ class SymkvConnector(KVConnectorBase_V1):
             self._reqs = {}
             objs = list(self._ns or ())
         else:
-            objs = [self._layout] + ([self._ns] if self._ns is not None else [])
-            self._layout = None
+            if self._lsave is not None:
+                self._lsave.abort()
+                self._lsave = None
+            objs = list(self._layer_lays or ()) + [self._layout] + (
+                [self._ns] if self._ns is not None else [])
+            self._layout, self._layer_lays = None, None
         self._ns = None
         kv, self._kv = self._kv, None
         for o in objs + [kv]:
@@ -610,6 +727,144 @@ class SymkvConnector(KVConnectorBase_V1):
                     o.close()
                 except Exception as e:  # noqa: BLE001
                     logger.warning("symkv: shutdown: %s", e)
+
+
+class _LayerLoad:
+    """One step's synchronous loads, copied layer by layer (SymkvConnector.start_load_kv)."""
+
+    def __init__(self, conn, loads):
+        self.c = conn
+        self.items = []  # (load, refs, kernel block ids, pages loadable so far)
+        for ld in loads:
+            n = len(ld.block_ids)
+            refs = (ld.refs[conn._shard][:n] if conn._shard < len(ld.refs)
+                    else np.zeros((0, 4), np.uint32))
+            self.items.append([ld, refs, ld.block_ids[:len(refs)], len(refs)])
+        self.used = set()   # layers the forward asked for (wait_for_layer_load)
+        self.events = {}    # CUDA: layer -> the event after its copy
+
+    def copy(self, layer, stream):
+        """Copy `layer` of every load's pages (stream None: host, synchronous)."""
+        c = self.c
+        if stream is None and layer in self.used:
+            return  # asked twice in one step: copied already
+        lay = c._layer_lays[layer]
+        live = [it for it in self.items if it[3] > 0]
+        ok = False
+        if live:
+            refs = np.concatenate([it[1][:it[3]] for it in live])
+            ids = [b for it in live for b in it[2][:it[3]]]
+            try:  # one call for the whole step
+                c._kv.fetch(refs, lay, c._kernel_ids(ids), stream=stream)
+                ok = True
+            except errors.Error as e:
+                logger.warning("symkv: loading layer %d of %d pages failed (%s); retrying load "
+                               "by load", layer, len(refs), e)
+            if not ok:
+                for it in live:
+                    it[3] = c._fetch(it[1][:it[3]], it[2][:it[3]], lay, stream)
+        if stream is None:
+            self.used.add(layer)
+        c._count("load_layers")
+        if stream is not None:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            self.events[layer] = ev
+
+    def wait(self, layer):
+        """CUDA: the forward's stream waits for `layer`'s copy (only)."""
+        ev = self.events.get(layer)
+        if ev is not None:
+            torch.cuda.current_stream(self.c._side.device).wait_event(ev)
+            self.used.add(layer)
+
+    def finish(self):
+        c = self.c
+        for layer, ev in self.events.items():  # later steps are ordered after every copy
+            if layer not in self.used:
+                torch.cuda.current_stream(c._side.device).wait_event(ev)
+        # a layer the forward did not wait for may have been read before (or without) its copy
+        missing = len(c._layer_lays) - len(self.used)
+        if missing:
+            logger.warning("symkv: the forward never asked for %d of %d layers of this step's "
+                           "loads (wait_for_layer_load); vLLM recomputes their blocks", missing,
+                           len(c._layer_lays))
+        for ld, _refs, _ids, done in self.items:
+            c._account_load(ld, 0 if missing else done)
+
+
+class _LayerSave:
+    """One step's saves, written layer by layer into reserved pages and committed at the end
+    (SymkvConnector.save_kv_layer / wait_for_save)."""
+
+    def __init__(self, conn, meta):
+        self.c = conn
+        self.meta = meta
+        self.written = set()
+        self.failed = None
+        hashes = [h for sv in meta.saves for h in sv.hashes]
+        self.keys = conn._ns.keys_from_bytes(hashes)
+        self.ids = conn._kernel_ids([b for sv in meta.saves for b in sv.block_ids])
+        self.refs = None
+        try:
+            self.refs = conn._kv.reserve(conn._ns, self.keys)
+        except errors.Error as e:
+            self.failed = e
+
+    def write(self, layer, layout=None):
+        if self.failed is not None or layer in self.written:
+            return
+        c = self.c
+        try:
+            c._kv.write(self.refs, layout or c._layer_lays[layer], self.ids)
+            if layout is None:
+                self.written.add(layer)
+                c._count("save_layers")
+        except errors.Error as e:
+            self.failed = e
+
+    def commit(self):
+        c = self.c
+        n_layers = len(c._layer_lays)
+        if not self.written:
+            self.write(None, c._layout)  # no save_kv_layer came: every layer at once
+        else:
+            for layer in range(n_layers):
+                self.write(layer)
+        if self.failed is not None:
+            self.abort()
+            return
+        dev = c._side.device.index if c._side is not None else None
+        off = 0
+        for sv in self.meta.saves:
+            k = len(sv.hashes)
+            try:
+                n = c._kv.commit(c._ns, self.keys[off:off + k], self.refs[off:off + k],
+                                 device=dev)
+                c._saved(sv, n)
+            except errors.Error as e:  # a cache: log, never fail the step
+                c._count("save_errors")
+                logger.warning("symkv: saving %d blocks of %s failed: %s", k, sv.req_id, e)
+                self._abort(off, off + k)
+            off += k
+        self.refs = None
+
+    def _abort(self, a, b):
+        c = self.c
+        try:  # CUDA: after the writes enqueued on the forward's stream
+            c._kv.abort(self.refs[a:b], device=c._side.device.index if c._side else None)
+        except errors.Error as e:
+            logger.warning("symkv: giving back %d reserved pages failed: %s", b - a, e)
+
+    def abort(self):
+        if self.refs is None:
+            return
+        c = self.c
+        c._count("save_errors")
+        if self.failed is not None:
+            logger.warning("symkv: saving this step's blocks failed: %s", self.failed)
+        self._abort(0, len(self.refs))
+        self.refs = None
 
 
 def _layout_over(geom, spec, tensors):

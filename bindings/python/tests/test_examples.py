@@ -73,6 +73,9 @@ BLOCKS = {
     ("docs/reference.md", "skv_attach_opts_t o = SKV_ATTACH_OPTS_INIT;  /* an owner with pages in host memory */"):
         "NOT RUN: an API overview with placeholders (geom, the calls in between); "
         "tests/test_domain.c makes each call",
+    ("docs/reference.md", "skv_layout_t *l0;                                     /* layer 0 of the engine's layout */"):
+        "NOT RUN: an API overview with placeholders (kv, ns, keys, lay, refs, block_ids); "
+        "tests/test_kv.c layer_by_layer_save_and_load makes each call on forked PEs",
     ("docs/reference.md", "skv_cluster_opts_t o = SKV_CLUSTER_OPTS_INIT;  /* URL from SKV_REDIS_URL, node HOST:PID */"):
         "NOT RUN: an API overview with placeholders (kv, ns, keys, lay, block_ids); "
         "tests/test_cluster.c makes each call against a redis-server it starts",

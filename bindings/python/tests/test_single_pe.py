@@ -311,6 +311,59 @@ def test_log_lines_reach_logging(caplog):
         symkv.log.use_python_logging(True)
 
 
+def test_layer_by_layer_reserve_write_commit_and_fetch(ctx):
+    """Layout.layers, reserve / write / commit / abort: keys appear only at commit; a layer
+    fetch writes only its layer (the others stay poison); bad ranges and states are refused."""
+    g = symkv.Geometry(num_layers=3, num_kv_heads=2, head_dim=16, page_tokens=8, elem_bytes=2)
+    rng = np.random.default_rng()
+    with ctx.kv_cache(g, pages_per_pe=8) as kv, symkv.Namespace("layers", g) as ns:
+        src = [rng.standard_normal((2, 20, 4, 2, 16)).astype(np.float16) for _ in range(3)]
+        lay = symkv.Layout.from_tensors(g, src, "vllm_flash")
+        keys = ns.hash_tokens(np.arange(24))
+        ids = np.array([3, 4, 9, 1, 17, 12])
+        refs = kv.reserve(ns, keys)
+        assert refs.shape == (3, 4) and (refs[:, 2] > 0).all()
+        for l in range(3):
+            part = lay.layers(l)
+            assert part.first_layer == l and part.num_layers == 1 and "layers" in repr(part)
+            kv.write(refs, part, ids)
+            assert kv.lookup(ns, keys).nhit == 0  # not before the commit
+        with pytest.raises(symkv.InvalidArgument, match="skv_kv_reserve"):
+            kv.publish(ns, keys, lay.layers(0, 2), ids)
+        assert kv.commit(ns, keys, refs) == 3
+        with pytest.raises(symkv.InvalidState, match="reserved"):
+            kv.write(refs, lay, ids)
+        assert (kv.reserve(ns, keys)[:, 2] == 0).all()  # cached: nothing to write
+        extra = ns.hash_tokens(np.arange(8) + 500)
+        r2 = kv.reserve(ns, extra)
+        used = kv.stats().pages_used
+        kv.abort(r2)
+        assert kv.stats().pages_used == used - 1 and kv.lookup(ns, extra).nhit == 0
+        with pytest.raises(symkv.InvalidState):
+            kv.abort(r2)
+        dst = [np.full_like(s, np.nan) for s in src]
+        dlay = symkv.Layout.from_tensors(g, dst, "vllm_flash")
+        out = [19, 18, 17, 16, 15, 14]
+        with kv.lookup(ns, keys, pin=True) as hit:
+            kv.fetch(hit, dlay.layers(1), out)
+            for l in range(3):
+                for a, b in zip(ids, out):
+                    if l == 1:
+                        assert src[l][:, a].tobytes() == dst[l][:, b].tobytes()
+                    else:
+                        assert np.isnan(dst[l][:, b]).all()
+            kv.fetch(hit, dlay.layers(0), out)
+            kv.fetch(hit, dlay.layers(2), out)
+        for l in range(3):
+            for a, b in zip(ids, out):
+                assert src[l][:, a].tobytes() == dst[l][:, b].tobytes()
+        for first, n in ((3, 1), (0, 0), (2, 2)):
+            with pytest.raises(symkv.InvalidArgument, match="range"):
+                lay.layers(first, n)
+        with pytest.raises(symkv.InvalidArgument, match="range"):
+            lay.layers(1, 2).layers(0)
+
+
 def test_torch_cpu_tensors_publish_fetch(ctx):
     torch = torch_or_skip()
     g = symkv.Geometry(**G)

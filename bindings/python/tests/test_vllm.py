@@ -153,10 +153,24 @@ def test_vllm_two_engines_share_a_prefix(model):
         rb = b.call(op="generate", prompt=P2)
         assert rb["num_cached_tokens"] == 128, rb
         assert rb["tokens"] == want, (rb, want)
+        # Layer by layer: vLLM called the per-layer hooks, and they did the copies. B's prefill
+        # step: start_load_kv, then per layer (in order) wait_for_layer_load (loads that layer)
+        # and save_kv_layer (writes it into B's reserved pages), then wait_for_save (commits).
+        hooks = b.call(op="hooks")["workers"][0]["hooks"]
+        first = [h[0] for h in hooks].index("start_load_kv")
+        assert hooks[first:first + 6] == [
+            ["start_load_kv", None], ["wait_for_layer_load", 0], ["save_kv_layer", 0],
+            ["wait_for_layer_load", 1], ["save_kv_layer", 1], ["wait_for_save", None]], hooks
+        sb = b.call(op="stats")["workers"][0]
+        assert sb["load_layers"] == 2 and sb["loaded_pages"] == 4, sb
+        assert sb["save_layers"] >= 2 and sb["saved_pages"] >= 1, sb
+        sa = a.call(op="stats")["workers"][0]
+        assert sa["save_layers"] >= 2 and sa["saved_pages"] == 6 and sa["save_errors"] == 0, sa
         # C, asynchronous: A's 4 blocks and B's block 4 (P2's 5 full blocks, 160 tokens).
         rc = c.call(op="generate", prompt=P2)
         assert rc["num_cached_tokens"] == 160 and rc["tokens"] == want, (rc, want)
-        assert c.call(op="stats")["workers"][0]["loaded_pages"] == 5
+        sc = c.call(op="stats")["workers"][0]
+        assert sc["loaded_pages"] == 5 and sc["load_layers"] == 0, sc  # whole pages, after
 
         saves = a.call(op="saves")["workers"][0]["saves"]
         a_digest = {}
@@ -282,7 +296,7 @@ def test_vllm_tp2_every_rank_loads_its_own_shard(model):
 
 
 @needs_vllm
-@pytest.mark.parametrize("case", ["share+salt+failure", "layouts",
+@pytest.mark.parametrize("case", ["share+layerwise+salt+failure", "layouts",
                                   "async_load+async_failure+stats+tp2"])
 def test_vllm_connector_through_vllm_objects(model, case):
     """vllm_scheduler_case.py: vLLM's own Scheduler, Requests, KV cache views of every layout

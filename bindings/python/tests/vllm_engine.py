@@ -11,7 +11,8 @@ go to stderr). Commands: {"op": "generate", "prompt": [ids], "max_tokens": 8, "c
 "max_tokens": 8} -> the same as lists, one batch, its seconds; {"op": "loads"} / {"op": "saves"}
 -> each worker's last loads / saves with the sha256 of every block's bytes (all layers);
 {"op": "poison", "value": v} -> each worker evicts its pages and publishes pages of constant v
-under every key it saved; {"op": "stats"}; {"op": "quit"}."""
+under every key it saved; {"op": "stats"}; {"op": "hooks"} -> the connector calls vLLM made in
+each worker, in order; {"op": "quit"}."""
 
 import hashlib
 import json
@@ -135,6 +136,12 @@ def _worker_stats(worker):
     return dict(rank=c._rank, **c.stats)
 
 
+def _worker_hooks(worker):
+    """The connector calls vLLM made in this worker, oldest first: [name, layer number]."""
+    c = _conn()
+    return dict(rank=c._rank, hooks=[list(h) for h in c.hook_log])
+
+
 def serve(argv):
     import argparse
     ap = argparse.ArgumentParser()
@@ -180,7 +187,7 @@ def serve(argv):
 
     answer(dict(ready=True, start_seconds=time.perf_counter() - t0))
     rpc = dict(loads=_worker_loads, saves=_worker_saves, stats=_worker_stats,
-               loaded_values=_worker_loaded_values)
+               loaded_values=_worker_loaded_values, hooks=_worker_hooks)
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.get("op")

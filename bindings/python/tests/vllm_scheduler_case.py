@@ -120,6 +120,17 @@ class Engine:
         self.sched = Scheduler(self.cfg, self.kvcfg, StructuredOutputManager(self.cfg),
                                block_size=BS, log_stats=log_stats)
 
+    def forward(self, rank=0, skip=()):
+        """The per-layer hooks of a forward, as vLLM's attention layers call them
+        (kv_transfer_utils.maybe_transfer_kv_layer): for each layer in order,
+        wait_for_layer_load before it reads the cache, save_kv_layer after it wrote it.
+        `skip`: layers whose attention does not call them (tests of the safety net)."""
+        w = self.workers[rank]
+        for i, (name, view) in enumerate(self.all_views[rank].items()):
+            if i not in skip:
+                w.wait_for_layer_load(name)
+                w.save_kv_layer(name, view, None)
+
     def block(self, b, rank=0):
         """Block b of every layer (manager block: kernel blocks grouped) of a TP rank."""
         # As integers: random bytes make NaNs, which never compare equal as floats.
@@ -137,11 +148,11 @@ class Engine:
         """The workers' part of step() and the output back into the scheduler."""
         ids = list(so.num_scheduled_tokens)
         outs = []
-        for w in self.workers:
+        for rank, w in enumerate(self.workers):
             w.bind_connector_metadata(so.kv_connector_metadata)
             if so.has_sync_kv_loads:
                 w.start_load_kv(None)
-            # (the forward would run here)
+            self.forward(rank)
             if not so.has_sync_kv_loads:
                 w.start_load_kv(None)
             w.wait_for_save()
@@ -206,6 +217,7 @@ def case_share(model, layout=KVCacheLayout.LBHNC, kernel=None):
         w = b.worker
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
+        b.forward()
         w.wait_for_save()
         kvo = KVConnectorOutput(invalid_block_ids=w.get_block_ids_with_load_errors(),
                                 kv_connector_worker_meta=w.build_connector_worker_meta())
@@ -223,6 +235,92 @@ def case_share(model, layout=KVCacheLayout.LBHNC, kernel=None):
         b.sched.update_from_output(so, out)       # the scheduler unpins
         check(a.worker._kv.evict(100) == 4, "pins not released after the load")
         del r1
+    finally:
+        a.close()
+        b.close()
+
+
+def case_layerwise(model):
+    """Layer by layer, in the order vLLM's attention layers call the hooks: A's pages are
+    reserved at its first save_kv_layer and written one layer per call; until wait_for_save
+    commits them, B's scheduler matches nothing (a partly saved page is never found). B loads
+    one layer per wait_for_layer_load (host caches: each layer copied right before its
+    attention): after layer 0's call, layer 0 of B's blocks is A's and layer 1 is untouched.
+    A forward that never asks for a layer gets the load's blocks reported as load errors
+    (vLLM recomputes them), never served half loaded."""
+    dom = "t-case-%s" % uuid.uuid4().hex[:10]
+    a = Engine(model, dom, fill=5)
+    b = Engine(model, dom)
+    try:
+        a.add("a1", P1)
+        so = a.sched.schedule()
+        table_a = so.scheduled_new_reqs[0].block_ids[0]
+        w = a.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        names = list(a.views)
+        w.wait_for_layer_load(names[0])
+        w.save_kv_layer(names[0], a.views[names[0]], None)
+        check(w.stats["save_layers"] == 1, "layer 0 not saved on its own: %r" % w.stats)
+        probe = Request("probe", P2, SamplingParams(max_tokens=3), None, block_hasher=HASHER)
+        bc = b.sched.connector
+        check(bc.get_num_new_matched_tokens(probe, 0)[0] == 0,
+              "a page with one of two layers written was found")
+        w.wait_for_layer_load(names[1])
+        w.save_kv_layer(names[1], a.views[names[1]], None)
+        check(bc.get_num_new_matched_tokens(probe, 0)[0] == 0,
+              "written pages were found before the commit")
+        bc.request_finished(probe, [])
+        w.wait_for_save()
+        check(w.stats["saved_pages"] == 6 and w.stats["save_layers"] == 2,
+              "A's save %r" % w.stats)
+        check([h[0] for h in list(w.hook_log)[-5:]] ==
+              ["wait_for_layer_load", "save_kv_layer", "wait_for_layer_load", "save_kv_layer",
+               "wait_for_save"], "hook order %r" % list(w.hook_log))
+        w.clear_connector_metadata()
+
+        b.add("b1", P2)
+        so = b.sched.schedule()
+        new = so.scheduled_new_reqs[0]
+        check(new.num_computed_tokens == 128, "B computed %d" % new.num_computed_tokens)
+        table_b = new.block_ids[0]
+        wb = b.worker
+        wb.bind_connector_metadata(so.kv_connector_metadata)
+        wb.start_load_kv(None)
+        nb = list(b.views)
+        wb.wait_for_layer_load(nb[0])
+        for j in range(4):
+            x0, x1 = a.block(table_a[j]), b.block(table_b[j])
+            check(torch.equal(x0[0], x1[0]), "block %d: layer 0 not loaded by its call" % j)
+            check(not x1[1].any(), "block %d: layer 1 loaded before its call" % j)
+        wb.save_kv_layer(nb[0], b.views[nb[0]], None)
+        wb.wait_for_layer_load(nb[1])
+        wb.save_kv_layer(nb[1], b.views[nb[1]], None)
+        wb.wait_for_save()
+        check(not wb.get_block_ids_with_load_errors(), "load errors")
+        check(wb.stats["load_layers"] == 2 and wb.stats["loaded_pages"] == 4,
+              "B's load %r" % wb.stats)
+        for j in range(4):
+            for x, y in zip(a.block(table_a[j]), b.block(table_b[j])):
+                check(torch.equal(x, y), "block %d differs" % j)
+        wb.clear_connector_metadata()
+
+        # the safety net: a forward that skips layer 1's hooks
+        c = Engine(model, dom)
+        try:
+            c.add("c1", P2)
+            so = c.sched.schedule()
+            check(so.scheduled_new_reqs[0].num_computed_tokens == 160, "C matched")
+            wc = c.worker
+            wc.bind_connector_metadata(so.kv_connector_metadata)
+            wc.start_load_kv(None)
+            c.forward(skip=(1,))
+            wc.wait_for_save()
+            bad = wc.get_block_ids_with_load_errors()
+            check(bad == set(so.scheduled_new_reqs[0].block_ids[0][:5]),
+                  "a half-loaded load was not reported: %r" % bad)
+            wc.clear_connector_metadata()
+        finally:
+            c.close()
     finally:
         a.close()
         b.close()
@@ -267,6 +365,7 @@ def case_load_failure_recomputes(model):
         w = b.worker
         w.bind_connector_metadata(so.kv_connector_metadata)
         w.start_load_kv(None)
+        b.forward()
         w.wait_for_save()
         bad = w.get_block_ids_with_load_errors()
         table_b = so.scheduled_new_reqs[0].block_ids[0]
@@ -488,7 +587,7 @@ def case_tp2(model):
         b.close()
 
 
-CASES = dict(share=case_share, salt=case_salt_and_no_whole_prompt,
+CASES = dict(share=case_share, layerwise=case_layerwise, salt=case_salt_and_no_whole_prompt,
              failure=case_load_failure_recomputes, layouts=case_layouts,
              async_load=case_async_load, async_failure=case_async_failure, stats=case_stats,
              tp2=case_tp2)
