@@ -4,6 +4,7 @@
 #include "cluster/cluster.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,7 +44,7 @@
 
 #define XFER_MAGIC     0x736b76636c757331ull /* "skvclus1" */
 #define XFER_MAX_PEERS 1024
-#define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread spins 2 ms after a request */
+#define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread polls 2 ms after a request */
 #define SERVE_POLL_MS  20                /* and then sleeps at most this long (see serve_main) */
 #define XFER_SUB_BYTES (4ull << 20)      /* bytes of a sub-batch of a get (one page at least) */
 #define XFER_DEPTH     3                 /* sub-batches in flight */
@@ -98,8 +99,10 @@ static void *serve_main(void *arg) {
   if (ucp_worker_get_efd(x->serve, &efd) != UCS_OK) efd = -1;
   uint64_t busy_until = 0;
   while (!__atomic_load_n(&x->stop, __ATOMIC_ACQUIRE)) {
-    /* Spin while requests come (a TCP get is several messages that each wait for this
-     * thread: sleeping between them costs a wake-up each), sleep after SPIN_NS of quiet. */
+    /* Stay awake while requests come (a TCP get is several messages that each wait for this
+     * thread: sleeping between them costs a wake-up each), yielding the core between polls
+     * (on a busy host the fetcher may need it: pure spinning halved the bandwidth with both
+     * sides on one core), and sleep after SPIN_NS of quiet. */
     if (ucp_worker_progress(x->serve)) {
       while (ucp_worker_progress(x->serve)) {
       }
@@ -107,7 +110,7 @@ static void *serve_main(void *arg) {
       continue;
     }
     if (skv__now_ns() < busy_until) {
-      SKV_CPU_RELAX();
+      sched_yield(); /* not a pause: a fetcher on this core may have to run first */
       continue;
     }
     if (efd < 0) {
@@ -383,7 +386,6 @@ static int wait_reqs(skv__xfer_t *x, xfer_peer_t *p, void **reqs, size_t k) {
   ucs_status_t bad = UCS_OK;
   bool to = false;
   size_t done = 0;
-  unsigned idle = 0;
   while (done < k) {
     ucs_status_t st = ucp_request_check_status(reqs[done]);
     if (st != UCS_INPROGRESS) {
@@ -392,7 +394,11 @@ static int wait_reqs(skv__xfer_t *x, xfer_peer_t *p, void **reqs, size_t k) {
       done++;
       continue;
     }
-    if (ucp_worker_progress(x->fetch) == 0 && ++idle % 1024 == 0 && skv__now_ms() >= deadline_ms) {
+    if (ucp_worker_progress(x->fetch) != 0) continue;
+    /* nothing came: give the core away rather than spin (over TCP what is awaited is made by
+     * the owner's progress thread, which may be waiting for this very core) */
+    sched_yield();
+    if (skv__now_ms() >= deadline_ms) {
       to = true;
       break;
     }
