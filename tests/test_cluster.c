@@ -392,6 +392,94 @@ Test(cluster, evicted_page_is_stale_never_served) {
   redis_stop(&r);
 }
 
+/* A fetch of 16 MiB from one node goes in a pipeline of sub-batches (xfer.c): a page evicted
+ * before the fetch, placed in its third quarter, fails it with SKV_ESTALE; no block holds a
+ * wrong byte, the stale page's block and every later one stay unwritten, and the stats count
+ * exactly the blocks written. */
+Test(cluster, stale_page_late_in_a_pipelined_fetch_is_not_served) {
+  redis_t r;
+  redis_start(&r, 0);
+  node_args_t aa = args_for("a", &r, 64, BLOCKS, 5000); /* pages of 256 KiB */
+  child_t a;
+  child_start(&a, &aa);
+  cr_assert_eq(child_do(&a, "P 0 64 1"), 0);
+  eng_t c;
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  cr_assert_eq(eng_open(&c, dom, 64, 4, "c", r.url, 5000, 10000), 0, "%s", skv_last_error());
+  skv_cluster_ref_t refs[BLOCKS], one;
+  size_t nl, nh;
+  lookup_all(&c, 0, BLOCKS, refs, &nl, &nh);
+  cr_assert_eq(nh, BLOCKS);
+  uint64_t ids[BLOCKS];
+  for (int i = 0; i < BLOCKS; i++) ids[i] = (uint64_t)i;
+  /* first, all 64 byte-exact (four sub-batches, more than are in flight at once) */
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  int rc = skv_cluster_fetch(c.cl, refs, BLOCKS, c.lay, ids, 0, NULL);
+  cr_assert_eq(rc, 0, "fetch: %s: %s", skv_err_name(rc), skv_last_error());
+  int poisoned;
+  cr_assert_eq(eng_wrong(&c, 0, BLOCKS, 1, &poisoned), 0, "wrong bytes");
+  cr_assert_eq(poisoned, 0);
+  /* a's cache is full: one more key takes the page of one of keys 0..63 */
+  cr_assert_eq(child_do(&a, "P 100 1 2"), 0);
+  uint32_t gone = BLOCKS;
+  for (uint32_t i = 0; i < BLOCKS; i++) {
+    skv_key_t k = key_of(c.ns, i);
+    cr_assert_eq(skv_cluster_lookup(c.cl, c.ns, &k, 1, 0, &one, &nl, &nh), 0);
+    if (nh == 0) {
+      cr_assert_eq(gone, BLOCKS, "two keys evicted for one");
+      gone = i;
+    }
+  }
+  cr_assert_neq(gone, BLOCKS, "no key was evicted");
+  /* the stale reference at position 40, the others around it in key order */
+  const uint32_t at = 40;
+  uint32_t key_at[BLOCKS];
+  skv_cluster_ref_t perm[BLOCKS];
+  for (uint32_t j = 0, i = 0; j < BLOCKS; j++) {
+    if (j == at) {
+      key_at[j] = gone;
+    } else {
+      if (i == gone) i++;
+      key_at[j] = i++;
+    }
+    perm[j] = refs[key_at[j]];
+  }
+  skv_cluster_stats_t st0 = SKV_CLUSTER_STATS_INIT, st1 = SKV_CLUSTER_STATS_INIT;
+  cr_assert_eq(skv_cluster_get_stats(c.cl, &st0), 0);
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  rc = skv_cluster_fetch(c.cl, perm, BLOCKS, c.lay, ids, 0, NULL);
+  cr_assert_eq(rc, SKV_ESTALE, "fetch with an evicted page: %s", skv_err_name(rc));
+  cr_assert(strstr(skv_last_error(), "node 'a'"), "%s", skv_last_error());
+  uint64_t wrong = 0, written = 0;
+  for (uint32_t j = 0; j < BLOCKS; j++) {
+    const uint8_t *b = c.mem + j * c.pb;
+    bool poison = true;
+    for (uint64_t x = 0; x < c.pb && poison; x++) poison = b[x] == 0xEE;
+    if (poison) continue;
+    cr_assert(j < at, "block %u (at or after the stale page at %u) was written", j, at);
+    written++;
+    for (uint64_t x = 0; x < c.pb; x++) wrong += b[x] != pat(key_at[j], 1, x);
+  }
+  cr_assert_eq(wrong, 0, "%" PRIu64 " wrong bytes", wrong);
+  cr_assert_eq(skv_cluster_get_stats(c.cl, &st1), 0);
+  cr_assert_eq(st1.remote_pages - st0.remote_pages, written,
+               "%" PRIu64 " pages counted, %" PRIu64 " blocks written",
+               st1.remote_pages - st0.remote_pages, written);
+  cr_assert_eq(st1.remote_stale - st0.remote_stale, 1);
+  /* the handle goes on: the fresh pages read fine afterwards */
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  rc = skv_cluster_fetch(c.cl, perm, at, c.lay, ids, 0, NULL);
+  cr_assert_eq(rc, 0, "fetch: %s: %s", skv_err_name(rc), skv_last_error());
+  wrong = 0;
+  for (uint32_t j = 0; j < at; j++)
+    for (uint64_t x = 0; x < c.pb; x++) wrong += c.mem[j * c.pb + x] != pat(key_at[j], 1, x);
+  cr_assert_eq(wrong, 0, "%" PRIu64 " wrong bytes", wrong);
+  eng_close(&c);
+  child_stop(&a);
+  redis_stop(&r);
+}
+
 typedef struct fetch_loop {
   eng_t *e;
   skv_cluster_ref_t *refs;

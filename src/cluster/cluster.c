@@ -309,7 +309,28 @@ static uint64_t peer_nonce_of(skv_cluster_t *cl, uint32_t peer) {
   return skv__xfer_peer_nonce(cl->x, peer);
 }
 
-/* Remote pages of one peer: gets into the staging buffer, chunk by chunk, then into blocks. */
+/* Where the pages of a peer's batch go: their blocks in `dst`. */
+typedef struct fetch_sink {
+  skv_cluster_t *cl;
+  const skv_layout_t *dst;
+  const uint64_t *block_ids;
+  const size_t *idx; /* refs of this peer (of the chunk being read) */
+  uint64_t pb;
+  bool nt;
+} fetch_sink_t;
+
+static void fetch_deliver(void *arg, size_t first, size_t count, const void *bytes) {
+  const fetch_sink_t *f = arg;
+  const uint32_t m = f->dst->blocks_per_page;
+  for (size_t j = 0; j < count; j++)
+    skv__copy_page_to_blocks(f->dst, (const char *)bytes + j * f->pb,
+                             f->block_ids + f->idx[first + j] * m, f->nt);
+  __atomic_add_fetch(&f->cl->remote_pages, count, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&f->cl->remote_bytes, count * f->pb, __ATOMIC_RELAXED);
+}
+
+/* Remote pages of one peer: a pipeline of gets into the staging slots (xfer.c), each checked
+ * sub-batch copied into its blocks while the next ones are on the wire. */
 static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t *refs,
                       const size_t *idx, size_t k, const skv_layout_t *dst,
                       const uint64_t *block_ids) {
@@ -319,32 +340,28 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
                     "skv_cluster_fetch: node '%s' has pages of %" PRIu64
                     " bytes, this cache %" PRIu64 " (another geometry)",
                     skv__xfer_peer_name(cl->x, peer), pb, cl->kv->page_bytes);
-  const size_t chunk = (size_t)SKV_MAX(1, SKV_MIN(k, (64ull << 20) / pb));
   uint32_t pages[256], gens[256];
-  const uint32_t m = dst->blocks_per_page;
-  for (size_t done = 0; done < k;) {
-    size_t c = SKV_MIN(SKV_MIN(chunk, k - done), SKV_ARRAY_LEN(pages));
+  fetch_sink_t f = {.cl = cl,
+                    .dst = dst,
+                    .block_ids = block_ids,
+                    .pb = pb,
+                    .nt = k * pb >= SKV_COPY_STREAM_BYTES};
+  int rc = 0;
+  for (size_t done = 0; done < k && !rc;) {
+    size_t c = SKV_MIN(k - done, SKV_ARRAY_LEN(pages));
     for (size_t j = 0; j < c; j++) {
       pages[j] = refs[idx[done + j]].page;
       gens[j] = refs[idx[done + j]].gen;
     }
     size_t bad = 0;
-    const void *got = NULL;
-    int rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, &got, &bad);
-    if (rc) {
-      if (rc == SKV_ESTALE) __atomic_add_fetch(&cl->remote_stale, 1, __ATOMIC_RELAXED);
-      if (rc == SKV_EPEERDEAD) __atomic_add_fetch(&cl->peer_failures, 1, __ATOMIC_RELAXED);
-      return rc;
-    }
-    const bool nt = c * pb >= SKV_COPY_STREAM_BYTES;
-    for (size_t j = 0; j < c; j++)
-      skv__copy_page_to_blocks(dst, (const char *)got + j * pb, block_ids + idx[done + j] * m, nt);
-    if (nt) skv__copy_stream_fence();
-    __atomic_add_fetch(&cl->remote_pages, c, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&cl->remote_bytes, c * pb, __ATOMIC_RELAXED);
+    f.idx = idx + done;
+    rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, fetch_deliver, &f, &bad);
+    if (rc == SKV_ESTALE) __atomic_add_fetch(&cl->remote_stale, 1, __ATOMIC_RELAXED);
+    if (rc == SKV_EPEERDEAD) __atomic_add_fetch(&cl->peer_failures, 1, __ATOMIC_RELAXED);
     done += c;
   }
-  return 0;
+  if (f.nt) skv__copy_stream_fence();
+  return rc;
 }
 #endif
 

@@ -48,14 +48,20 @@ uint32_t skv__xfer_npeers(const skv__xfer_t *x);
 void skv__xfer_peer_retry(skv__xfer_t *x, uint32_t peer);
 uint64_t skv__xfer_peer_nonce(const skv__xfer_t *x, uint32_t peer);
 
-/* Read pages page[i] (whose directory generation is gen[i]) of `peer`, i < n, into a
- * registered buffer of the xfer (*out + i * page_bytes, valid until the next call), then their
- * state words: SKV_ESTALE (*bad: the first) when a page is not
+/* Pages read by skv__xfer_get_pages and checked: pages [first, first + count) of the call are
+ * at `bytes` (count * page_bytes, valid during the callback only). */
+typedef void (*skv__xfer_deliver_fn)(void *arg, size_t first, size_t count, const void *bytes);
+
+/* Read pages page[i] (whose directory generation is gen[i]) of `peer`, i < n, in a pipeline of
+ * sub-batches: each sub-batch's pages, then their state words, go into a registered staging
+ * slot; while later sub-batches are in flight, a sub-batch whose state words all say READY with
+ * the generation asked for goes to `deliver`, in order. SKV_ESTALE (*bad: the first stale page;
+ * the pages before its sub-batch were delivered, none of its own or after) when a page is not
  * READY with its generation after its bytes were read; SKV_EPEERDEAD when the peer failed or
- * did not answer within the timeout (its endpoint is then closed). Not thread-safe (the
- * caller serialises). */
+ * did not answer within the timeout (each wait is bounded by it; the endpoint is then closed,
+ * so nothing lands in the staging later). Not thread-safe (the caller serialises). */
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
-                        size_t n, const void **out, size_t *bad);
+                        size_t n, skv__xfer_deliver_fn deliver, void *arg, size_t *bad);
 uint64_t skv__xfer_page_bytes(const skv__xfer_t *x, uint32_t peer);
 
 /* ---- dir.c: the Redis directory --------------------------------------------------------- */

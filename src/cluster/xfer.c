@@ -4,6 +4,7 @@
 #include "cluster/cluster.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,12 +21,17 @@
  *
  *   [ record header | worker address | rkey of the pages | rkey of the records ]
  *
- * A get of n pages from one peer: n ucp_get_nbx into a registered staging buffer, a fence
- * (ucp_worker_fence: what follows starts after they completed), n 8-byte gets of the pages'
- * state words, and one wait for all of them: one round trip of the network, not two. An owner bumps
- * a page's generation before it writes new bytes into it, so a state word read after the bytes that
- * still says READY with the generation the directory gave means the bytes read are that page's (a
- * seqlock whose reader checks once, after).
+ * A get of n pages from one peer is a pipeline of sub-batches of about XFER_SUB_BYTES, at most
+ * XFER_DEPTH of them in flight, each in a slot of a registered staging buffer: its pages'
+ * ucp_get_nbx, a fence (ucp_worker_fence: what follows starts after they completed), one 8-byte
+ * get per page of its state word. The oldest sub-batch is waited for, checked and handed to the
+ * caller (who copies it into engine blocks) while the next ones are on the wire, and its slot
+ * takes the next sub-batch: the network does not wait for the copies, nor for the checks (the
+ * state words travel behind the pages, not in a round trip of their own). An owner bumps a
+ * page's generation before it writes new bytes into it, so a state word read after the bytes
+ * that still says READY with the generation the directory gave means the bytes read are that
+ * page's (a seqlock whose reader checks once, after); a sub-batch with a page that fails the
+ * check is not handed over.
  *
  * What can go wrong
  * -----------------
@@ -38,8 +44,10 @@
 
 #define XFER_MAGIC     0x736b76636c757331ull /* "skvclus1" */
 #define XFER_MAX_PEERS 1024
-#define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread spins 2 ms after a request */
+#define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread polls 2 ms after a request */
 #define SERVE_POLL_MS  20                /* and then sleeps at most this long (see serve_main) */
+#define XFER_SUB_BYTES (4ull << 20)      /* bytes of a sub-batch of a get (one page at least) */
+#define XFER_DEPTH     3                 /* sub-batches in flight */
 
 typedef struct xfer_rec {
   uint64_t magic, nonce;
@@ -69,11 +77,12 @@ struct skv__xfer {
   volatile int stop;
   xfer_peer_t *peers[XFER_MAX_PEERS];
   uint32_t npeers;
-  void **reqs; /* requests in flight of a get_pages */
+  void **reqs; /* requests in flight of a get_pages: XFER_DEPTH slots of 2 x pages */
   size_t reqs_cap;
-  uint64_t *words; /* state words read back */
+  uint64_t *words; /* state words read back, one per page of the call */
   size_t words_cap;
-  char *staging; /* where pages are read into: registered, so that UCX reads zero-copy */
+  char *staging; /* XFER_DEPTH slots that pages are read into: registered, so that UCX reads
+                  * zero-copy where the transport can */
   size_t staging_cap;
   ucp_mem_h staging_mh;
 };
@@ -90,8 +99,10 @@ static void *serve_main(void *arg) {
   if (ucp_worker_get_efd(x->serve, &efd) != UCS_OK) efd = -1;
   uint64_t busy_until = 0;
   while (!__atomic_load_n(&x->stop, __ATOMIC_ACQUIRE)) {
-    /* Spin while requests come (a TCP get is several messages that each wait for this
-     * thread: sleeping between them costs a wake-up each), sleep after SPIN_NS of quiet. */
+    /* Stay awake while requests come (a TCP get is several messages that each wait for this
+     * thread: sleeping between them costs a wake-up each), yielding the core between polls
+     * (on a busy host the fetcher may need it: pure spinning halved the bandwidth with both
+     * sides on one core), and sleep after SPIN_NS of quiet. */
     if (ucp_worker_progress(x->serve)) {
       while (ucp_worker_progress(x->serve)) {
       }
@@ -99,7 +110,7 @@ static void *serve_main(void *arg) {
       continue;
     }
     if (skv__now_ns() < busy_until) {
-      SKV_CPU_RELAX();
+      sched_yield(); /* not a pause: a fetcher on this core may have to run first */
       continue;
     }
     if (efd < 0) {
@@ -367,22 +378,27 @@ static int peer_connect(skv__xfer_t *x, xfer_peer_t *p) {
   return 0;
 }
 
-/* Wait for x->reqs[0..k) (requests of `p`), bounded; SKV_EPEERDEAD (the endpoint closed, so
- * that nothing lands in the buffer later) when one failed, the peer failed or time ran out. */
-static int wait_all(skv__xfer_t *x, xfer_peer_t *p, size_t k, uint64_t deadline_ms) {
+/* Wait for reqs[0..k) (requests of `p`), bounded, and free them; SKV_EPEERDEAD (the endpoint
+ * closed, so that nothing lands in the buffer later: the caller then drains its other requests)
+ * when one failed, the peer failed or time ran out. */
+static int wait_reqs(skv__xfer_t *x, xfer_peer_t *p, void **reqs, size_t k) {
+  const uint64_t deadline_ms = skv__now_ms() + (uint64_t)x->timeout_ms;
   ucs_status_t bad = UCS_OK;
   bool to = false;
   size_t done = 0;
-  unsigned idle = 0;
   while (done < k) {
-    ucs_status_t st = ucp_request_check_status(x->reqs[done]);
+    ucs_status_t st = ucp_request_check_status(reqs[done]);
     if (st != UCS_INPROGRESS) {
       if (st != UCS_OK && bad == UCS_OK) bad = st;
-      ucp_request_free(x->reqs[done]);
+      ucp_request_free(reqs[done]);
       done++;
       continue;
     }
-    if (ucp_worker_progress(x->fetch) == 0 && ++idle % 1024 == 0 && skv__now_ms() >= deadline_ms) {
+    if (ucp_worker_progress(x->fetch) != 0) continue;
+    /* nothing came: give the core away rather than spin (over TCP what is awaited is made by
+     * the owner's progress thread, which may be waiting for this very core) */
+    sched_yield();
+    if (skv__now_ms() >= deadline_ms) {
       to = true;
       break;
     }
@@ -391,8 +407,8 @@ static int wait_all(skv__xfer_t *x, xfer_peer_t *p, size_t k, uint64_t deadline_
   if (!p->failed) p->failed = bad != UCS_OK ? (int)bad : -1;
   peer_close(x, p); /* cancels what is still in flight */
   for (; done < k; done++) {
-    while (ucp_request_check_status(x->reqs[done]) == UCS_INPROGRESS) ucp_worker_progress(x->fetch);
-    ucp_request_free(x->reqs[done]);
+    while (ucp_request_check_status(reqs[done]) == UCS_INPROGRESS) ucp_worker_progress(x->fetch);
+    ucp_request_free(reqs[done]);
   }
   if (to)
     return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV,
@@ -403,6 +419,14 @@ static int wait_all(skv__xfer_t *x, xfer_peer_t *p, size_t k, uint64_t deadline_
                   "cluster: node '%s' failed during a read of pages: %s (it died or the network "
                   "broke; the pages are not copied)",
                   p->name, ucs_status_string(bad != UCS_OK ? bad : UCS_ERR_ENDPOINT_TIMEOUT));
+}
+
+/* Requests of a closed endpoint: they complete (cancelled) as the worker progresses. */
+static void drain_reqs(skv__xfer_t *x, void **reqs, size_t k) {
+  for (size_t i = 0; i < k; i++) {
+    while (ucp_request_check_status(reqs[i]) == UCS_INPROGRESS) ucp_worker_progress(x->fetch);
+    ucp_request_free(reqs[i]);
+  }
 }
 
 /* A registered buffer of at least `bytes` (grown, never shrunk). */
@@ -431,8 +455,35 @@ static int staging(skv__xfer_t *x, size_t bytes) {
   return 0;
 }
 
+/* Put pages [first, first + c) of the call on the wire into `buf`, then their state words
+ * (after a fence): their requests into reqs, *k of them. A failure to post marks the peer. */
+static void issue_sub(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, size_t first, size_t c,
+                      char *buf, void **reqs, size_t *k) {
+  ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, .memh = x->staging_mh};
+  *k = 0;
+  for (size_t i = first; i < first + c && !p->failed; i++) {
+    void *req = ucp_get_nbx(p->ep, buf + (i - first) * p->rec.page_bytes, p->rec.page_bytes,
+                            p->rec.pages_base + page[i] * p->rec.page_stride, p->rk_pages, &rp);
+    if (UCS_PTR_IS_ERR(req))
+      p->failed = (int)UCS_PTR_STATUS(req);
+    else if (req)
+      reqs[(*k)++] = req;
+  }
+  ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
+  if (st != UCS_OK) p->failed = (int)st;
+  rp.op_attr_mask = 0;
+  for (size_t i = first; i < first + c && !p->failed; i++) {
+    void *req = ucp_get_nbx(p->ep, &x->words[i], sizeof(uint64_t),
+                            p->rec.meta_base + page[i] * p->rec.meta_stride, p->rk_meta, &rp);
+    if (UCS_PTR_IS_ERR(req))
+      p->failed = (int)UCS_PTR_STATUS(req);
+    else if (req)
+      reqs[(*k)++] = req;
+  }
+}
+
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
-                        size_t n, const void **out, size_t *bad) {
+                        size_t n, skv__xfer_deliver_fn deliver, void *arg, size_t *bad) {
   *bad = 0;
   if (peer >= x->npeers) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, "cluster: no peer %u", peer);
   xfer_peer_t *p = x->peers[peer];
@@ -447,54 +498,64 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
                       "cluster: page %u of node '%s' (it has %" PRIu64 ")", page[i], p->name,
                       p->rec.pages);
     }
+  if (n == 0) return 0;
   if (n > x->words_cap) {
     uint64_t *w = realloc(x->words, n * sizeof(*w));
     if (!w) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
     x->words = w;
     x->words_cap = n;
   }
-  SKV_CHECK(staging(x, n * p->rec.page_bytes));
-  if (2 * n > x->reqs_cap) {
-    void **r = realloc(x->reqs, 2 * n * sizeof(*r));
+  const uint64_t pb = p->rec.page_bytes;
+  const size_t sub = (size_t)SKV_MAX(1, SKV_MIN((uint64_t)n, XFER_SUB_BYTES / pb));
+  const size_t nsub = (n + sub - 1) / sub, depth = SKV_MIN(nsub, (size_t)XFER_DEPTH);
+  SKV_CHECK(staging(x, depth * sub * pb));
+  if (depth * 2 * sub > x->reqs_cap) {
+    void **r = realloc(x->reqs, depth * 2 * sub * sizeof(*r));
     if (!r) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
     x->reqs = r;
-    x->reqs_cap = 2 * n;
+    x->reqs_cap = depth * 2 * sub;
   }
-  *out = x->staging;
-  uint64_t deadline = skv__now_ms() + (uint64_t)x->timeout_ms;
-  /* the pages, a fence, the state words: all in flight at once (one round trip, not two);
-   * the fence orders the state words' reads after the pages' reads are complete */
-  ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, .memh = x->staging_mh};
-  size_t k = 0;
-  for (size_t i = 0; i < n && !p->failed; i++) {
-    void *req = ucp_get_nbx(p->ep, x->staging + i * p->rec.page_bytes, p->rec.page_bytes,
-                            p->rec.pages_base + page[i] * p->rec.page_stride, p->rk_pages, &rp);
-    if (UCS_PTR_IS_ERR(req))
-      p->failed = (int)UCS_PTR_STATUS(req);
-    else if (req)
-      x->reqs[k++] = req;
-  }
-  ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
-  if (st != UCS_OK) p->failed = (int)st;
-  rp.op_attr_mask = 0;
-  for (size_t i = 0; i < n && !p->failed; i++) {
-    void *req = ucp_get_nbx(p->ep, &x->words[i], sizeof(uint64_t),
-                            p->rec.meta_base + page[i] * p->rec.meta_stride, p->rk_meta, &rp);
-    if (UCS_PTR_IS_ERR(req))
-      p->failed = (int)UCS_PTR_STATUS(req);
-    else if (req)
-      x->reqs[k++] = req;
-  }
-  SKV_CHECK(wait_all(x, p, k, deadline));
-  for (size_t i = 0; i < n; i++) {
-    uint64_t w = x->words[i];
-    if ((uint32_t)w != 2u /* SKV_PAGE_READY */ || (uint32_t)(w >> 32) != gen[i]) {
-      *bad = i;
-      return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
-                      "cluster: page %u of node '%s' is no longer generation %u (now %u, state "
-                      "%u): evicted or reused, not copied; look the keys up again",
-                      page[i], p->name, gen[i], (uint32_t)(w >> 32), (uint32_t)w & 0xff);
+  size_t k[XFER_DEPTH] = {0};
+  size_t head = 0, tail = 0; /* sub-batches [tail, head) are in flight, slot = index % depth */
+  size_t stale = n;          /* the first stale page, n while none */
+  int rc = 0;
+  while (tail < nsub) {
+    for (; head < nsub && head - tail < depth && !p->failed; head++) {
+      const size_t s = head % depth, first = head * sub;
+      issue_sub(x, p, page, first, SKV_MIN(sub, n - first), x->staging + s * sub * pb,
+                x->reqs + s * 2 * sub, &k[s]);
     }
+    if (tail == head) { /* nothing in flight: the peer failed before a post */
+      rc = SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV,
+                    "cluster: node '%s' failed during a read of pages", p->name);
+      break;
+    }
+    const size_t s = tail % depth, first = tail * sub, c = SKV_MIN(sub, n - first);
+    tail++;
+    if ((rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s])) != 0) break;
+    for (size_t i = first; i < first + c && stale == n; i++)
+      if ((uint32_t)x->words[i] != 2u /* SKV_PAGE_READY */ ||
+          (uint32_t)(x->words[i] >> 32) != gen[i])
+        stale = i;
+    if (stale < n) break;
+    deliver(arg, first, c, x->staging + s * sub * pb);
+  }
+  /* after a failure: what is still in flight lands in the staging slots, never later */
+  for (; tail < head; tail++) {
+    const size_t s = tail % depth;
+    if (rc)
+      drain_reqs(x, x->reqs + s * 2 * sub, k[s]);
+    else
+      rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s]);
+  }
+  if (rc) return rc;
+  if (stale < n) {
+    const uint64_t w = x->words[stale];
+    *bad = stale;
+    return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
+                    "cluster: page %u of node '%s' is no longer generation %u (now %u, state "
+                    "%u): evicted or reused, not copied; look the keys up again",
+                    page[stale], p->name, gen[stale], (uint32_t)(w >> 32), (uint32_t)w & 0xff);
   }
   return 0;
 }
