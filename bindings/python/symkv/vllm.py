@@ -13,14 +13,16 @@ LoRA and multimodal inputs) folded into a namespace of the model, KV dtype, atte
 block size and TP rank (MLA: one namespace that TP rank 0 writes and every rank reads). The
 scheduler matches the leading blocks that every TP rank's namespace holds, pins them (pins are
 leases of the scheduler's slot: owners cannot evict them) until the workers report the load
-done or the request ends, and hands the workers the page references. Workers copy pages into
-the blocks vLLM allocated layer by layer as the forward reaches each layer (wait_for_layer_load;
-GPUs: every layer's copy enqueued on a side stream, one event per layer), or with extra_config
-load_async whole pages after the step's forward, reported through get_finished while vLLM holds
-the request; and save every block that fills (the prompt after prefill, generated tokens as
-blocks fill) layer by layer into reserved pages (save_kv_layer), committing the keys once every
-layer is written (wait_for_save). Counters go through
-vLLM's stats interface (SymkvConnectorStats).
+done or the request ends, and hands the workers the page references. Workers copy whole pages
+into the blocks vLLM allocated before the forward (start_load_kv), or with extra_config
+load_async after the step's forward, reported through get_finished while vLLM holds the
+request; and publish every block that fills (the prompt after prefill, generated tokens as
+blocks fill) after the forward (wait_for_save). With extra_config layerwise, loads go layer by
+layer as the forward reaches each layer (wait_for_layer_load; GPUs: every layer's copy enqueued
+on a side stream, one event per layer) and saves layer by layer into reserved pages
+(save_kv_layer), the keys committed once every layer is written (wait_for_save); it costs more
+than whole pages where measured (docs/vllm.md). Counters go through vLLM's stats interface
+(SymkvConnectorStats).
 A page that cannot be loaded is reported through get_block_ids_with_load_errors, so vLLM
 recomputes it (with kv_load_failure_policy "recompute"); nothing is ever served from a page
 whose generation changed."""
@@ -142,7 +144,7 @@ def connector_config(vllm_config, kv_cache_config):
     load_async = extra.get("load_async", False)
     if not isinstance(load_async, bool):
         raise ValueError("SymkvConnector: load_async must be true or false, not %r" % load_async)
-    layerwise = extra.get("layerwise", True)
+    layerwise = extra.get("layerwise", False)
     if not isinstance(layerwise, bool):
         raise ValueError("SymkvConnector: layerwise must be true or false, not %r" % layerwise)
     mc = vllm_config.model_config
@@ -343,7 +345,7 @@ class SymkvConnector(KVConnectorBase_V1):
     def requires_piecewise_for_cudagraph(cls, extra_config):
         # wait_for_layer_load / save_kv_layer run between the layers: a full CUDA graph would
         # skip them on replay
-        return bool((extra_config or {}).get("layerwise", True))
+        return bool((extra_config or {}).get("layerwise", False))
 
     @property
     def requires_kv_delivery(self):
@@ -525,7 +527,7 @@ class SymkvConnector(KVConnectorBase_V1):
             return ids
         return (ids[:, None] * r + np.arange(r, dtype=np.uint64)[None, :]).reshape(-1)
 
-    # Layer by layer (extra_config layerwise, the default). vLLM calls, per step: start_load_kv
+    # Layer by layer (extra_config layerwise, opt-in). vLLM calls, per step: start_load_kv
     # (before the forward when the step has synchronous loads), then for each attention layer in
     # order wait_for_layer_load(layer) before it reads the cache and save_kv_layer(layer) after
     # it wrote this step's KV, then wait_for_save, get_block_ids_with_load_errors and

@@ -29,7 +29,7 @@ class Engine:
     """A vLLM engine process answering JSON commands (vllm_engine.py serve)."""
 
     def __init__(self, model, domain, tp=1, prefix_caching=False, start_timeout=600,
-                 load_async=False):
+                 load_async=False, layerwise=False):
         env = dict(os.environ)
         env["PYTHONPATH"] = PKG + os.pathsep + env.get("PYTHONPATH", "")
         args = [sys.executable, ENGINE, "serve", model, "--domain", domain, "--block-size",
@@ -38,6 +38,8 @@ class Engine:
             args.append("--prefix-caching")
         if load_async:
             args.append("--load-async")
+        if layerwise:
+            args.append("--layerwise")
         self.log = []
         self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, env=env)
@@ -140,8 +142,8 @@ def test_vllm_two_engines_share_a_prefix(model):
     vLLM's WAITING_FOR_REMOTE_KVS and get_finished path) and gets the same tokens."""
     dom = _domain("ab")
     base = Engine(model, "none")
-    a = Engine(model, dom)
-    b = Engine(model, dom)
+    a = Engine(model, dom, layerwise=True)
+    b = Engine(model, dom, layerwise=True)
     c = Engine(model, dom, load_async=True)
     try:
         ra = a.call(op="generate", prompt=P1)

@@ -152,6 +152,7 @@ def serve(argv):
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--cache-gb", type=float, default=0.25)
     ap.add_argument("--load-async", action="store_true")
+    ap.add_argument("--layerwise", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=4096)
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -173,6 +174,8 @@ def serve(argv):
             "kv_connector_extra_config": {"domain": a.domain, "cache_gb": a.cache_gb}}
         if a.load_async:
             kw["kv_transfer_config"]["kv_connector_extra_config"]["load_async"] = True
+        if a.layerwise:
+            kw["kv_transfer_config"]["kv_connector_extra_config"]["layerwise"] = True
     t0 = time.perf_counter()
     llm = LLM(model=a.model, dtype="float32", max_model_len=a.max_model_len,
               max_num_batched_tokens=a.max_model_len, block_size=a.block_size,

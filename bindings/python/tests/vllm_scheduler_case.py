@@ -69,10 +69,13 @@ class Engine:
     rank (their outputs merged by vLLM's KVOutputAggregator, as vLLM's executor does)."""
 
     def __init__(self, model, domain, layout=KVCacheLayout.LBHNC, kernel=None, fill=None,
-                 timeout_ms=30000, load_async=False, mla=False, tp=1, log_stats=False):
+                 timeout_ms=30000, load_async=False, mla=False, tp=1, log_stats=False,
+                 layerwise=False):
         extra = {"domain": domain, "cache_gb": 0.05, "timeout_ms": timeout_ms}
         if load_async:
             extra["load_async"] = True
+        if layerwise:
+            extra["layerwise"] = True
         ktc = KVTransferConfig(kv_connector="SymkvConnector", kv_role="kv_both",
                                kv_connector_module_path="symkv.vllm",
                                kv_load_failure_policy="recompute",
@@ -248,9 +251,14 @@ def case_layerwise(model):
     attention): after layer 0's call, layer 0 of B's blocks is A's and layer 1 is untouched.
     A forward that never asks for a layer gets the load's blocks reported as load errors
     (vLLM recomputes them), never served half loaded."""
+    from symkv.vllm import SymkvConnector
+    # opt-in: by default whole pages, and vLLM may keep full CUDA graphs
+    check(not SymkvConnector.requires_piecewise_for_cudagraph({}) and
+          SymkvConnector.requires_piecewise_for_cudagraph({"layerwise": True}),
+          "layerwise is not opt-in")
     dom = "t-case-%s" % uuid.uuid4().hex[:10]
-    a = Engine(model, dom, fill=5)
-    b = Engine(model, dom)
+    a = Engine(model, dom, fill=5, layerwise=True)
+    b = Engine(model, dom, layerwise=True)
     try:
         a.add("a1", P1)
         so = a.sched.schedule()
@@ -305,7 +313,7 @@ def case_layerwise(model):
         wb.clear_connector_metadata()
 
         # the safety net: a forward that skips layer 1's hooks
-        c = Engine(model, dom)
+        c = Engine(model, dom, layerwise=True)
         try:
             c.add("c1", P2)
             so = c.sched.schedule()
