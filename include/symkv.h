@@ -776,7 +776,7 @@ SKV_EXTERN int skv_cluster_lookup(skv_cluster_t *cl, const skv_namespace_t *ns,
  * its bytes: a page evicted or reused before or during the read fails with SKV_ESTALE and is
  * not copied into its blocks (earlier batches may have been). A peer that does not answer
  * within the timeout, or dies, fails with SKV_EPEERDEAD naming it (its blocks not written).
- * Remote pages need a host layout (SKV_ENOTSUP otherwise, for now). */
+ * Remote pages need a host layout of every layer (SKV_ENOTSUP / SKV_EINVAL otherwise, for now). */
 SKV_EXTERN int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
                                  const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                                  void *stream);

@@ -381,6 +381,15 @@ Test(cluster, evicted_page_is_stale_never_served) {
   cr_assert_eq(nh, 0, "an evicted key still in the directory");
   lookup_all(&c, 100, 8, refs, &nl, &nh);
   cr_assert_eq(nh, 8);
+  /* remote pages into a layout of some layers: refused, nothing written (for now) */
+  skv_layout_t *part = NULL;
+  cr_assert_eq(skv_layout_create_layers(c.lay, 1, 1, &part), 0, "%s", skv_last_error());
+  rc = skv_cluster_fetch(c.cl, refs, 8, part, ids, 0, NULL);
+  cr_assert_eq(rc, SKV_EINVAL, "remote fetch into layers [1, 2): %s", skv_err_name(rc));
+  cr_assert(strstr(skv_last_error(), "layers [1, 2)"), "%s", skv_last_error());
+  skv_layout_destroy(part);
+  cr_assert_eq(eng_wrong(&c, 100, 8, 2, &poisoned), 0);
+  cr_assert_eq(poisoned, 8, "a refused fetch wrote blocks");
   cr_assert_eq(skv_cluster_fetch(c.cl, refs, 8, c.lay, ids, 0, NULL), 0, "%s", skv_last_error());
   cr_assert_eq(eng_wrong(&c, 100, 8, 2, &poisoned), 0);
   cr_assert_eq(poisoned, 0);

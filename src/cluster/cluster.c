@@ -400,6 +400,10 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
                     "skv_cluster_fetch: a reference names a peer node, but this handle is "
                     "node-local (no Redis URL)");
   const uint32_t m = dst->blocks_per_page;
+  SKV_ARG_CHECK(dst->num_layers == dst->geom.num_layers, SKV_SUBSYS_KV,
+                "skv_cluster_fetch: remote pages into a layout of layers [%u, %u) of %u are not "
+                "supported yet: fetch them with a layout of every layer",
+                dst->first_layer, dst->first_layer + dst->num_layers, dst->geom.num_layers);
   SKV_ARG_CHECK(dst->device < 0, SKV_SUBSYS_KV,
                 "skv_cluster_fetch: remote pages into a GPU layout are not supported yet (UCX's "
                 "CUDA transports are not used by this version): fetch into a host layout");
