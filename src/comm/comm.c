@@ -38,16 +38,17 @@ static const struct {
     {8, 64ull << 10, 2ull << 20},
 };
 
-static int env_bytes(skv__env_id_t id, uint64_t *v) {
+/* A byte count from the environment (K/M/G/T suffixes) in [lo, hi] into *v; unset leaves *v. */
+static int env_bytes(skv__env_id_t id, long long lo, long long hi, const char *what, uint64_t *v) {
   const char *name = skv__env_name(id);
   const char *s = skv__env(id);
   if (!s || !*s) return 0;
   long long x;
-  if (!skv__parse_int(s, 0, 1ll << 40, true, &x))
-    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_COMM, "%s=%s is not a byte count (e.g. 256K, 4M)", name,
-                    s);
+  if (!skv__parse_int(s, lo, hi, true, &x))
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_COMM,
+                    "%s=%s is not a byte count in [%lld, %lld] (e.g. 256K, 4M)", name, s, lo, hi);
   *v = (uint64_t)x;
-  SKV_INFO(SKV_SUBSYS_COMM, "%s=%s: AUTO crossover overridden", name, s);
+  SKV_INFO(SKV_SUBSYS_COMM, "%s=%s: %s overridden", name, s, what);
   return 0;
 }
 
@@ -62,8 +63,10 @@ static int crossovers(skv_comm_t *c) {
     c->oneshot_max = cuda_crossovers[row].oneshot_max;
     c->twoshot_max = cuda_crossovers[row].twoshot_max;
   }
-  SKV_CHECK(env_bytes(SKV_ENV_ALLREDUCE_ONESHOT_MAX, &c->oneshot_max));
-  SKV_CHECK(env_bytes(SKV_ENV_ALLREDUCE_TWOSHOT_MAX, &c->twoshot_max));
+  SKV_CHECK(
+      env_bytes(SKV_ENV_ALLREDUCE_ONESHOT_MAX, 0, 1ll << 40, "AUTO crossover", &c->oneshot_max));
+  SKV_CHECK(
+      env_bytes(SKV_ENV_ALLREDUCE_TWOSHOT_MAX, 0, 1ll << 40, "AUTO crossover", &c->twoshot_max));
   return 0;
 }
 
@@ -159,13 +162,7 @@ int skv_comm_create(skv_ctx_t *ctx, const skv_comm_opts_t *opts, skv_comm_t **ou
   if (c->backend == SKV_BACKEND_CUDA && rc == 0) {
     /* A larger chunk means fewer launches (each ends in a wait for the slowest block) for more
      * scratch; part of the collective check below, like the crossovers. */
-    const char *s = skv__env(SKV_ENV_COMM_CHUNK);
-    long long x;
-    if (s && *s && !skv__parse_int(s, 64 << 10, 1ll << 30, true, &x))
-      rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_COMM, "SKV_COMM_CHUNK=%s is not a byte count in 64K..1G",
-                    s);
-    else if (s && *s)
-      chunk = (uint64_t)x;
+    rc = env_bytes(SKV_ENV_COMM_CHUNK, 64 << 10, 1ll << 30, "CUDA all-reduce chunk", &chunk);
     if (rc < 0) snprintf(env_err, sizeof env_err, "%s", skv_last_error());
   }
   chunk = SKV_MIN(c->max_bytes, chunk);
