@@ -357,6 +357,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   block_finish(st, e, failed);
 }
 
+/* Two-shot, one pass. Thread t takes vectors v = t, t + G, ... of every PE's range; each step
+ * pushes the next vector's ranges (reduce-scatter), reduces this vector of my range and pushes
+ * the result (all-gather), and writes out the previous vector's ranges from their owners'
+ * all-gather slots: the NVLink pushes of one step overlap the local copies of the one before,
+ * instead of all pushes, then all reductions, then all copies (which left NVLink idle while the
+ * last copies ran). A wait depends only on a peer's earlier steps (the push of vector v comes a
+ * step before its reduction, the all-gather of v a step before its copy), and the data is its
+ * own flag, so steps need no barrier and any grid shape works on any PE. */
 template <int DT, int OP>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     skv_k_allreduce_twoshot(skv__comm_dev_t d, int ch, const void *in, void *out, uint64_t count,
@@ -371,51 +379,56 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const char *mine = d.base + (uint64_t)me * d.stride + roff;
   const uint64_t G = (uint64_t)gridDim.x * blockDim.x,
                  t = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  /* 1: range j of my input into PE j's reduce-scatter slot `me` */
-  for (uint64_t v = t; !failed && v < cv; v += G) {
+  const uint64_t mv = skv__ts_valid(nvec, cv, me);
+  /* 1: range j's vector v of my input into PE j's reduce-scatter slot `me` */
+  auto scatter = [&](uint64_t v) {
     for (int k = 1; k < n; k++) {
       const int j = me + k < n ? me + k : me + k - n;
       if (v >= skv__ts_valid(nvec, cv, j)) continue;
       const uint4 x = canon<DT>(load_in<DT>(in, (uint64_t)j * cv + v, count, aligned));
       st_slot(d.base + (uint64_t)j * d.stride + roff + skv__ts_rs(cv, me, v), x);
     }
-  }
-  /* 2: reduce my range in PE order; write it out and into every peer's all-gather slot `me` */
+  };
   Waiter w;
-  const uint64_t mv = skv__ts_valid(nvec, cv, me);
-  for (uint64_t v = t; !failed && v < mv; v += G) {
-    const uint64_t gv = (uint64_t)me * cv + v;
-    const uint4 own = canon<DT>(load_in<DT>(in, gv, count, aligned));
-    float acc[8];
-    int bad = -1;
-    if (!gather_reduce<DT, OP>(
-            d, mine, [&](int p) { return skv__ts_rs(cv, p, v); }, own, acc, w, bad)) {
-      report(d, SKV__ERR_ALLREDUCE, ch, bad, SKV__PHASE_RS, -1, gv, e, 0, 0, w.waited());
-      failed = true;
-      break;
+  if (!failed && t < cv) scatter(t);
+  for (uint64_t v = t; !failed && v < cv + G; v += G) {
+    if (v + G < cv) scatter(v + G);
+    /* 2: reduce my range's vector v in PE order; write it out and into every peer's all-gather
+     * slot `me` */
+    if (v < mv) {
+      const uint64_t gv = (uint64_t)me * cv + v;
+      const uint4 own = canon<DT>(load_in<DT>(in, gv, count, aligned));
+      float acc[8];
+      int bad = -1;
+      if (!gather_reduce<DT, OP>(
+              d, mine, [&](int p) { return skv__ts_rs(cv, p, v); }, own, acc, w, bad)) {
+        report(d, SKV__ERR_ALLREDUCE, ch, bad, SKV__PHASE_RS, -1, gv, e, 0, 0, w.waited());
+        failed = true;
+        break;
+      }
+      const uint4 r = canon<DT>(pack<DT>(acc));
+      store_out<DT>(out, gv, count, aligned, r);
+      for (int k = 1; k < n; k++) {
+        const int p = me + k < n ? me + k : me + k - n;
+        st_slot(d.base + (uint64_t)p * d.stride + roff + skv__ts_ag(cv, n, me, v), r);
+      }
     }
-    const uint4 r = canon<DT>(pack<DT>(acc));
-    store_out<DT>(out, gv, count, aligned, r);
-    for (int k = 1; k < n; k++) {
-      const int p = me + k < n ? me + k : me + k - n;
-      st_slot(d.base + (uint64_t)p * d.stride + roff + skv__ts_ag(cv, n, me, v), r);
-    }
-  }
-  /* 3: every other range from its owner's all-gather slot */
-  for (uint64_t v = t; !failed && v < cv; v += G) {
+    /* 3: the previous vector of every other range, from its owner's all-gather slot */
+    if (v < G) continue;
+    const uint64_t u = v - G;
     for (int k = 1; k < n; k++) {
       const int j = me + k < n ? me + k : me + k - n;
-      if (v >= skv__ts_valid(nvec, cv, j)) continue;
-      const char *s = mine + skv__ts_ag(cv, n, j, v);
+      if (u >= skv__ts_valid(nvec, cv, j)) continue;
+      const char *s = mine + skv__ts_ag(cv, n, j, u);
       uint4 y = ld_slot(s);
       if (!poll<DT>(s, y, w, d)) {
-        report(d, SKV__ERR_ALLREDUCE, ch, j, SKV__PHASE_AG, -1, (uint64_t)j * cv + v, e, 0, 0,
+        report(d, SKV__ERR_ALLREDUCE, ch, j, SKV__PHASE_AG, -1, (uint64_t)j * cv + u, e, 0, 0,
                w.waited());
         failed = true;
         break;
       }
       st_slot(const_cast<char *>(s), sentinel());
-      store_out<DT>(out, (uint64_t)j * cv + v, count, aligned, y);
+      store_out<DT>(out, (uint64_t)j * cv + u, count, aligned, y);
     }
   }
   block_finish(st, e, failed);

@@ -33,7 +33,8 @@ extern "C" {
  *  - Two-shot: vector range j of the message belongs to PE j. PE p pushes range j to PE j's
  *    reduce-scatter slot (p, v); PE j polls those, reduces in PE order, canonicalises the
  *    result, writes its own output and pushes the result to every PE's all-gather slot (j, v);
- *    every PE polls the all-gather slots and writes them out.
+ *    every PE polls the all-gather slots and writes them out. (The CUDA kernel runs the three
+ *    steps in one pass, vector by vector; the host backend runs them one after the other.)
  *  Every slot a peer writes into my region is read and cleared by me in the same epoch, so a
  *  region is clean when the epoch ends. A peer is at most one epoch ahead of me (finishing
  *  epoch e needs my epoch-e data), so while I run epoch e peers write only regions e%2 and

@@ -13,8 +13,8 @@
 #define MAX_MAX_BYTES     (16ull << 30)
 /* Most bytes one Lamport launch carries (SKV_COMM_CHUNK): each launch ends in a wait for its
  * slowest block, so larger is faster, for 4x its size of scratch per channel. On 2 H100, 64 MiB
- * two-shot (3 blocks per SM): 4M 247 us, 8M 218, 16M 214, 32M 219, 64M 219
- * (bench/results/comm_tuning_nvidia-h100-x2.txt). */
+ * two-shot (3 blocks per SM), the one-pass kernel: 8M 217 us, 16M 204, 32M 195, 64M 193
+ * (bench/results/comm_tuning_nvidia-h100-x2.txt); 16M keeps the default comm at 256 MiB. */
 #define CUDA_CHUNK_BYTES (16ull << 20)
 #define HOST_CHUNK_BYTES (1ull << 20)
 #define MIN_REGION_BYTES (64ull << 10)
@@ -24,17 +24,18 @@
 /* Crossovers of the CUDA backend by PE count, from symkv-bench allreduce on the GPU hosts (it
  * prints the measured values as "crossover" rows). A count between rows uses the row below.
  * 2 PEs: measured on nvidia-h200-x2 and nvidia-h100-x2 (bench/results/allreduce_*-x2.json):
- * two-shot beats NCCL up to 64 MiB on 2 H100 (0.938x there), and is level with it at 64 MiB
- * on 2 H200 (1.005x), so AUTO runs two-shot up to 64 MiB. 4 PEs: measured on nvidia-h100-x4
- * (bench/results/allreduce_nvidia-h100-x4.json: one-shot wins up to 256 KiB, two-shot up to
- * 16 MiB). 8 PEs: not measured (no 8-GPU host was lent), a conservative guess that keeps
+ * two-shot beats NCCL up to 64 MiB (0.83x there on 2 H100 with the one-pass kernel; 1.005x on
+ * 2 H200 with the one before), so AUTO runs two-shot up to 64 MiB. 4 PEs: measured on
+ * nvidia-h100-x4: one-shot wins up to 256 KiB (allreduce_nvidia-h100-x4.json), and the one-pass
+ * two-shot up to 64 MiB (0.93x NCCL at 32 MiB, 0.98x at 64 MiB; comm_tuning_nvidia-h100-x2.txt
+ * section 7). 8 PEs: not measured (no 8-GPU host was lent), a conservative guess that keeps
  * one-shot, whose traffic grows with the PE count, to small messages. */
 static const struct {
   int npes;
   uint64_t oneshot_max, twoshot_max;
 } cuda_crossovers[] = {
     {2, 2ull << 20, 64ull << 20},
-    {4, 256ull << 10, 16ull << 20},
+    {4, 256ull << 10, 64ull << 20},
     {8, 64ull << 10, 2ull << 20},
 };
 
