@@ -37,8 +37,12 @@
  * -----------------
  * - The peer dies or the network breaks: the endpoint (error mode PEER) reports it, the
  *   requests fail: SKV_EPEERDEAD; nothing is copied out of the buffer.
- * - The peer hangs: every wait is bounded by the timeout; then the endpoint is closed with
+ * - The peer hangs: every wait is bounded by the timeout (a sub-batch that makes no progress for
+ *   that long: a large fetch may take longer as a whole); then the endpoint is closed with
  *   UCP_EP_CLOSE_MODE_FORCE, which cancels its operations, before the buffer is given back.
+ * - Cancelled operations that never complete (a transport that does not honour the forced
+ *   close): the wait for them is bounded too; then the buffers they may still write are left to
+ *   them (never freed nor used again: the next call takes new ones) and a warning says so.
  * - A peer restarts under the same name: its record has another nonce, so it becomes another
  *   peer number and entries of the old incarnation end the lookup's prefix. */
 
@@ -230,6 +234,32 @@ fail:
   return 0;
 }
 
+/* Progress the fetching worker until `req` is no longer in flight or `deadline_ms` passed; true
+ * when it completed. Requests of a force-closed endpoint complete as the worker progresses;
+ * the deadline only guards against a transport that never completes them. */
+static bool settle(skv__xfer_t *x, void *req, uint64_t deadline_ms) {
+  unsigned spins = 0;
+  while (ucp_request_check_status(req) == UCS_INPROGRESS)
+    if (ucp_worker_progress(x->fetch) == 0 && ++spins % 1024 == 0 && skv__now_ms() >= deadline_ms)
+      return false;
+  return true;
+}
+
+/* Some cancelled request did not complete in time: it may still write into the staging buffer
+ * or the state words, so both are left to it (leaked, never reused; the next call allocates new
+ * ones). Its request is freed (UCX releases it once it completes). */
+static void abandon_buffers(skv__xfer_t *x) {
+  SKV_WARN(SKV_SUBSYS_KV,
+           "cluster: reads of a closed endpoint did not complete within %d ms; leaving their "
+           "buffers (%zu bytes) to them and taking new ones",
+           x->timeout_ms, x->staging_cap + x->words_cap * sizeof(uint64_t));
+  x->staging = NULL;
+  x->staging_mh = NULL;
+  x->staging_cap = 0;
+  x->words = NULL;
+  x->words_cap = 0;
+}
+
 /* Wait for a request of the fetching worker, bounded; 0, or the failure (request freed). */
 static ucs_status_t wait_req(skv__xfer_t *x, void *req, uint64_t deadline_ms, bool *timed_out) {
   *timed_out = false;
@@ -245,7 +275,7 @@ static ucs_status_t wait_req(skv__xfer_t *x, void *req, uint64_t deadline_ms, bo
   }
   if (*timed_out) {
     ucp_request_cancel(x->fetch, req);
-    while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(x->fetch);
+    (void)settle(x, req, skv__now_ms() + (uint64_t)x->timeout_ms);
     st = UCS_ERR_TIMED_OUT;
   }
   ucp_request_free(req);
@@ -378,6 +408,18 @@ static int peer_connect(skv__xfer_t *x, xfer_peer_t *p) {
   return 0;
 }
 
+/* Requests of a closed endpoint: they complete (cancelled) as the worker progresses, within
+ * the timeout; freed. Buffers that one still in flight may write are abandoned. */
+static void drain_reqs(skv__xfer_t *x, void **reqs, size_t k) {
+  const uint64_t deadline_ms = skv__now_ms() + (uint64_t)x->timeout_ms;
+  bool stuck = false;
+  for (size_t i = 0; i < k; i++) {
+    if (!stuck && !settle(x, reqs[i], deadline_ms)) stuck = true;
+    ucp_request_free(reqs[i]);
+  }
+  if (stuck) abandon_buffers(x);
+}
+
 /* Wait for reqs[0..k) (requests of `p`), bounded, and free them; SKV_EPEERDEAD (the endpoint
  * closed, so that nothing lands in the buffer later: the caller then drains its other requests)
  * when one failed, the peer failed or time ran out. */
@@ -406,10 +448,7 @@ static int wait_reqs(skv__xfer_t *x, xfer_peer_t *p, void **reqs, size_t k) {
   if (!to && bad == UCS_OK && !p->failed) return 0;
   if (!p->failed) p->failed = bad != UCS_OK ? (int)bad : -1;
   peer_close(x, p); /* cancels what is still in flight */
-  for (; done < k; done++) {
-    while (ucp_request_check_status(reqs[done]) == UCS_INPROGRESS) ucp_worker_progress(x->fetch);
-    ucp_request_free(reqs[done]);
-  }
+  drain_reqs(x, reqs + done, k - done);
   if (to)
     return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV,
                     "cluster: node '%s' did not answer a read of pages within %d ms (timeout; "
@@ -419,14 +458,6 @@ static int wait_reqs(skv__xfer_t *x, xfer_peer_t *p, void **reqs, size_t k) {
                   "cluster: node '%s' failed during a read of pages: %s (it died or the network "
                   "broke; the pages are not copied)",
                   p->name, ucs_status_string(bad != UCS_OK ? bad : UCS_ERR_ENDPOINT_TIMEOUT));
-}
-
-/* Requests of a closed endpoint: they complete (cancelled) as the worker progresses. */
-static void drain_reqs(skv__xfer_t *x, void **reqs, size_t k) {
-  for (size_t i = 0; i < k; i++) {
-    while (ucp_request_check_status(reqs[i]) == UCS_INPROGRESS) ucp_worker_progress(x->fetch);
-    ucp_request_free(reqs[i]);
-  }
 }
 
 /* A registered buffer of at least `bytes` (grown, never shrunk). */
