@@ -161,10 +161,9 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
     if (b->keys) memcpy(s->keys, b->keys + off, k * sizeof *s->keys);
     skv__kvc_fill(s, &pl, lay, b, off, k, idx ? block_ids : block_ids + off * m,
                   idx ? idx + off : NULL);
-    t = skv__kp_lap(P, SKV__KP_STAGE, t);
+    (void)skv__kp_lap(P, SKV__KP_STAGE, t);
     bool consumed;
-    int rc = skv__kvc_enqueue(kc, s, &pl, stream, &consumed, fn);
-    (void)skv__kp_lap(P, SKV__KP_LAUNCH, t);
+    int rc = skv__kvc_enqueue(kc, s, &pl, stream, &consumed, fn); /* laps launch, handoff */
     if (consumed) *queued = off + k;
     if (rc) {
       if (!consumed) skv__kvc_slot_put(kc, s);

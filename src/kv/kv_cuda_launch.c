@@ -235,6 +235,8 @@ int skv__kvc_enqueue(skv__kvc_t *kc, skv__kvc_slot_t *s, skv__kvc_plan_t *pl, vo
   *consumed = false;
   int rc = 0;
   bool started = false;
+  skv__kv_prof_t *P = kc->p.prof;
+  uint64_t t = skv__kp_now(P);
   /* Beyond CE_MAX_COPIES copies the kernels do it all: the copy engines cost the host time per
    * copy and lose to the kernels on large random batches (docs/gpu.md). */
   const uint64_t slab = (uint64_t)pl->d.page_tokens * pl->d.heads * pl->d.row_bytes;
@@ -250,9 +252,11 @@ int skv__kvc_enqueue(skv__kvc_t *kc, skv__kvc_slot_t *s, skv__kvc_plan_t *pl, vo
   }
   if (!pl->ce) SKV_CHECK(skv__kvc_launch(s, pl, stream, fn));
   *consumed = true;
+  t = skv__kp_lap(P, SKV__KP_LAUNCH, t);
   cudaError_t e = cudaEventRecord(s->done, (cudaStream_t)stream);
   if (e == cudaSuccess) {
     skv__kvc_slot_pending(kc, s);
+    (void)skv__kp_lap(P, SKV__KP_HANDOFF, t);
     return rc;
   }
   /* the copy is enqueued but nothing marks its end: complete it here */

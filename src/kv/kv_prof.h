@@ -22,7 +22,8 @@ typedef enum skv__kp_phase {
   SKV__KP_ALLOC,    /* publish: page allocation, evictions (and their index erases) included */
   SKV__KP_SLOT,     /* CUDA: taking an argument slot (waits when all are in flight) */
   SKV__KP_STAGE,    /* CUDA: writing a launch's arguments into its pinned slot */
-  SKV__KP_LAUNCH,   /* CUDA: argument DMA, kernel or copy-engine launch, event record, hand-off */
+  SKV__KP_LAUNCH,   /* CUDA: argument DMA, kernel or copy-engine launch */
+  SKV__KP_HANDOFF,  /* CUDA: the launch's event recorded and handed to the completion thread */
   SKV__KP_COPY,     /* host and staged copies: the bytes moved by this thread */
   SKV__KP_RELEASE,  /* fetch: unpinning (in the call, or in the completion) */
   SKV__KP_FINISH,   /* publish: READY, index insert, LRU (in the call, or in the completion) */
