@@ -56,6 +56,11 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   __atomic_add_fetch(&kv->evicted, 1, __ATOMIC_RELAXED);
 }
 
+/* An eviction pass will erase this key's index entry soon: bring its home slot in. */
+static void kv_evict_hint(void *arg, uint64_t key_hi, uint64_t key_lo) {
+  skv__index_prefetch(&((skv_kv_t *)arg)->index, (skv_key_t){key_hi, key_lo});
+}
+
 #ifdef SKV_WITH_CUDA
 static int batch_done(void *arg, const skv__kv_batch_t *b);
 
@@ -136,6 +141,7 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
     kv->index.hdr = kv->shard_hdr;
     kv->index.slots = kv->shard_slots;
     skv__index_bind(&kv->index, npes, sps, shard_seg, kv_alive, kv);
+    skv__pool_set_evict_hint(&kv->pool, kv_evict_hint);
   }
 #ifdef SKV_WITH_CUDA
   if (rc == 0) rc = backend_init(kv);
@@ -271,6 +277,7 @@ int skv_kv_attach(const char *name, const skv_geometry_t *geom, const skv_attach
     rc = skv__domain_attach(&p, &kv->domain);
   }
   if (rc == 0) {
+    skv__pool_set_evict_hint(&kv->pool, kv_evict_hint);
     kv->data = skv__domain_heap(kv->domain);
 #ifdef SKV_WITH_CUDA
     /* a GPU-less reader of GPU pages has no copy backend: it looks pages up */
@@ -600,6 +607,31 @@ static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key) {
   return 0;
 }
 
+/* The last steps for pages[i * page_step] (this PE's, just written) with key keys[idx ? idx[i] :
+ * i], i < n: publish_index each, and the inserted ones to the LRU 64 at a time (one lock). The
+ * pages' records and the keys' index slots are prefetched PUB_AHEAD pages ahead (cold: perf put
+ * most of publish_index on their first loads). Returns how many were inserted. */
+static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step,
+                           const skv_key_t *keys, const size_t *idx, size_t n) {
+  const skv__page_meta_t *meta = kv->pool.meta[kv->pool.me];
+  uint32_t ins[64];
+  size_t nins = 0, inserted = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (i + PUB_AHEAD < n) {
+      __builtin_prefetch(&meta[pages[(i + PUB_AHEAD) * page_step]], 1);
+      skv__index_prefetch(&kv->index, keys[idx ? idx[i + PUB_AHEAD] : i + PUB_AHEAD]);
+    }
+    const uint32_t pg = pages[i * page_step];
+    if (publish_index(kv, pg, keys[idx ? idx[i] : i])) ins[nins++] = pg;
+    if (nins == SKV_ARRAY_LEN(ins) || (i + 1 == n && nins)) {
+      skv__pool_commit_n(&kv->pool, ins, nins);
+      inserted += nins;
+      nins = 0;
+    }
+  }
+  return inserted;
+}
+
 /* publish_index, then the LRU for an inserted page. 1 when inserted. */
 static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
   if (!publish_index(kv, page, key)) return 0;
@@ -623,16 +655,7 @@ static int batch_done(void *arg, const skv__kv_batch_t *b) {
     return 0;
   }
   /* SKV__KV_PUBLISH and SKV__KV_COMMIT: make the pages READY, index them */
-  uint32_t ins[64]; /* inserted pages, committed to the LRU 64 at a time (one lock) */
-  size_t nins = 0;
-  for (size_t i = 0; i < b->n; i++) {
-    if (i + PUB_AHEAD < b->n) skv__index_prefetch(&kv->index, b->keys[i + PUB_AHEAD]);
-    if (publish_index(kv, b_page(b, i), b->keys[i])) ins[nins++] = b_page(b, i);
-    if (nins == SKV_ARRAY_LEN(ins) || (i + 1 == b->n && nins)) {
-      skv__pool_commit_n(&kv->pool, ins, nins);
-      nins = 0;
-    }
-  }
+  (void)finish_pages(kv, b->page, b->page_step, b->keys, NULL, b->n);
   (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return 0;
 }
@@ -813,8 +836,8 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   for (size_t q = 0; q < k; q++) {
     void *to = path == PATH_HOST ? skv__kv_page(kv, me, pages[q]) : buf + q * pb;
     skv__copy_blocks_to_page(src, to, block_ids + idx[q] * m, nt);
-    if (nt) skv__copy_stream_fence(); /* the page must be complete before it is indexed */
   }
+  if (nt) skv__copy_stream_fence(); /* the pages must be complete before they are indexed */
 #ifdef SKV_WITH_CUDA
   if (path == PATH_STAGED) {
     const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &me, 0, pages, 1, NULL, false};
@@ -824,12 +847,10 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   SKV_UNUSED(stream), SKV_UNUSED(fn);
 #endif
   t = skv__kp_lap(&kv->prof, SKV__KP_COPY, t);
-  for (size_t q = 0; q < k; q++) {
-    if (rc)
-      skv__pool_release(&kv->pool, pages[q]);
-    else
-      *inserted += (size_t)publish_finish(kv, pages[q], keys[idx[q]]);
-  }
+  if (rc)
+    for (size_t q = 0; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
+  else
+    *inserted += finish_pages(kv, pages, 1, keys, idx, k);
   (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return rc;
 }
@@ -856,7 +877,10 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   int path;
   SKV_CHECK(choose_path(kv, src, &path, fn));
   uint64_t t = skv__kp_lap(P, SKV__KP_CHECK, t0);
-  size_t chunk = 1; /* pages allocated, copied and finished together */
+  /* pages looked up, allocated, copied and finished together: host copies in runs of
+   * PUB_CHUNK (the bookkeeping of one page at a time was a lookup, an allocation and an index
+   * insert each on a cold line, one after the other; in runs their misses overlap) */
+  size_t chunk = SKV_MIN(n, (size_t)PUB_CHUNK);
 #ifdef SKV_WITH_CUDA
   if (path != PATH_HOST) {
     bool capturing;
@@ -904,6 +928,13 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     rc = skv__pool_alloc_n(&kv->pool, skv__kv_evict_cb, kv, pages, k, &got, &ev);
     /* on a failure, what was allocated is still published */
     t = skv__kp_lap(P, SKV__KP_ALLOC, t);
+    if (rc && got > 0 && path != PATH_DEVICE) {
+      /* A synchronous copy finishes these pages before the next run, which may then evict
+       * them: the keys left over go to the next run (as one page at a time did: a publish of
+       * more keys than the pool has unpinned pages keeps the last ones). */
+      i = idx[got];
+      rc = 0;
+    }
     k = got;
     if (k == 0) break;
     int r = 0;

@@ -136,6 +136,8 @@ typedef struct skv__pool {
   uint64_t lease_ms;     /* 0: pins never expire */
   uint64_t seen_revoked; /* our header's revoked when we last looked (under pin_mu) */
   uint64_t lease_lost;   /* times our pins were dropped because a lease ran out */
+  /* evictions: told each candidate's key a few pages ahead (the cache prefetches its index slot) */
+  void (*evict_hint)(void *arg, uint64_t key_hi, uint64_t key_lo);
 } skv__pool_t;
 
 /* skv__pool_init flags (elastic domains). REUSE: the records belong to a slot that was used
@@ -187,6 +189,13 @@ int skv__pool_held_refs(skv__pool_t *p, const skv_page_ref_t *refs, size_t n, si
 /* The page's current generation. */
 static inline uint32_t skv__pool_gen(const skv__pool_t *p, uint32_t pe, uint32_t page) {
   return skv__st_gen(__atomic_load_n(&p->meta[pe][page].state, __ATOMIC_ACQUIRE));
+}
+
+/* Eviction passes call hint(arg of the evict callback, key) for candidates a few pages before
+ * deciding on them (a prefetch of the index slot the eviction will erase); NULL: none. */
+static inline void skv__pool_set_evict_hint(skv__pool_t *p, void (*hint)(void *arg, uint64_t key_hi,
+                                                                         uint64_t key_lo)) {
+  p->evict_hint = hint;
 }
 
 /* Owner: take a page (evicting the LRU unpinned page if none is free; `evict` erases its index
