@@ -458,11 +458,11 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
  * pin or evict it; the least recently used unpinned page is evicted when none is free; the first
  * failure stops the allocation and what was allocated is still published), the blocks are
  * copied in, and once the copy is complete each page becomes READY and its key is inserted
- * (publish_finish): the page joins the LRU when inserted, and is freed when another PE inserted
+ * (finish_pages): the page joins the LRU when inserted, and is freed when another PE inserted
  * the key first (deduplicated) or no index slot near its home was free.
  * The copy is one of three, by where the pages and the engine's blocks are:
- *  - host: memcpy between host blocks and host pages (host or cuda_host backend), one page per
- *    batch, synchronous;
+ *  - host: memcpy between host blocks and host pages (host or cuda_host backend), runs of
+ *    PUB_CHUNK pages, synchronous;
  *  - staged: host blocks and GPU pages, through a host buffer (skv__kvc_read_pages and
  *    _write_pages), one buffer per batch, synchronous;
  *  - device: GPU blocks, stream-ordered copies of the CUDA backend (skv__kvc_copy), one batch;
@@ -495,7 +495,7 @@ enum { PATH_HOST, PATH_STAGED, PATH_DEVICE };
 int skv__kv_pub_split = 4;
 /* Keys ahead whose index home slot is prefetched while one is looked up (misses of a
  * publish's keys are independent: their memory latencies overlap). */
-#define PUB_AHEAD 4
+#define PUB_AHEAD 8
 
 /* A fetch's batch reads (pe, page) straight from the caller's references, 4 words apart. */
 _Static_assert(sizeof(skv_page_ref_t) == 4 * sizeof(uint32_t), "a reference is 4 words");
@@ -583,18 +583,15 @@ static int release(skv_kv_t *kv, const skv__kv_batch_t *b, size_t from, size_t t
                            b->page + from * b->page_step, b->page_step, to - from, caller ? 2 : 1);
 }
 
-/* The last steps for one of this PE's pages just written with `key`'s data: READY, index
- * insert, then free it (deduplicated, or no index slot) or return 1: inserted, for the caller
- * to commit to the LRU. */
-static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key) {
+/* The last steps for one of this PE's pages just written with `key`'s data: READY (last used at
+ * `now`), index insert, then free it (deduplicated, or no index slot) or return 1: inserted, for
+ * the caller to count in published and commit to the LRU. */
+static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key, uint64_t now) {
   const int me = kv->pool.me;
-  skv__pool_ready(&kv->pool, page, key.hi, key.lo);
+  skv__pool_ready_at(&kv->pool, page, key.hi, key.lo, now);
   uint32_t gen = skv__pool_gen(&kv->pool, (uint32_t)me, page);
   int r = skv__index_insert(&kv->index, key, skv__val_pack((uint32_t)me, page, gen), me);
-  if (r == 0) {
-    __atomic_add_fetch(&kv->published, 1, __ATOMIC_RELAXED);
-    return 1;
-  }
+  if (r == 0) return 1; /* the caller counts it in published */
   skv__pool_release(&kv->pool, page);
   if (r == SKV_EEXIST) {
     __atomic_add_fetch(&kv->deduplicated, 1, __ATOMIC_RELAXED);
@@ -614,6 +611,9 @@ static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key) {
 static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step,
                            const skv_key_t *keys, const size_t *idx, size_t n) {
   const skv__page_meta_t *meta = kv->pool.meta[kv->pool.me];
+  /* one clock read for the batch (it was one per page): page i last used at now + i ns, so the
+   * batch keeps its order in the LRU and no time lies ahead of the clock (a page takes > 1 ns) */
+  const uint64_t now = skv__now_ns();
   uint32_t ins[64];
   size_t nins = 0, inserted = 0;
   for (size_t i = 0; i < n; i++) {
@@ -622,21 +622,15 @@ static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step
       skv__index_prefetch(&kv->index, keys[idx ? idx[i + PUB_AHEAD] : i + PUB_AHEAD]);
     }
     const uint32_t pg = pages[i * page_step];
-    if (publish_index(kv, pg, keys[idx ? idx[i] : i])) ins[nins++] = pg;
+    if (publish_index(kv, pg, keys[idx ? idx[i] : i], now + i)) ins[nins++] = pg;
     if (nins == SKV_ARRAY_LEN(ins) || (i + 1 == n && nins)) {
       skv__pool_commit_n(&kv->pool, ins, nins);
       inserted += nins;
       nins = 0;
     }
   }
+  if (inserted) __atomic_add_fetch(&kv->published, inserted, __ATOMIC_RELAXED);
   return inserted;
-}
-
-/* publish_index, then the LRU for an inserted page. 1 when inserted. */
-static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
-  if (!publish_index(kv, page, key)) return 0;
-  skv__pool_commit(&kv->pool, page);
-  return 1;
 }
 
 #ifdef SKV_WITH_CUDA
@@ -1170,12 +1164,10 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
 #endif
   if (rc == 0 && !done) {
     size_t ins = 0;
-    for (size_t q = 0; q < k; q++) {
-      if (keys)
-        ins += (size_t)publish_finish(kv, pages[q], pk[q]);
-      else
-        skv__pool_release(&kv->pool, pages[q]);
-    }
+    if (keys)
+      ins = finish_pages(kv, pages, 1, pk, NULL, k);
+    else
+      for (size_t q = 0; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
     if (ninserted) *ninserted = ins;
   }
   free(pages);

@@ -678,8 +678,12 @@ int skv__pool_alloc_n(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint3
 }
 
 void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo) {
+  skv__pool_ready_at(p, page, key_hi, key_lo, skv__now_ns());
+}
+
+void skv__pool_ready_at(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo,
+                        uint64_t now) {
   skv__page_meta_t *m = &p->meta[p->me][page];
-  uint64_t now = skv__now_ns();
   m->key_hi = key_hi;
   m->key_lo = key_lo;
   __atomic_store_n(&m->last_use, now, __ATOMIC_RELAXED);

@@ -210,6 +210,9 @@ int skv__pool_alloc_n(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint3
                       size_t n, size_t *got, uint64_t *nevicted);
 /* Owner: WRITING -> READY with its key, so that pins can succeed once the key is indexed. */
 void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo);
+/* The same, with the time of its last use given (a batch reads the clock once). */
+void skv__pool_ready_at(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo,
+                        uint64_t now);
 /* Owner: the page's key is in the index: make it an eviction candidate (LRU). */
 void skv__pool_commit(skv__pool_t *p, uint32_t page);
 void skv__pool_commit_n(skv__pool_t *p, const uint32_t *pages, size_t n);
