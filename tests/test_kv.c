@@ -578,6 +578,56 @@ Test(kv, one_publish_of_more_keys_than_the_pool_keeps_the_last) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* A lookup with SKV_LOOKUP_PIN pins its hits together (pool.c, skv__pool_pin_prefix): a page
+ * that went stale between the index read and its pin (here: its record moved on to the next
+ * generation behind the index's back) ends the prefix; the hits before it stay pinned, it and
+ * those after are not pinned, and one stale lookup is counted. Then unpin of them all in one call
+ * releases every pin, and a second unpin fails naming the reference. */
+static int pe_lookup_pins_a_prefix(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  enum { K = 6, BAD = 3 };
+  PE_CHECK(fix_init(&f, 16, 64, 30000) == 0, "fixture: %s", skv_last_error());
+  skv__pool_t *p = &f.kv->pool;
+  uint64_t ids[K];
+  skv_key_t keys[K];
+  skv_page_ref_t refs[K];
+  size_t ins = 0, nhit = 0;
+  for (int i = 0; i < K; i++) ids[i] = 50 + (uint64_t)i, keys[i] = key_of(&f, ids[i]);
+  PE_CHECK(publish_ids(&f, ids, K, &ins) == 0 && ins == K, "publish");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, K, 0, refs, &nhit) == 0 && nhit == K, "lookup");
+  skv__page_meta_t *m = &p->meta[refs[BAD].pe][refs[BAD].page];
+  const uint64_t st = m->state;
+  __atomic_store_n(&m->state, skv__st_make(skv__st_gen(st) + 1, SKV_PAGE_READY), __ATOMIC_SEQ_CST);
+  skv_page_ref_t pinned[K];
+  memset(pinned, 0xee, sizeof pinned);
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, K, SKV_LOOKUP_PIN, pinned, &nhit) == 0 && nhit == BAD,
+           "pinned lookup: %zu hits, expected %d", nhit, BAD);
+  for (int i = 0; i < K; i++) {
+    const int r = skv__pool_held(p, refs[i].pe, refs[i].page, refs[i].gen);
+    PE_CHECK(i < BAD ? r == 0 : r == SKV_ENOTFOUND, "reference %d: held %s", i, skv_err_name(r));
+  }
+  PE_CHECK(pinned[BAD].pe == 0xeeeeeeee, "refs past the hits were written");
+  skv_kv_stats_t s = SKV_KV_STATS_INIT;
+  skv_kv_get_stats(f.kv, &s);
+  PE_CHECK(s.stale == 1 && s.lookup_hits == K + BAD, "stale %llu hits %llu",
+           (unsigned long long)s.stale, (unsigned long long)s.lookup_hits);
+  PE_CHECK(skv_kv_unpin(f.kv, pinned, BAD) == 0, "unpin: %s", skv_last_error());
+  PE_CHECK(skv__pool_pinned_own(p) == 0, "pins left: %llu",
+           (unsigned long long)skv__pool_pinned_own(p));
+  PE_CHECK(skv_kv_unpin(f.kv, pinned, BAD) == SKV_EINVAL && strstr(skv_last_error(), "page"),
+           "a second unpin: %s", skv_last_error());
+  __atomic_store_n(&m->state, st, __ATOMIC_SEQ_CST);
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, a_pinned_lookup_keeps_the_pins_of_the_hits_before_a_stale_page) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_lookup_pins_a_prefix, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 /* An eviction pass pops candidates ahead of the one it decides on (pool.c, evict_lru_n): the
  * pages it evicts must still be exactly the least recently used ones, also when a page used
  * again sorts between candidates already popped. Pages 0..15 published in order (page i's

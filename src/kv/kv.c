@@ -403,27 +403,31 @@ int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
   tidy(kv);
   uint64_t now = skv__now_ns();
   uint64_t vals[256], asked = 0, live = 0;
+  uint32_t pe[SKV_ARRAY_LEN(vals)], page[SKV_ARRAY_LEN(vals)], gen[SKV_ARRAY_LEN(vals)];
   size_t done = 0, stale = 0;
   while (done < n) {
     size_t m = SKV_MIN(n - done, SKV_ARRAY_LEN(vals)), h = 0;
     skv__index_lookup_prefix(&kv->index, keys + done, m, vals, &h);
     size_t j = 0;
     for (; j < h; j++) {
-      uint32_t pe = skv__val_pe(vals[j]), page = skv__val_page(vals[j]),
-               gen = skv__val_gen(vals[j]);
+      pe[j] = skv__val_pe(vals[j]), page[j] = skv__val_page(vals[j]),
+      gen[j] = skv__val_gen(vals[j]);
       /* a domain's dead owner: its pages cannot be read any more (the next attacher takes them
        * out of the index): a miss. Asked once per owner and call. */
-      if (kv->domain && !(asked >> pe & 1)) {
-        asked |= 1ull << pe;
-        if (skv__domain_alive(kv->domain, (int)pe)) live |= 1ull << pe;
+      if (kv->domain && !(asked >> pe[j] & 1)) {
+        asked |= 1ull << pe[j];
+        if (skv__domain_alive(kv->domain, (int)pe[j])) live |= 1ull << pe[j];
       }
-      if (kv->domain && !(live >> pe & 1)) break;
-      if ((flags & SKV_LOOKUP_PIN) && skv__pool_pin(&kv->pool, pe, page, gen) != 0) {
-        stale++; /* evicted between the index read and the pin: a miss */
-        break;
-      }
-      skv__pool_touch(&kv->pool, pe, page, now);
-      refs[done + j] = (skv_page_ref_t){pe, page, gen, 0};
+      if (kv->domain && !(live >> pe[j] & 1)) break;
+    }
+    /* the hits pinned together (one lock per run, where it was one per page); one evicted
+     * between the index read and its pin is a miss, and ends the prefix */
+    const size_t hv = j;
+    if (flags & SKV_LOOKUP_PIN) j = skv__pool_pin_prefix(&kv->pool, pe, page, gen, hv);
+    stale += j < hv;
+    for (size_t q = 0; q < j; q++) {
+      skv__pool_touch(&kv->pool, pe[q], page[q], now);
+      refs[done + q] = (skv_page_ref_t){pe[q], page[q], gen[q], 0};
     }
     done += j;
     if (j < m) break;
@@ -439,12 +443,9 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
   KV_CHECK_NULL(kv, "skv_kv_unpin");
   SKV_CHECK(check_refs(kv, refs, n, "skv_kv_unpin"));
   (void)skv__pool_renew(&kv->pool);
-  int rc = 0;
-  for (size_t i = 0; i < n; i++) {
-    int r = skv__pool_unpin(&kv->pool, refs[i].pe, refs[i].page);
-    if (r && !rc) rc = r;
-  }
-  return rc;
+  if (n == 0) return 0;
+  /* every reference tried, the first failure returned (one lock per run of pages) */
+  return skv__pool_unpin_n(&kv->pool, &refs[0].pe, 4, &refs[0].page, 4, n, 1);
 }
 
 /* ---- the data path: one protocol, three ways to copy -------------------------------------- */

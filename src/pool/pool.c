@@ -385,6 +385,26 @@ static inline void pin_prefetch(const skv__pool_t *p, uint32_t pe, uint32_t page
   __builtin_prefetch(&p->pins[(uint64_t)pe * p->pages + page], 1);
 }
 
+/* Pin the leading pages of a batch, in runs, up to the first that fails (its rc in *rc): how
+ * many were pinned. */
+static size_t pin_run(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
+                      size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, int *rc) {
+  size_t i = 0;
+  *rc = 0;
+  while (i < n && *rc == 0) {
+    const size_t end = SKV_MIN(n, i + PIN_RUN);
+    pthread_mutex_lock(&p->pin_mu);
+    for (; i < end; i++) {
+      if (i + PIN_AHEAD < n)
+        pin_prefetch(p, pe[(i + PIN_AHEAD) * pe_step], page[(i + PIN_AHEAD) * page_step]);
+      *rc = pin_locked(p, pe[i * pe_step], page[i * page_step], gen[i * gen_step]);
+      if (*rc) break;
+    }
+    pthread_mutex_unlock(&p->pin_mu);
+  }
+  return i;
+}
+
 int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
                     size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, size_t *bad) {
   if (n == 1) { /* the one-page call costs what skv__pool_pin does (no run loop) */
@@ -392,23 +412,18 @@ int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const ui
     if (rc) *bad = 0;
     return rc;
   }
-  int rc = 0;
-  size_t i = 0;
-  while (i < n && rc == 0) {
-    const size_t end = SKV_MIN(n, i + PIN_RUN);
-    pthread_mutex_lock(&p->pin_mu);
-    for (; i < end; i++) {
-      if (i + PIN_AHEAD < n)
-        pin_prefetch(p, pe[(i + PIN_AHEAD) * pe_step], page[(i + PIN_AHEAD) * page_step]);
-      rc = pin_locked(p, pe[i * pe_step], page[i * page_step], gen[i * gen_step]);
-      if (rc) break;
-    }
-    pthread_mutex_unlock(&p->pin_mu);
-  }
+  int rc;
+  const size_t i = pin_run(p, pe, pe_step, page, page_step, gen, gen_step, n, &rc);
   if (rc == 0) return 0;
   *bad = i;
   (void)skv__pool_unpin_n(p, pe, pe_step, page, page_step, i, 1);
   return rc;
+}
+
+size_t skv__pool_pin_prefix(skv__pool_t *p, const uint32_t *pe, const uint32_t *page,
+                            const uint32_t *gen, size_t n) {
+  int rc;
+  return pin_run(p, pe, 1, page, 1, gen, 1, n, &rc);
 }
 
 int skv__pool_unpin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,

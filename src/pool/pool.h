@@ -175,6 +175,10 @@ int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page);
  * were released). */
 int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
                     size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, size_t *bad);
+/* Pin pages (pe[i], page[i]) at generation gen[i] in order up to the first stale one: how many
+ * were pinned (those pins are the caller's). A lookup's hits, pinned with one lock per run. */
+size_t skv__pool_pin_prefix(skv__pool_t *p, const uint32_t *pe, const uint32_t *page,
+                            const uint32_t *gen, size_t n);
 /* Release `times` (1 or 2) pins on every page of a batch; every page is tried, the first failure
  * returned. */
 int skv__pool_unpin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
