@@ -753,14 +753,16 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
   SKV_UNUSED(flags);
 #endif
   size_t bad = 0;
-  if (b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0 && kv->pool.lease_lost)
+  /* one pass over the caller's pins (it was made twice when they were all held) */
+  const bool unheld = b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0;
+  if (unheld && kv->pool.lease_lost)
     return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
                     "%s: reference %zu (PE %u, page %u) is no longer pinned by this PE: this "
                     "PE's pins were revoked when it made no call for longer than its lease "
                     "(SKV_PIN_LEASE_MS, %llu ms) while other PEs needed the pages; nothing was "
                     "copied. Look the keys up again",
                     fn, bad, refs[bad].pe, refs[bad].page, (unsigned long long)kv->pool.lease_ms);
-  if (b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0)
+  if (unheld)
     return SKV_FAIL(
         SKV_EINVAL, SKV_SUBSYS_KV,
         "%s: reference %zu (PE %u, page %u) is not pinned by this PE (or is listed more "
