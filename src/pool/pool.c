@@ -699,8 +699,9 @@ void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t ke
 void skv__pool_ready_at(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo,
                         uint64_t now) {
   skv__page_meta_t *m = &p->meta[p->me][page];
-  m->key_hi = key_hi;
-  m->key_lo = key_lo;
+  /* relaxed atomics: an eviction pass may read them early for its index prefetch (a hint) */
+  __atomic_store_n(&m->key_hi, key_hi, __ATOMIC_RELAXED);
+  __atomic_store_n(&m->key_lo, key_lo, __ATOMIC_RELAXED);
   __atomic_store_n(&m->last_use, now, __ATOMIC_RELAXED);
   uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
   /* Release is enough: a pin that reads READY(gen) sees the key and the page written before it
