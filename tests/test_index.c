@@ -419,6 +419,53 @@ Test(index, a_claim_in_flight_is_not_the_end_of_the_chain) {
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
 }
 
+/* No EMPTY slot comes back, so a long-running table has none (index.h, Reach): walks stop at
+ * the home's reach instead. Keys of one home at distances 0..4, the first four erased (tombstones
+ * before the fifth), then every other slot turned into a tombstone too: the fifth key is still
+ * found, erased and deduplicated, keys never inserted miss, and inserts reuse the tombstones. */
+Test(index, keys_beyond_tombstones_are_found_with_no_empty_slot_left) {
+  table_t *t = table_new(1, 64);
+  uint64_t s = skv_test_seed(), v;
+  const uint64_t home = 17;
+  skv_key_t k[5];
+  for (int i = 0; i < 5; i++) {
+    k[i] = rand_key(&s);
+    k[i].lo = (k[i].lo & ~63ull) | home;
+    cr_assert_eq(skv__index_insert(&t->ix, k[i], skv__val_pack(0, (uint32_t)i, 1), 0), 0);
+  }
+  cr_assert_eq(skv__index_check(&t->ix), 5, "walker (reach covers every key)");
+  for (int i = 0; i < 4; i++)
+    cr_assert_eq(skv__index_erase(&t->ix, k[i], skv__val_pack(0, (uint32_t)i, 1)), 0);
+  /* every slot a tombstone but the fifth key's: keys of every home, inserted and erased */
+  for (uint64_t h = 0; h < 64; h++) {
+    skv_key_t o = rand_key(&s);
+    o.lo = (o.lo & ~63ull) | h;
+    if (skv__index_insert(&t->ix, o, skv__val_pack(1, 1, (uint32_t)h + 1), 1) == 0)
+      cr_assert_eq(skv__index_erase(&t->ix, o, skv__val_pack(1, 1, (uint32_t)h + 1)), 0);
+  }
+  int empty = 0;
+  for (uint64_t i = 0; i < 64; i++)
+    empty += t->slots[0][i].key.p.hi == 0 && t->slots[0][i].key.p.lo == 0;
+  cr_assert_eq(empty, 0, "%d EMPTY slots left: the test needs none", empty);
+  cr_assert_eq(skv__index_lookup(&t->ix, k[4], &v), 0, "the key 4 slots from home was lost");
+  cr_assert_eq(v, skv__val_pack(0, 4, 1));
+  cr_assert_eq(skv__index_insert(&t->ix, k[4], skv__val_pack(2, 9, 9), 2), SKV_EEXIST,
+               "a second copy of the key was inserted");
+  for (int i = 0; i < 100; i++) {
+    skv_key_t miss = rand_key(&s);
+    cr_assert_eq(skv__index_lookup(&t->ix, miss, &v), SKV_ENOTFOUND);
+  }
+  /* an insert of home 17 takes the first tombstone (the home slot), and is found */
+  skv_key_t n = rand_key(&s);
+  n.lo = (n.lo & ~63ull) | home;
+  cr_assert_eq(skv__index_insert(&t->ix, n, skv__val_pack(0, 7, 7), 0), 0);
+  cr_assert_eq(skv__index_lookup(&t->ix, n, &v), 0);
+  cr_assert_eq(t->slots[0][home].val, skv__val_pack(0, 7, 7), "the home tombstone was reused");
+  cr_assert_eq(skv__index_erase(&t->ix, k[4], skv__val_pack(0, 4, 1)), 0, "erase of the far key");
+  cr_assert_eq(skv__index_lookup(&t->ix, k[4], &v), SKV_ENOTFOUND);
+  cr_assert_eq(skv__index_check(&t->ix), 1, "walker");
+}
+
 /* NPROC processes insert the same keys at once; exactly one wins each. */
 Test(index, racing_processes_agree_on_one_winner_per_key) {
   enum { NPROC = 4, NKEYS = 20000, ROUNDS = 3 };

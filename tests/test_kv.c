@@ -525,6 +525,173 @@ Test(kv, batched_pool_steps_keep_the_protocol) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* One publish of more keys than the pool has unpinned pages: the host path works in runs of
+ * pages, and a run that finds too few pages publishes what it got and goes on (the next run
+ * evicts this call's own earlier pages), as one page at a time did: every key is inserted, the
+ * last ones stay, the pinned page is kept, and the keys read back byte-exact. */
+static int pe_publish_more_than_the_pool(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  enum { PAGES = 8, MORE = 40 };
+  PE_CHECK(fix_init(&f, PAGES, 64, 30000) == 0, "fixture: %s", skv_last_error());
+  uint64_t ids[MORE];
+  size_t ins = 0, nhit = 0;
+  ids[0] = 7;
+  PE_CHECK(publish_ids(&f, ids, 1, &ins) == 0 && ins == 1, "first key");
+  skv_key_t k7 = key_of(&f, 7);
+  skv_page_ref_t pinned;
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k7, 1, SKV_LOOKUP_PIN, &pinned, &nhit) == 0 && nhit == 1,
+           "pin");
+  for (uint64_t i = 0; i < MORE; i++) ids[i] = 100 + i;
+  int rc = publish_ids(&f, ids, MORE, &ins);
+  PE_CHECK(rc == 0 && ins == MORE,
+           "publish of %d keys into %d pages (one pinned): %s, %zu inserted", MORE, PAGES,
+           skv_err_name(rc), ins);
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.published == MORE + 1 && st.evicted == MORE + 1 - PAGES && st.pages_used == PAGES,
+           "published %llu evicted %llu used %llu", (unsigned long long)st.published,
+           (unsigned long long)st.evicted, (unsigned long long)st.pages_used);
+  /* the pinned key and the last PAGES - 1 keys are cached, and hold their bytes */
+  skv_key_t keys[PAGES];
+  uint64_t want[PAGES], blocks[PAGES];
+  want[0] = 7;
+  for (int i = 1; i < PAGES; i++) want[i] = 100 + MORE - PAGES + (uint64_t)i;
+  for (int i = 0; i < PAGES; i++) keys[i] = key_of(&f, want[i]), blocks[i] = 32 + (uint64_t)i;
+  skv_page_ref_t refs[PAGES];
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, PAGES, 0, refs, &nhit) == 0 && nhit == PAGES,
+           "found %zu of the %d expected keys", nhit, PAGES);
+  PE_CHECK(skv_kv_fetch(f.kv, refs, PAGES, f.eng.lay, blocks, 0, NULL) == 0, "fetch: %s",
+           skv_last_error());
+  for (int i = 0; i < PAGES; i++)
+    PE_CHECK(block_holds(&f, blocks[i], want[i]), "key %llu read back wrong",
+             (unsigned long long)want[i]);
+  PE_CHECK(skv__index_check(&f.kv->index) == PAGES, "index walker");
+  PE_CHECK(skv_kv_unpin(f.kv, &pinned, 1) == 0, "unpin");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, one_publish_of_more_keys_than_the_pool_keeps_the_last) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_publish_more_than_the_pool, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* A lookup with SKV_LOOKUP_PIN pins its hits together (pool.c, skv__pool_pin_prefix): a page
+ * that went stale between the index read and its pin (here: its record moved on to the next
+ * generation behind the index's back) ends the prefix; the hits before it stay pinned, it and
+ * those after are not pinned, and one stale lookup is counted. Then unpin of them all in one call
+ * releases every pin, and a second unpin fails naming the reference. */
+static int pe_lookup_pins_a_prefix(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  enum { K = 6, BAD = 3 };
+  PE_CHECK(fix_init(&f, 16, 64, 30000) == 0, "fixture: %s", skv_last_error());
+  skv__pool_t *p = &f.kv->pool;
+  uint64_t ids[K];
+  skv_key_t keys[K];
+  skv_page_ref_t refs[K];
+  size_t ins = 0, nhit = 0;
+  for (int i = 0; i < K; i++) ids[i] = 50 + (uint64_t)i, keys[i] = key_of(&f, ids[i]);
+  PE_CHECK(publish_ids(&f, ids, K, &ins) == 0 && ins == K, "publish");
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, K, 0, refs, &nhit) == 0 && nhit == K, "lookup");
+  skv__page_meta_t *m = &p->meta[refs[BAD].pe][refs[BAD].page];
+  const uint64_t st = m->state;
+  __atomic_store_n(&m->state, skv__st_make(skv__st_gen(st) + 1, SKV_PAGE_READY), __ATOMIC_SEQ_CST);
+  skv_page_ref_t pinned[K];
+  memset(pinned, 0xee, sizeof pinned);
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, K, SKV_LOOKUP_PIN, pinned, &nhit) == 0 && nhit == BAD,
+           "pinned lookup: %zu hits, expected %d", nhit, BAD);
+  for (int i = 0; i < K; i++) {
+    const int r = skv__pool_held(p, refs[i].pe, refs[i].page, refs[i].gen);
+    PE_CHECK(i < BAD ? r == 0 : r == SKV_ENOTFOUND, "reference %d: held %s", i, skv_err_name(r));
+  }
+  PE_CHECK(pinned[BAD].pe == 0xeeeeeeee, "refs past the hits were written");
+  skv_kv_stats_t s = SKV_KV_STATS_INIT;
+  skv_kv_get_stats(f.kv, &s);
+  PE_CHECK(s.stale == 1 && s.lookup_hits == K + BAD, "stale %llu hits %llu",
+           (unsigned long long)s.stale, (unsigned long long)s.lookup_hits);
+  PE_CHECK(skv_kv_unpin(f.kv, pinned, BAD) == 0, "unpin: %s", skv_last_error());
+  PE_CHECK(skv__pool_pinned_own(p) == 0, "pins left: %llu",
+           (unsigned long long)skv__pool_pinned_own(p));
+  PE_CHECK(skv_kv_unpin(f.kv, pinned, BAD) == SKV_EINVAL && strstr(skv_last_error(), "page"),
+           "a second unpin: %s", skv_last_error());
+  __atomic_store_n(&m->state, st, __ATOMIC_SEQ_CST);
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, a_pinned_lookup_keeps_the_pins_of_the_hits_before_a_stale_page) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_lookup_pins_a_prefix, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* An eviction pass pops candidates ahead of the one it decides on (pool.c, evict_lru_n): the
+ * pages it evicts must still be exactly the least recently used ones, also when a page used
+ * again sorts between candidates already popped. Pages 0..15 published in order (page i's
+ * time t_i); page 0 used again at a time between t_2 and t_3, page 5 just now; an allocation of
+ * 5 pages must evict pages 1, 2, 0, 3 and 4 (the heap had 0 at t_0: a pass that kept its popped
+ * candidates would evict 1, 2, 3, 4 and 6, keeping 0). */
+static int pe_batched_eviction_is_exact_lru(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  enum { PAGES = 16 };
+  PE_CHECK(fix_init(&f, PAGES, 64, 30000) == 0, "fixture: %s", skv_last_error());
+  skv__pool_t *p = &f.kv->pool;
+  uint64_t ids[PAGES];
+  size_t ins = 0, nhit = 0;
+  for (uint64_t i = 0; i < PAGES; i++) {
+    ids[i] = 1 + i;
+    PE_CHECK(publish_ids(&f, &ids[i], 1, &ins) == 0 && ins == 1, "publish %llu",
+             (unsigned long long)i);
+  }
+  skv_page_ref_t refs[PAGES];
+  skv_key_t keys[PAGES];
+  for (int i = 0; i < PAGES; i++) keys[i] = key_of(&f, ids[i]);
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, PAGES, 0, refs, &nhit) == 0 && nhit == PAGES, "all");
+  /* the lookup touched every page: put the times back as published, spaced, then use 0 and 5 */
+  for (int i = 0; i < PAGES; i++)
+    __atomic_store_n(&p->meta[p->me][refs[i].page].last_use, 1000 + 100 * (uint64_t)i,
+                     __ATOMIC_RELAXED);
+  /* the heap's snapshots are the publish times: move them onto the spaced times too */
+  for (uint64_t i = 0; i < p->nlru; i++)
+    for (int j = 0; j < PAGES; j++)
+      if (p->lru[i].page == refs[j].page) p->lru[i].stamp = 1000 + 100 * (uint64_t)j;
+  skv__pool_touch(p, (uint32_t)p->me, refs[0].page, 1000 + 250); /* between pages 2 and 3 */
+  skv__pool_touch(p, (uint32_t)p->me, refs[5].page, skv__now_ns());
+  uint32_t pages[5];
+  size_t got = 0;
+  uint64_t ev = 0;
+  PE_CHECK(skv__pool_alloc_n(p, skv__kv_evict_cb, f.kv, pages, 5, &got, &ev) == 0 && got == 5 &&
+               ev == 5,
+           "alloc_n: got %zu evicted %llu", got, (unsigned long long)ev);
+  for (size_t i = 0; i < got; i++) skv__pool_release(p, pages[i]);
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, PAGES, 0, refs, &nhit) == 0, "lookup");
+  static const int gone[] = {0, 1, 2, 3, 4};
+  for (int i = 0; i < PAGES; i++) {
+    bool evicted = false;
+    for (size_t j = 0; j < SKV_ARRAY_LEN(gone); j++) evicted |= gone[j] == i;
+    size_t h = 0;
+    skv_page_ref_t r;
+    PE_CHECK(skv_kv_lookup(f.kv, f.ns, &keys[i], 1, 0, &r, &h) == 0, "lookup %d", i);
+    PE_CHECK(h == (evicted ? 0u : 1u), "page %d (last use %s) %s", i,
+             i == 0   ? "between 2 and 3"
+             : i == 5 ? "now"
+                      : "as published",
+             evicted ? "was kept, it should have gone" : "was evicted, it should have stayed");
+  }
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, batched_eviction_is_exact_lru) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_batched_eviction_is_exact_lru, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 typedef struct toucher {
   skv__pool_t *pool;
   uint64_t pages;

@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #define DOM_MAGIC        0x316d6f64766b7973ull /* "symkvdom1" */
-#define DOM_VERSION      1
+#define DOM_VERSION      2                     /* 2: the index shards have reach bytes (index.h) */
 #define DEFAULT_PAGES    1024
 #define ALIVE_RECHECK_MS 10
 #define ATTACH_RETRIES   8

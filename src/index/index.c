@@ -29,7 +29,7 @@ static inline void st_rel(uint64_t *p, uint64_t v) {
 }
 
 uint64_t skv__index_shard_bytes(uint64_t slots_per_shard) {
-  return sizeof(skv__index_shard_hdr_t) + slots_per_shard * sizeof(skv__index_slot_t);
+  return sizeof(skv__index_shard_hdr_t) + slots_per_shard * (sizeof(skv__index_slot_t) + 1);
 }
 
 void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard,
@@ -47,6 +47,20 @@ void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard,
 /* The shard comes from the high bits of hi, the home slot from lo: independent bits. */
 static inline int shard_of(const skv__index_t *ix, skv_key_t k) {
   return (int)((k.hi >> 32) % (uint64_t)ix->nshards);
+}
+
+/* The reach of home slot h (index.h): slots beyond h + reach never held a key of home h. */
+static inline unsigned reach_of(const skv__index_t *ix, int sh, uint64_t h) {
+  return __atomic_load_n(&skv__index_reach(ix, sh)[h], __ATOMIC_SEQ_CST);
+}
+
+/* Raise home h's reach to d (never lowers it). */
+static void reach_raise(skv__index_t *ix, int sh, uint64_t h, unsigned d) {
+  uint8_t *r = &skv__index_reach(ix, sh)[h];
+  uint8_t cur = __atomic_load_n(r, __ATOMIC_SEQ_CST);
+  while (cur < d && !__atomic_compare_exchange_n(r, &cur, (uint8_t)d, false, __ATOMIC_SEQ_CST,
+                                                 __ATOMIC_SEQ_CST)) {
+  }
 }
 
 /* Read a slot's key. The key changes by one 16-byte CAS but is read as two 8-byte loads (hi
@@ -67,7 +81,10 @@ int skv__index_lookup(const skv__index_t *ix, skv_key_t key, uint64_t *val) {
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
-  for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
+  unsigned lim = SKV_INDEX_WINDOW; /* read once the home slot did not hold the key */
+  for (unsigned i = 0; i < lim; i++) {
+    if (i == 1) lim = (unsigned)reach_of(ix, sh, h) + 1;
+    if (i >= lim) break;
     skv__index_slot_t *s = &slots[(h + i) & mask];
     for (int tries = 0; tries < 4; tries++) {
       uint64_t v1 = ld_acq(&s->val);
@@ -191,7 +208,9 @@ static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine,
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
-  for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
+  /* read after our ticket: covers every copy claimed before it (index.h, Reach) */
+  const unsigned lim = SKV_MIN((unsigned)SKV_INDEX_WINDOW, reach_of(ix, sh, h) + 1);
+  for (unsigned i = 0; i < lim; i++) {
     skv__index_slot_t *s = &slots[(h + i) & mask];
     uint64_t hi, lo;
     int kind = read_key(s, &hi, &lo);
@@ -211,6 +230,7 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) 
   unsigned __int128 kw = k128(key);
   /* 1. claim the first free slot, unless the key is already VALID on the way. */
   skv__index_slot_t *mine = NULL;
+  unsigned dist = 0;
   for (unsigned i = 0; i < SKV_INDEX_WINDOW && !mine; i++) {
     skv__index_slot_t *s = &slots[(h + i) & mask];
     uint64_t hi, lo;
@@ -223,11 +243,12 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) 
     if (kind == SLOT_KEY || kind == SLOT_CLAIMING) continue;
     unsigned __int128 old = kind == SLOT_TOMB ? K_TOMB : K_EMPTY;
     if (cas_key(s, old, kw))
-      mine = s;
+      mine = s, dist = i;
     else
       i--; /* the slot changed: look at it again */
   }
   if (!mine) return SKV_ENOSPC;
+  reach_raise(ix, sh, h, dist); /* before PENDING: readers and rescans then cover our slot */
   /* 2. PENDING with our PE, then a ticket. Nobody else writes the slot now: its val is 0 or
    * ERASING, which no CAS of another PE expects. */
   static uint64_t claims; /* numbers this process's claims, from a random start: a claim of
@@ -264,7 +285,8 @@ int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
-  for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
+  const unsigned lim = SKV_MIN((unsigned)SKV_INDEX_WINDOW, reach_of(ix, sh, h) + 1);
+  for (unsigned i = 0; i < lim; i++) {
     skv__index_slot_t *s = &slots[(h + i) & mask];
     uint64_t hi, lo;
     int kind = read_key(s, &hi, &lo);
@@ -328,6 +350,10 @@ int64_t skv__index_check(const skv__index_t *ix) {
         return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX,
                         "index: slot %llu is %llu slots from its home", (unsigned long long)i,
                         (unsigned long long)dist);
+      if (dist > reach_of(ix, sh, home))
+        return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX,
+                        "index: slot %llu is %llu slots from its home, beyond its reach %u",
+                        (unsigned long long)i, (unsigned long long)dist, reach_of(ix, sh, home));
       for (unsigned j = 0; j < SKV_INDEX_WINDOW; j++) {
         skv__index_slot_t *o = &ix->slots[sh][(home + j) & mask];
         if (o == s) continue;

@@ -35,11 +35,24 @@
  * EMPTY never comes back once claimed; a lookup hits VALID only; CLAIMED, PENDING and ERASING
  * are misses to readers, and tickets decide between inserters of one key (below).
  *
+ * Reach. Since EMPTY never comes back, a long-running table has none left (erased keys leave
+ * tombstones: after 300 publishes of 1024 pages into a full pool of 2 x 3072 pages, 0 of 32768
+ * slots were EMPTY), and a walk that stops only at EMPTY went the whole window (32 slots, 16
+ * cache lines) for every miss and every insert's rescan: most of a publish's lookup and insert.
+ * So each home slot h also has a reach byte (an array after the shard's slots): the largest
+ * distance from h of any slot ever claimed for a key whose home is h. It only grows; claims take
+ * the first free slot, so it stays small (a tombstone is as free as EMPTY). Lookups, rescans and
+ * erases walk min(window, reach + 1) slots (and stop at EMPTY as before).
+ * An inserter raises reach to its slot's distance right after claiming it, before PENDING: so
+ * a reader that reads reach after an insert completed covers its slot, and between two
+ * inserters of one key the argument of step 3 holds as before: the reach read of the later
+ * one's rescan comes after its ticket, which comes after the earlier one's raise.
+ *
  * Insert (only by the PE that owns the page):
  *   1. claim the first EMPTY or TOMB slot of the window by CAS of the key (ENOSPC if none);
  *   2. write val = PENDING(pe, claim number) (never 0: see skv__val_pending), take a ticket
  *      from the node-wide counter, store it;
- *   3. rescan the window up to the first EMPTY slot for other slots holding the same key. A
+ *   3. rescan the window up to the first EMPTY slot (or reach) for other slots holding the key. A
  *      copy that is VALID, or PENDING with a smaller ticket and a live owner, wins over us: we
  *      clear our slot and report EEXIST (the caller frees its page). A copy that is ERASING,
  *      has a larger ticket, or has not stored PENDING yet (val still 0 or ERASING: it takes
@@ -151,7 +164,7 @@ static inline uint32_t skv__val_gen(uint64_t v) {
   return (uint32_t)v;
 }
 
-/* Bytes of one shard (header + slots) for `slots_per_shard` slots. */
+/* Bytes of one shard (header, slots, then a reach byte per slot) for `slots_per_shard` slots. */
 uint64_t skv__index_shard_bytes(uint64_t slots_per_shard);
 /* Bind the shards (already zeroed shared memory, shard i at shard_mem[i]). */
 void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard,
@@ -161,9 +174,14 @@ void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard,
 int skv__index_lookup(const skv__index_t *ix, skv_key_t key, uint64_t *val);
 /* Prefetch key's home slot: a lookup, insert or erase of it follows soon (a batch's keys'
  * memory latencies then overlap). Same shard and home as index.c's. */
+static inline uint8_t *skv__index_reach(const skv__index_t *ix, int shard) {
+  return (uint8_t *)(ix->slots[shard] + ix->slots_per_shard);
+}
 static inline void skv__index_prefetch(const skv__index_t *ix, skv_key_t k) {
-  __builtin_prefetch(
-      &ix->slots[(k.hi >> 32) % (uint64_t)ix->nshards][k.lo & (ix->slots_per_shard - 1)]);
+  const int sh = (int)((k.hi >> 32) % (uint64_t)ix->nshards);
+  const uint64_t h = k.lo & (ix->slots_per_shard - 1);
+  __builtin_prefetch(&ix->slots[sh][h]);
+  __builtin_prefetch(&skv__index_reach(ix, sh)[h]); /* a miss reads it */
 }
 /* Batched prefix lookup: vals[0..*nhit) of the leading keys found (prefetches ahead). */
 void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, size_t n,

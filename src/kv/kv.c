@@ -56,6 +56,11 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   __atomic_add_fetch(&kv->evicted, 1, __ATOMIC_RELAXED);
 }
 
+/* An eviction pass will erase this key's index entry soon: bring its home slot in. */
+static void kv_evict_hint(void *arg, uint64_t key_hi, uint64_t key_lo) {
+  skv__index_prefetch(&((skv_kv_t *)arg)->index, (skv_key_t){key_hi, key_lo});
+}
+
 #ifdef SKV_WITH_CUDA
 static int batch_done(void *arg, const skv__kv_batch_t *b);
 
@@ -136,6 +141,7 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
     kv->index.hdr = kv->shard_hdr;
     kv->index.slots = kv->shard_slots;
     skv__index_bind(&kv->index, npes, sps, shard_seg, kv_alive, kv);
+    skv__pool_set_evict_hint(&kv->pool, kv_evict_hint);
   }
 #ifdef SKV_WITH_CUDA
   if (rc == 0) rc = backend_init(kv);
@@ -271,6 +277,7 @@ int skv_kv_attach(const char *name, const skv_geometry_t *geom, const skv_attach
     rc = skv__domain_attach(&p, &kv->domain);
   }
   if (rc == 0) {
+    skv__pool_set_evict_hint(&kv->pool, kv_evict_hint);
     kv->data = skv__domain_heap(kv->domain);
 #ifdef SKV_WITH_CUDA
     /* a GPU-less reader of GPU pages has no copy backend: it looks pages up */
@@ -396,27 +403,31 @@ int skv_kv_lookup(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
   tidy(kv);
   uint64_t now = skv__now_ns();
   uint64_t vals[256], asked = 0, live = 0;
+  uint32_t pe[SKV_ARRAY_LEN(vals)], page[SKV_ARRAY_LEN(vals)], gen[SKV_ARRAY_LEN(vals)];
   size_t done = 0, stale = 0;
   while (done < n) {
     size_t m = SKV_MIN(n - done, SKV_ARRAY_LEN(vals)), h = 0;
     skv__index_lookup_prefix(&kv->index, keys + done, m, vals, &h);
     size_t j = 0;
     for (; j < h; j++) {
-      uint32_t pe = skv__val_pe(vals[j]), page = skv__val_page(vals[j]),
-               gen = skv__val_gen(vals[j]);
+      pe[j] = skv__val_pe(vals[j]), page[j] = skv__val_page(vals[j]),
+      gen[j] = skv__val_gen(vals[j]);
       /* a domain's dead owner: its pages cannot be read any more (the next attacher takes them
        * out of the index): a miss. Asked once per owner and call. */
-      if (kv->domain && !(asked >> pe & 1)) {
-        asked |= 1ull << pe;
-        if (skv__domain_alive(kv->domain, (int)pe)) live |= 1ull << pe;
+      if (kv->domain && !(asked >> pe[j] & 1)) {
+        asked |= 1ull << pe[j];
+        if (skv__domain_alive(kv->domain, (int)pe[j])) live |= 1ull << pe[j];
       }
-      if (kv->domain && !(live >> pe & 1)) break;
-      if ((flags & SKV_LOOKUP_PIN) && skv__pool_pin(&kv->pool, pe, page, gen) != 0) {
-        stale++; /* evicted between the index read and the pin: a miss */
-        break;
-      }
-      skv__pool_touch(&kv->pool, pe, page, now);
-      refs[done + j] = (skv_page_ref_t){pe, page, gen, 0};
+      if (kv->domain && !(live >> pe[j] & 1)) break;
+    }
+    /* the hits pinned together (one lock per run, where it was one per page); one evicted
+     * between the index read and its pin is a miss, and ends the prefix */
+    const size_t hv = j;
+    if (flags & SKV_LOOKUP_PIN) j = skv__pool_pin_prefix(&kv->pool, pe, page, gen, hv);
+    stale += j < hv;
+    for (size_t q = 0; q < j; q++) {
+      skv__pool_touch(&kv->pool, pe[q], page[q], now);
+      refs[done + q] = (skv_page_ref_t){pe[q], page[q], gen[q], 0};
     }
     done += j;
     if (j < m) break;
@@ -432,12 +443,9 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
   KV_CHECK_NULL(kv, "skv_kv_unpin");
   SKV_CHECK(check_refs(kv, refs, n, "skv_kv_unpin"));
   (void)skv__pool_renew(&kv->pool);
-  int rc = 0;
-  for (size_t i = 0; i < n; i++) {
-    int r = skv__pool_unpin(&kv->pool, refs[i].pe, refs[i].page);
-    if (r && !rc) rc = r;
-  }
-  return rc;
+  if (n == 0) return 0;
+  /* every reference tried, the first failure returned (one lock per run of pages) */
+  return skv__pool_unpin_n(&kv->pool, &refs[0].pe, 4, &refs[0].page, 4, n, 1);
 }
 
 /* ---- the data path: one protocol, three ways to copy -------------------------------------- */
@@ -451,11 +459,11 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
  * pin or evict it; the least recently used unpinned page is evicted when none is free; the first
  * failure stops the allocation and what was allocated is still published), the blocks are
  * copied in, and once the copy is complete each page becomes READY and its key is inserted
- * (publish_finish): the page joins the LRU when inserted, and is freed when another PE inserted
+ * (finish_pages): the page joins the LRU when inserted, and is freed when another PE inserted
  * the key first (deduplicated) or no index slot near its home was free.
  * The copy is one of three, by where the pages and the engine's blocks are:
- *  - host: memcpy between host blocks and host pages (host or cuda_host backend), one page per
- *    batch, synchronous;
+ *  - host: memcpy between host blocks and host pages (host or cuda_host backend), runs of
+ *    PUB_CHUNK pages, synchronous;
  *  - staged: host blocks and GPU pages, through a host buffer (skv__kvc_read_pages and
  *    _write_pages), one buffer per batch, synchronous;
  *  - device: GPU blocks, stream-ordered copies of the CUDA backend (skv__kvc_copy), one batch;
@@ -488,7 +496,7 @@ enum { PATH_HOST, PATH_STAGED, PATH_DEVICE };
 int skv__kv_pub_split = 4;
 /* Keys ahead whose index home slot is prefetched while one is looked up (misses of a
  * publish's keys are independent: their memory latencies overlap). */
-#define PUB_AHEAD 4
+#define PUB_AHEAD 8
 
 /* A fetch's batch reads (pe, page) straight from the caller's references, 4 words apart. */
 _Static_assert(sizeof(skv_page_ref_t) == 4 * sizeof(uint32_t), "a reference is 4 words");
@@ -576,18 +584,15 @@ static int release(skv_kv_t *kv, const skv__kv_batch_t *b, size_t from, size_t t
                            b->page + from * b->page_step, b->page_step, to - from, caller ? 2 : 1);
 }
 
-/* The last steps for one of this PE's pages just written with `key`'s data: READY, index
- * insert, then free it (deduplicated, or no index slot) or return 1: inserted, for the caller
- * to commit to the LRU. */
-static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key) {
+/* The last steps for one of this PE's pages just written with `key`'s data: READY (last used at
+ * `now`), index insert, then free it (deduplicated, or no index slot) or return 1: inserted, for
+ * the caller to count in published and commit to the LRU. */
+static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key, uint64_t now) {
   const int me = kv->pool.me;
-  skv__pool_ready(&kv->pool, page, key.hi, key.lo);
+  skv__pool_ready_at(&kv->pool, page, key.hi, key.lo, now);
   uint32_t gen = skv__pool_gen(&kv->pool, (uint32_t)me, page);
   int r = skv__index_insert(&kv->index, key, skv__val_pack((uint32_t)me, page, gen), me);
-  if (r == 0) {
-    __atomic_add_fetch(&kv->published, 1, __ATOMIC_RELAXED);
-    return 1;
-  }
+  if (r == 0) return 1; /* the caller counts it in published */
   skv__pool_release(&kv->pool, page);
   if (r == SKV_EEXIST) {
     __atomic_add_fetch(&kv->deduplicated, 1, __ATOMIC_RELAXED);
@@ -600,11 +605,33 @@ static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key) {
   return 0;
 }
 
-/* publish_index, then the LRU for an inserted page. 1 when inserted. */
-static int publish_finish(skv_kv_t *kv, uint32_t page, skv_key_t key) {
-  if (!publish_index(kv, page, key)) return 0;
-  skv__pool_commit(&kv->pool, page);
-  return 1;
+/* The last steps for pages[i * page_step] (this PE's, just written) with key keys[idx ? idx[i] :
+ * i], i < n: publish_index each, and the inserted ones to the LRU 64 at a time (one lock). The
+ * pages' records and the keys' index slots are prefetched PUB_AHEAD pages ahead (cold: perf put
+ * most of publish_index on their first loads). Returns how many were inserted. */
+static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step,
+                           const skv_key_t *keys, const size_t *idx, size_t n) {
+  const skv__page_meta_t *meta = kv->pool.meta[kv->pool.me];
+  /* one clock read for the batch (it was one per page): page i last used at now + i ns, so the
+   * batch keeps its order in the LRU and no time lies ahead of the clock (a page takes > 1 ns) */
+  const uint64_t now = skv__now_ns();
+  uint32_t ins[64];
+  size_t nins = 0, inserted = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (i + PUB_AHEAD < n) {
+      __builtin_prefetch(&meta[pages[(i + PUB_AHEAD) * page_step]], 1);
+      skv__index_prefetch(&kv->index, keys[idx ? idx[i + PUB_AHEAD] : i + PUB_AHEAD]);
+    }
+    const uint32_t pg = pages[i * page_step];
+    if (publish_index(kv, pg, keys[idx ? idx[i] : i], now + i)) ins[nins++] = pg;
+    if (nins == SKV_ARRAY_LEN(ins) || (i + 1 == n && nins)) {
+      skv__pool_commit_n(&kv->pool, ins, nins);
+      inserted += nins;
+      nins = 0;
+    }
+  }
+  if (inserted) __atomic_add_fetch(&kv->published, inserted, __ATOMIC_RELAXED);
+  return inserted;
 }
 
 #ifdef SKV_WITH_CUDA
@@ -623,16 +650,7 @@ static int batch_done(void *arg, const skv__kv_batch_t *b) {
     return 0;
   }
   /* SKV__KV_PUBLISH and SKV__KV_COMMIT: make the pages READY, index them */
-  uint32_t ins[64]; /* inserted pages, committed to the LRU 64 at a time (one lock) */
-  size_t nins = 0;
-  for (size_t i = 0; i < b->n; i++) {
-    if (i + PUB_AHEAD < b->n) skv__index_prefetch(&kv->index, b->keys[i + PUB_AHEAD]);
-    if (publish_index(kv, b_page(b, i), b->keys[i])) ins[nins++] = b_page(b, i);
-    if (nins == SKV_ARRAY_LEN(ins) || (i + 1 == b->n && nins)) {
-      skv__pool_commit_n(&kv->pool, ins, nins);
-      nins = 0;
-    }
-  }
+  (void)finish_pages(kv, b->page, b->page_step, b->keys, NULL, b->n);
   (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return 0;
 }
@@ -735,14 +753,16 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
   SKV_UNUSED(flags);
 #endif
   size_t bad = 0;
-  if (b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0 && kv->pool.lease_lost)
+  /* one pass over the caller's pins (it was made twice when they were all held) */
+  const bool unheld = b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0;
+  if (unheld && kv->pool.lease_lost)
     return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
                     "%s: reference %zu (PE %u, page %u) is no longer pinned by this PE: this "
                     "PE's pins were revoked when it made no call for longer than its lease "
                     "(SKV_PIN_LEASE_MS, %llu ms) while other PEs needed the pages; nothing was "
                     "copied. Look the keys up again",
                     fn, bad, refs[bad].pe, refs[bad].page, (unsigned long long)kv->pool.lease_ms);
-  if (b->unpin_caller && skv__pool_held_refs(&kv->pool, refs, n, &bad) != 0)
+  if (unheld)
     return SKV_FAIL(
         SKV_EINVAL, SKV_SUBSYS_KV,
         "%s: reference %zu (PE %u, page %u) is not pinned by this PE (or is listed more "
@@ -813,8 +833,8 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   for (size_t q = 0; q < k; q++) {
     void *to = path == PATH_HOST ? skv__kv_page(kv, me, pages[q]) : buf + q * pb;
     skv__copy_blocks_to_page(src, to, block_ids + idx[q] * m, nt);
-    if (nt) skv__copy_stream_fence(); /* the page must be complete before it is indexed */
   }
+  if (nt) skv__copy_stream_fence(); /* the pages must be complete before they are indexed */
 #ifdef SKV_WITH_CUDA
   if (path == PATH_STAGED) {
     const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &me, 0, pages, 1, NULL, false};
@@ -824,12 +844,10 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   SKV_UNUSED(stream), SKV_UNUSED(fn);
 #endif
   t = skv__kp_lap(&kv->prof, SKV__KP_COPY, t);
-  for (size_t q = 0; q < k; q++) {
-    if (rc)
-      skv__pool_release(&kv->pool, pages[q]);
-    else
-      *inserted += (size_t)publish_finish(kv, pages[q], keys[idx[q]]);
-  }
+  if (rc)
+    for (size_t q = 0; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
+  else
+    *inserted += finish_pages(kv, pages, 1, keys, idx, k);
   (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return rc;
 }
@@ -856,7 +874,10 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   int path;
   SKV_CHECK(choose_path(kv, src, &path, fn));
   uint64_t t = skv__kp_lap(P, SKV__KP_CHECK, t0);
-  size_t chunk = 1; /* pages allocated, copied and finished together */
+  /* pages looked up, allocated, copied and finished together: host copies in runs of
+   * PUB_CHUNK (the bookkeeping of one page at a time was a lookup, an allocation and an index
+   * insert each on a cold line, one after the other; in runs their misses overlap) */
+  size_t chunk = SKV_MIN(n, (size_t)PUB_CHUNK);
 #ifdef SKV_WITH_CUDA
   if (path != PATH_HOST) {
     bool capturing;
@@ -904,6 +925,13 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     rc = skv__pool_alloc_n(&kv->pool, skv__kv_evict_cb, kv, pages, k, &got, &ev);
     /* on a failure, what was allocated is still published */
     t = skv__kp_lap(P, SKV__KP_ALLOC, t);
+    if (rc && got > 0 && path != PATH_DEVICE) {
+      /* A synchronous copy finishes these pages before the next run, which may then evict
+       * them: the keys left over go to the next run (as one page at a time did: a publish of
+       * more keys than the pool has unpinned pages keeps the last ones). */
+      i = idx[got];
+      rc = 0;
+    }
     k = got;
     if (k == 0) break;
     int r = 0;
@@ -1139,12 +1167,10 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
 #endif
   if (rc == 0 && !done) {
     size_t ins = 0;
-    for (size_t q = 0; q < k; q++) {
-      if (keys)
-        ins += (size_t)publish_finish(kv, pages[q], pk[q]);
-      else
-        skv__pool_release(&kv->pool, pages[q]);
-    }
+    if (keys)
+      ins = finish_pages(kv, pages, 1, pk, NULL, k);
+    else
+      for (size_t q = 0; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
     if (ninserted) *ninserted = ins;
   }
   free(pages);

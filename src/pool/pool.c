@@ -376,6 +376,34 @@ int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page) {
  * pin's cost (symkv-bench fetch's breakdown), and the completion thread's unpins of the previous
  * batch contend for the same lock; a bounded run keeps the other thread's wait short. */
 #define PIN_RUN 64
+/* A batch's page records (other PEs' pages, cold) and this PE's pin counts are prefetched this
+ * many pages ahead, so that their misses overlap instead of queueing behind each locked op. */
+#define PIN_AHEAD 8
+
+static inline void pin_prefetch(const skv__pool_t *p, uint32_t pe, uint32_t page) {
+  __builtin_prefetch(&p->meta[pe][page], 1);
+  __builtin_prefetch(&p->pins[(uint64_t)pe * p->pages + page], 1);
+}
+
+/* Pin the leading pages of a batch, in runs, up to the first that fails (its rc in *rc): how
+ * many were pinned. */
+static size_t pin_run(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
+                      size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, int *rc) {
+  size_t i = 0;
+  *rc = 0;
+  while (i < n && *rc == 0) {
+    const size_t end = SKV_MIN(n, i + PIN_RUN);
+    pthread_mutex_lock(&p->pin_mu);
+    for (; i < end; i++) {
+      if (i + PIN_AHEAD < n)
+        pin_prefetch(p, pe[(i + PIN_AHEAD) * pe_step], page[(i + PIN_AHEAD) * page_step]);
+      *rc = pin_locked(p, pe[i * pe_step], page[i * page_step], gen[i * gen_step]);
+      if (*rc) break;
+    }
+    pthread_mutex_unlock(&p->pin_mu);
+  }
+  return i;
+}
 
 int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
                     size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, size_t *bad) {
@@ -384,21 +412,18 @@ int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const ui
     if (rc) *bad = 0;
     return rc;
   }
-  int rc = 0;
-  size_t i = 0;
-  while (i < n && rc == 0) {
-    const size_t end = SKV_MIN(n, i + PIN_RUN);
-    pthread_mutex_lock(&p->pin_mu);
-    for (; i < end; i++) {
-      rc = pin_locked(p, pe[i * pe_step], page[i * page_step], gen[i * gen_step]);
-      if (rc) break;
-    }
-    pthread_mutex_unlock(&p->pin_mu);
-  }
+  int rc;
+  const size_t i = pin_run(p, pe, pe_step, page, page_step, gen, gen_step, n, &rc);
   if (rc == 0) return 0;
   *bad = i;
   (void)skv__pool_unpin_n(p, pe, pe_step, page, page_step, i, 1);
   return rc;
+}
+
+size_t skv__pool_pin_prefix(skv__pool_t *p, const uint32_t *pe, const uint32_t *page,
+                            const uint32_t *gen, size_t n) {
+  int rc;
+  return pin_run(p, pe, 1, page, 1, gen, 1, n, &rc);
 }
 
 int skv__pool_unpin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
@@ -409,6 +434,8 @@ int skv__pool_unpin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const 
     const size_t end = SKV_MIN(n, i + PIN_RUN);
     pthread_mutex_lock(&p->pin_mu);
     for (; i < end; i++) {
+      if (i + PIN_AHEAD < n)
+        pin_prefetch(p, pe[(i + PIN_AHEAD) * pe_step], page[(i + PIN_AHEAD) * page_step]);
       const uint32_t e = pe[i * pe_step], pg = page[i * page_step];
       int r = unpin_locked(p, e, pg);
       if (times == 2 && r == 0) r = unpin_locked(p, e, pg);
@@ -501,31 +528,67 @@ static bool try_evict(skv__pool_t *p, uint32_t page, uint32_t gen, skv__pool_evi
   return true;
 }
 
-/* Evict the LRU unpinned page into the free stack (under mu). Pages other PEs touched since
- * they were pushed go back with their new time; pinned pages are set aside and pushed back at
- * the end. Other PEs may keep touching pages while the pass runs: after as many push-backs as
- * the heap had entries, recency is no longer honoured and the next unpinned page popped goes
- * (the oldest by its snapshot), so a pool with an unpinned page never reports ENOSPC. */
-static bool evict_lru(skv__pool_t *p, skv__pool_evict_cb evict, void *arg) {
-  skv__lru_ent_t *held = NULL;
-  uint64_t nheld = 0, cap = 0, pushbacks = p->nlru, budget = 2 * p->nlru + 8;
-  bool done = false;
-  while (p->nlru > 0 && !done && budget-- > 0) {
-    skv__lru_ent_t e = lru_pop(p);
+/* Evict up to `want` LRU unpinned pages into the free stack (under mu); returns how many went.
+ * Pages other PEs touched since they were pushed go back with their new time; pinned pages are
+ * set aside and pushed back at the end. Other PEs may keep touching pages while the pass runs:
+ * after as many push-backs as the heap had entries (plus `want`), recency is no longer honoured
+ * and the next unpinned page popped goes (the oldest by its snapshot), so a pool with an
+ * unpinned page never reports ENOSPC.
+ * The records of the least recently used pages are cold (perf on symkv-bench fetch's publish:
+ * the state load of the popped page was two thirds of the eviction), so entries are popped
+ * EVICT_AHEAD ahead of the one decided on, their records and index slots prefetched. Popping
+ * ahead keeps the decisions exactly those of one pop at a time: the queue holds the next entries
+ * of the heap in order, and an entry pushed back with a newer time that sorts before queued
+ * entries sends those back to the heap first. */
+#define EVICT_AHEAD 8
+
+static void evict_prefetch(skv__pool_t *p, const skv__lru_ent_t *e, void *arg) {
+  const skv__page_meta_t *m = &p->meta[p->me][e->page];
+  __builtin_prefetch(m, 1);
+  if (p->evict_hint) /* the key's index slot: the record is warm by now (prefetched earlier) */
+    p->evict_hint(arg, __atomic_load_n(&m->key_hi, __ATOMIC_RELAXED),
+                  __atomic_load_n(&m->key_lo, __ATOMIC_RELAXED));
+}
+
+static uint64_t evict_lru_n(skv__pool_t *p, uint64_t want, skv__pool_evict_cb evict, void *arg) {
+  skv__lru_ent_t *held = NULL, q[EVICT_AHEAD]; /* q: popped, not decided on yet, in heap order */
+  const unsigned ahead = want > 1 ? EVICT_AHEAD : 1; /* one page: no pops to push back after */
+  uint64_t nheld = 0, cap = 0, pushbacks = p->nlru + want, budget = 2 * (p->nlru + want) + 8;
+  uint64_t done = 0;
+  unsigned qh = 0, qn = 0; /* queue head and length (a ring) */
+  while (done < want && budget > 0) {
+    /* fill the queue: each entry's record is prefetched when popped, its index slot when the
+     * entry is half way (its record has arrived meanwhile) */
+    while (qn < ahead && qn < want - done + ahead / 2 && p->nlru > 0) {
+      skv__lru_ent_t e = lru_pop(p);
+      __builtin_prefetch(&p->meta[p->me][e.page], 1);
+      q[(qh + qn++) % EVICT_AHEAD] = e;
+    }
+    if (qn == 0) break;
+    if (qn > EVICT_AHEAD / 2) evict_prefetch(p, &q[(qh + EVICT_AHEAD / 2) % EVICT_AHEAD], arg);
+    skv__lru_ent_t e = q[qh];
+    qh = (qh + 1) % EVICT_AHEAD;
+    qn--;
+    budget--;
     skv__page_meta_t *m = &p->meta[p->me][e.page];
     uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
     if (skv__st_state(st) != SKV_PAGE_READY || skv__st_gen(st) != e.gen) continue; /* stale entry */
     uint64_t lu = __atomic_load_n(&m->last_use, __ATOMIC_RELAXED);
     if (lu > e.stamp && pushbacks > 0) {
       pushbacks--;
+      /* queued entries newer than lu would come after it one pop at a time: back they go */
+      while (qn > 0 && q[(qh + qn - 1) % EVICT_AHEAD].stamp > lu) {
+        const skv__lru_ent_t b = q[(qh + --qn) % EVICT_AHEAD];
+        lru_push(p, b.stamp, b.page, b.gen);
+      }
       lru_push(p, lu, e.page, e.gen);
       continue;
     }
     if (lu > e.stamp) e.stamp = lu; /* if it stays (pinned), it goes back with its new time */
     if (try_evict(p, e.page, e.gen, evict, arg)) {
       p->free_stack[p->nfree++] = e.page;
-      done = true;
-      break;
+      done++;
+      continue;
     }
     if (nheld == cap) {
       uint64_t ncap = cap ? 2 * cap : 64;
@@ -539,9 +602,14 @@ static bool evict_lru(skv__pool_t *p, skv__pool_evict_cb evict, void *arg) {
     }
     held[nheld++] = e;
   }
+  for (; qn > 0; qn--, qh = (qh + 1) % EVICT_AHEAD) lru_push(p, q[qh].stamp, q[qh].page, q[qh].gen);
   for (uint64_t i = 0; i < nheld; i++) lru_push(p, held[i].stamp, held[i].page, held[i].gen);
   free(held);
   return done;
+}
+
+static bool evict_lru(skv__pool_t *p, skv__pool_evict_cb evict, void *arg) {
+  return evict_lru_n(p, 1, evict, arg) == 1;
 }
 
 /* Pages a slot's previous incarnation left pinned go free once no live PE pins them (under mu;
@@ -611,6 +679,9 @@ int skv__pool_alloc_n(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint3
   while (*got < n && ok) {
     const size_t end = SKV_MIN(n, *got + POOL_RUN);
     pthread_mutex_lock(&p->mu);
+    if (p->nfree < end - *got && p->nretired) recycle_retired(p);
+    if (p->nfree < end - *got) /* the run's evictions in one pass (prefetched) */
+      *nevicted += evict_lru_n(p, end - *got - p->nfree, evict, arg);
     for (; *got < end; (*got)++) {
       uint32_t gen;
       ok = alloc_locked(p, evict, arg, &pages[*got], &gen, nevicted);
@@ -622,13 +693,22 @@ int skv__pool_alloc_n(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint3
 }
 
 void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo) {
+  skv__pool_ready_at(p, page, key_hi, key_lo, skv__now_ns());
+}
+
+void skv__pool_ready_at(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo,
+                        uint64_t now) {
   skv__page_meta_t *m = &p->meta[p->me][page];
-  uint64_t now = skv__now_ns();
-  m->key_hi = key_hi;
-  m->key_lo = key_lo;
+  /* relaxed atomics: an eviction pass may read them early for its index prefetch (a hint) */
+  __atomic_store_n(&m->key_hi, key_hi, __ATOMIC_RELAXED);
+  __atomic_store_n(&m->key_lo, key_lo, __ATOMIC_RELAXED);
   __atomic_store_n(&m->last_use, now, __ATOMIC_RELAXED);
   uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
-  __atomic_store_n(&m->state, skv__st_make(gen, SKV_PAGE_READY), __ATOMIC_SEQ_CST);
+  /* Release is enough: a pin that reads READY(gen) sees the key and the page written before it
+   * (acquire), and one that reads WRITING fails as stale; no pin can succeed before the index
+   * insert that follows publishes the reference (a seq_cst CAS, after this store). The Dekker
+   * pair is the pin against an eviction, not this store. (A seq_cst store was an xchg per page.) */
+  __atomic_store_n(&m->state, skv__st_make(gen, SKV_PAGE_READY), __ATOMIC_RELEASE);
 }
 
 void skv__pool_commit(skv__pool_t *p, uint32_t page) {
@@ -666,7 +746,11 @@ void skv__pool_release(skv__pool_t *p, uint32_t page) {
 uint64_t skv__pool_evict(skv__pool_t *p, uint64_t n, skv__pool_evict_cb evict, void *arg) {
   uint64_t done = 0;
   pthread_mutex_lock(&p->mu);
-  while (done < n && evict_lru(p, evict, arg)) done++;
+  while (done < n) { /* in passes of a bounded size (the pinned pages go back after each) */
+    const uint64_t ask = SKV_MIN(n - done, (uint64_t)POOL_RUN), d = evict_lru_n(p, ask, evict, arg);
+    done += d;
+    if (d < ask) break; /* nothing more to evict */
+  }
   pthread_mutex_unlock(&p->mu);
   return done;
 }

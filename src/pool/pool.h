@@ -136,6 +136,8 @@ typedef struct skv__pool {
   uint64_t lease_ms;     /* 0: pins never expire */
   uint64_t seen_revoked; /* our header's revoked when we last looked (under pin_mu) */
   uint64_t lease_lost;   /* times our pins were dropped because a lease ran out */
+  /* evictions: told each candidate's key a few pages ahead (the cache prefetches its index slot) */
+  void (*evict_hint)(void *arg, uint64_t key_hi, uint64_t key_lo);
 } skv__pool_t;
 
 /* skv__pool_init flags (elastic domains). REUSE: the records belong to a slot that was used
@@ -173,6 +175,10 @@ int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page);
  * were released). */
 int skv__pool_pin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
                     size_t page_step, const uint32_t *gen, size_t gen_step, size_t n, size_t *bad);
+/* Pin pages (pe[i], page[i]) at generation gen[i] in order up to the first stale one: how many
+ * were pinned (those pins are the caller's). A lookup's hits, pinned with one lock per run. */
+size_t skv__pool_pin_prefix(skv__pool_t *p, const uint32_t *pe, const uint32_t *page,
+                            const uint32_t *gen, size_t n);
 /* Release `times` (1 or 2) pins on every page of a batch; every page is tried, the first failure
  * returned. */
 int skv__pool_unpin_n(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
@@ -189,6 +195,13 @@ static inline uint32_t skv__pool_gen(const skv__pool_t *p, uint32_t pe, uint32_t
   return skv__st_gen(__atomic_load_n(&p->meta[pe][page].state, __ATOMIC_ACQUIRE));
 }
 
+/* Eviction passes call hint(arg of the evict callback, key) for candidates a few pages before
+ * deciding on them (a prefetch of the index slot the eviction will erase); NULL: none. */
+static inline void skv__pool_set_evict_hint(skv__pool_t *p, void (*hint)(void *arg, uint64_t key_hi,
+                                                                         uint64_t key_lo)) {
+  p->evict_hint = hint;
+}
+
 /* Owner: take a page (evicting the LRU unpinned page if none is free; `evict` erases its index
  * entry) into WRITING state. SKV_ENOSPC when every page is pinned or being written. */
 typedef void (*skv__pool_evict_cb)(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi,
@@ -201,6 +214,9 @@ int skv__pool_alloc_n(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint3
                       size_t n, size_t *got, uint64_t *nevicted);
 /* Owner: WRITING -> READY with its key, so that pins can succeed once the key is indexed. */
 void skv__pool_ready(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo);
+/* The same, with the time of its last use given (a batch reads the clock once). */
+void skv__pool_ready_at(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t key_lo,
+                        uint64_t now);
 /* Owner: the page's key is in the index: make it an eviction candidate (LRU). */
 void skv__pool_commit(skv__pool_t *p, uint32_t page);
 void skv__pool_commit_n(skv__pool_t *p, const uint32_t *pages, size_t n);
