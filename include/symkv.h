@@ -661,7 +661,10 @@ SKV_EXTERN int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
  * host pages GPUs write (cuda, cuda_host) and a GPU is in use here (the inserts wait for what was
  * enqueued on `stream` before: pass the stream of the writes, or one ordered after them;
  * skv_kv_sync waits for the inserts), else at once. *ninserted (optional): keys inserted, or,
- * stream-ordered, pages queued. */
+ * stream-ordered, pages queued. Each page is finished once: a reference listed twice, or one
+ * that another thread commits or aborts meanwhile, fails the call with SKV_ESTATE before anything
+ * is done; when queueing fails part-way (a CUDA error), the pages not queued stay reserved, to
+ * commit or abort again (a detach frees them), and are never freed under writes in flight. */
 SKV_EXTERN int skv_kv_commit(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys,
                              size_t n, const skv_page_ref_t *refs, void *stream, size_t *ninserted);
 /* Give reserved pages back unpublished (generation 0 skipped), ordered on `stream` as

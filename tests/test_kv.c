@@ -1726,6 +1726,77 @@ typedef struct layers_param {
 /* PE 0 saves a chain layer by layer (reserve, write layers in several calls, commit); PE 1 looks
  * it up between the writes (never a hit before the commit), then loads it layer by layer into
  * poisoned blocks, byte-exact against the writer's seed, layers not yet loaded still poison. */
+/* One thread of two committing the same reservations at once. */
+typedef struct race_commit {
+  skv_kv_t *kv;
+  skv_namespace_t *ns;
+  const skv_key_t *keys;
+  const skv_page_ref_t *refs;
+  int rc;
+  size_t ins;
+} race_commit_t;
+
+static void *race_commit(void *arg) {
+  race_commit_t *r = arg;
+  r->rc = skv_kv_commit(r->kv, r->ns, r->keys, 2, r->refs, NULL, &r->ins);
+  return NULL;
+}
+
+/* Commit and abort claim each reserved page once: a reference listed twice is refused with
+ * nothing done, and of two threads committing the same references one wins (rank 0's pages). */
+static int reservations_finish_once(skv_kv_t *kv, skv_namespace_t *ns, const skv_layout_t *lay,
+                                    const uint64_t *sb, skv_key_t k2) {
+  size_t nres, nhit;
+  skv_page_ref_t found[2];
+  skv_kv_stats_t st0 = SKV_KV_STATS_INIT, st1 = SKV_KV_STATS_INIT;
+  /* a reference listed twice is refused and nothing of the call is done: both pages stay
+   * reservations, which a correct commit then publishes */
+  skv_key_t kd[2] = {k2, k2};
+  kd[0].lo ^= 0x5a5a;
+  kd[1].lo ^= 0xa5a5;
+  skv_page_ref_t rd[2], twice[2];
+  PE_CHECK(skv_kv_reserve(kv, ns, kd, 2, rd, &nres) == 0 && nres == 2, "reserve 2");
+  PE_CHECK(skv_kv_write(kv, rd, 2, lay, sb, NULL) == 0, "write 2: %s", skv_last_error());
+  twice[0] = twice[1] = rd[0];
+  size_t ins2 = 99;
+  int rc2 = skv_kv_commit(kv, ns, kd, 2, twice, NULL, &ins2);
+  PE_CHECK(rc2 == SKV_ESTATE && strstr(skv_last_error(), "twice"), "a reference listed twice: %s",
+           skv_last_error());
+  PE_CHECK(skv_kv_lookup(kv, ns, kd, 2, 0, found, &nhit) == 0 && nhit == 0,
+           "%zu keys of a refused commit found", nhit);
+  PE_CHECK(skv_kv_commit(kv, ns, kd, 2, rd, NULL, &ins2) == 0 && ins2 == 2,
+           "commit after the refused one: %zu: %s", ins2, skv_last_error());
+  PE_CHECK(skv_kv_lookup(kv, ns, kd, 2, 0, found, &nhit) == 0 && nhit == 2, "committed %zu", nhit);
+  /* two threads committing the same references: one wins, the other is refused, every page
+   * is finished once (the pool's count of used pages grows by exactly what was committed) */
+  for (int round = 0; round < 50; round++) {
+    race_commit_t rcx[2];
+    skv_key_t kr[2] = {k2, k2};
+    kr[0].hi ^= 0x1000u + (uint64_t)round;
+    kr[1].hi ^= 0x2000u + (uint64_t)round;
+    skv_page_ref_t rr[2];
+    PE_CHECK(skv_kv_reserve(kv, ns, kr, 2, rr, &nres) == 0 && nres == 2, "race reserve");
+    PE_CHECK(skv_kv_get_stats(kv, &st0) == 0, "stats");
+    pthread_t th[2];
+    for (int t = 0; t < 2; t++) {
+      rcx[t] = (race_commit_t){kv, ns, kr, rr, 0, 0};
+      PE_CHECK(pthread_create(&th[t], NULL, race_commit, &rcx[t]) == 0, "thread");
+    }
+    for (int t = 0; t < 2; t++) pthread_join(th[t], NULL);
+    const int wins = (rcx[0].rc == 0) + (rcx[1].rc == 0);
+    PE_CHECK(wins == 1 && (rcx[0].rc == SKV_ESTATE || rcx[1].rc == SKV_ESTATE),
+             "round %d: rc %d and %d", round, rcx[0].rc, rcx[1].rc);
+    PE_CHECK(rcx[rcx[0].rc == 0 ? 0 : 1].ins == 2, "round %d: the winner inserted %zu", round,
+             rcx[rcx[0].rc == 0 ? 0 : 1].ins);
+    PE_CHECK(skv_kv_get_stats(kv, &st1) == 0 && st1.pages_used == st0.pages_used,
+             "round %d: pages used %llu -> %llu", round, (unsigned long long)st0.pages_used,
+             (unsigned long long)st1.pages_used);
+    PE_CHECK(skv_kv_lookup(kv, ns, kr, 2, 0, found, &nhit) == 0 && nhit == 2, "round %d: %zu found",
+             round, nhit);
+  }
+  return 0;
+}
+
 static int pe_layers(int rank, int npes, void *arg) {
   SKV_UNUSED(npes);
   const layers_param_t *p = arg;
@@ -1861,6 +1932,11 @@ static int pe_layers(int rank, int npes, void *arg) {
     skv_layout_destroy(drest);
   }
   PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+  if (rank == 0) {
+    skv_key_t k2 = keys[0];
+    k2.lo ^= 0x4321;
+    PE_CHECK(reservations_finish_once(kv, ns, src.lay, sb, k2) == 0, "finished once");
+  }
   skv_layout_destroy(first);
   skv_layout_destroy(mid);
   skv_layout_destroy(last);

@@ -991,26 +991,58 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
 
 /* The references of refs[0..n) that are this PE's reserved pages (generation 0 skipped), into
  * pages[] and idx[] (their positions); SKV_ESTATE naming the first that is not. */
+/* Give claimed pages[0..k) of generations gens[] back to the caller: READY (claimed, nothing
+ * done with them yet) -> WRITING, so that they are still its reservations to commit or abort. */
+static void unclaim(skv_kv_t *kv, const uint32_t *pages, const uint32_t *gens, size_t k) {
+  const uint32_t me = (uint32_t)kv->pool.me;
+  for (size_t q = 0; q < k; q++) {
+    uint64_t want = skv__st_make(gens[q], SKV_PAGE_READY);
+    (void)__atomic_compare_exchange_n(&kv->pool.meta[me][pages[q]].state, &want,
+                                      skv__st_make(gens[q], SKV_PAGE_WRITING), false,
+                                      __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+  }
+}
+
+/* The reserved pages of refs[0..n) (generation 0 skipped): pages[*k] and idx[*k] get them and
+ * their places in refs. With `gens` (a commit or an abort) each is also claimed: WRITING ->
+ * READY(gen) with a compare-and-swap, so a page is finished once even when two threads commit or
+ * abort the same references, or a reference is listed twice (the second fails); READY but
+ * neither indexed nor in the LRU, it is still unreachable; gens get the generations. On a
+ * refused reference nothing stays claimed. */
 static int reserved_refs(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, uint32_t *pages,
-                         size_t *idx, size_t *k, const char *fn) {
+                         size_t *idx, uint32_t *gens, size_t *k, const char *fn) {
   *k = 0;
   if (n && !refs) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, "%s: refs is NULL with n=%zu", fn, n);
   const uint32_t me = (uint32_t)kv->pool.me;
   for (size_t i = 0; i < n; i++) {
     if (refs[i].gen == 0) continue;
-    if (refs[i].pe != me || refs[i].page >= kv->pool.pages)
-      return SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
-                      "%s: reference %zu (PE %u, page %u) is not a page of this PE (PE %u): pass "
-                      "the references skv_kv_reserve filled",
-                      fn, i, refs[i].pe, refs[i].page, me);
-    const uint64_t st = __atomic_load_n(&kv->pool.meta[me][refs[i].page].state, __ATOMIC_ACQUIRE);
-    if (skv__st_state(st) != SKV_PAGE_WRITING || skv__st_gen(st) != refs[i].gen)
-      return SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
+    int rc = 0;
+    if (refs[i].pe != me || refs[i].page >= kv->pool.pages) {
+      rc = SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
+                    "%s: reference %zu (PE %u, page %u) is not a page of this PE (PE %u): pass "
+                    "the references skv_kv_reserve filled",
+                    fn, i, refs[i].pe, refs[i].page, me);
+    } else {
+      uint64_t *state = &kv->pool.meta[me][refs[i].page].state;
+      uint64_t want = skv__st_make(refs[i].gen, SKV_PAGE_WRITING);
+      const bool ok = gens ? __atomic_compare_exchange_n(state, &want,
+                                                         skv__st_make(refs[i].gen, SKV_PAGE_READY),
+                                                         false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)
+                           : __atomic_load_n(state, __ATOMIC_ACQUIRE) == want;
+      if (!ok)
+        rc = SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
                       "%s: reference %zu (page %u, generation %u) is not a page this PE reserved "
-                      "and still holds (it was committed or aborted already, or the reference "
-                      "is not skv_kv_reserve's); nothing was done",
+                      "and still holds (it was committed or aborted already, is listed twice, "
+                      "or is not skv_kv_reserve's); nothing was done",
                       fn, i, refs[i].page, refs[i].gen);
+    }
+    if (rc) {
+      if (gens) unclaim(kv, pages, gens, *k);
+      *k = 0;
+      return rc;
+    }
     pages[*k] = refs[i].page;
+    if (gens) gens[*k] = refs[i].gen;
     idx[(*k)++] = i;
   }
   return 0;
@@ -1086,7 +1118,7 @@ int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   size_t k = 0;
   if (!pages || !idx)
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for %zu pages", fn, n);
-  if (rc == 0) rc = reserved_refs(kv, refs, n, pages, idx, &k, fn);
+  if (rc == 0) rc = reserved_refs(kv, refs, n, pages, idx, NULL, &k, fn);
   const uint32_t me = (uint32_t)kv->pool.me, m = src->blocks_per_page;
   if (rc == 0 && k > 0 && path == PATH_HOST) {
     const bool nt = (uint64_t)k * layout_bytes(kv, src) >= SKV_COPY_STREAM_BYTES;
@@ -1129,14 +1161,14 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
                            size_t n, void *stream, size_t *ninserted, const char *fn) {
   SKV_CHECK(check_owner(kv, fn));
   if (n == 0) return 0;
-  uint32_t *pages = malloc(n * sizeof *pages);
+  uint32_t *pages = malloc(n * sizeof *pages), *gens = malloc(n * sizeof *gens);
   size_t *idx = malloc(n * sizeof *idx);
   skv_key_t *pk = keys ? malloc(n * sizeof *pk) : NULL;
   int rc = 0;
   size_t k = 0;
-  if (!pages || !idx || (keys && !pk))
+  if (!pages || !gens || !idx || (keys && !pk))
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for %zu pages", fn, n);
-  if (rc == 0) rc = reserved_refs(kv, refs, n, pages, idx, &k, fn);
+  if (rc == 0) rc = reserved_refs(kv, refs, n, pages, idx, gens, &k, fn);
   for (size_t q = 0; rc == 0 && keys && q < k; q++) pk[q] = keys[idx[q]];
   bool done = false;
 #ifdef SKV_WITH_CUDA
@@ -1157,8 +1189,12 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
           keys ? SKV__KV_COMMIT : SKV__KV_ABORT, k, &me, 0, pages, 1, pk, false};
       size_t queued = 0;
       rc = skv__kvc_mark(kv->cuda, &b, stream, &queued, fn);
-      for (size_t q = queued; q < k; q++) skv__pool_release(&kv->pool, pages[q]); /* not queued */
+      /* pages not queued may still be written by work on the stream: not freed here, but
+       * given back as reservations (commit or abort them again; a detach frees them) */
+      unclaim(kv, pages + queued, gens + queued, k - queued);
       if (ninserted) *ninserted = queued;
+    } else {
+      unclaim(kv, pages, gens, k);
     }
     done = true;
   }
@@ -1174,6 +1210,7 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
     if (ninserted) *ninserted = ins;
   }
   free(pages);
+  free(gens);
   free(idx);
   free(pk);
   return rc;
