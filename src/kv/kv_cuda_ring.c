@@ -15,14 +15,14 @@
  * used it completed, and a call that finds none free waits for one, bounded by the context's
  * timeout. After a launch and the event recorded behind it are enqueued, the slot goes on the
  * pending list. The completion thread watches the events of the pending launches
- * (cudaEventQuery, sleeping 2 us doubling to 100 us while any is pending, on a condition
- * variable while none is) and, once a launch's event has completed, runs the protocol's `done`
- * on the slot's batch (kv.c releases its pins or indexes its pages) and hands the slot back.
- * Callers do the same for what has completed: each publish first, a call waiting for a slot,
- * and skv__kvc_sync (a fetch leaves it to the thread: its caller should not pay the previous
- * fetch's unpins); each use of a slot has a sequence number, so one completion never counts
- * twice. The caller's stream carries nothing but the copy and an event (a host callback on the
- * stream cost it microseconds per launch: docs/gpu.md).
+ * (cudaEventQuery, sleeping 2 us doubling to 100 us while any is pending; with none pending it
+ * keeps looking for 2 ms, 2 us doubling to 50 us, then sleeps on a condition variable) and, once a
+ * launch's event has completed, runs the protocol's `done` on the slot's batch (kv.c releases its
+ * pins or indexes its pages) and hands the slot back. Callers do the same for what has completed:
+ * each publish first, a call waiting for a slot, and skv__kvc_sync (a fetch leaves it to the
+ * thread: its caller should not pay the previous fetch's unpins); each use of a slot has a sequence
+ * number, so one completion never counts twice. The caller's stream carries nothing but the copy
+ * and an event (a host callback on the stream cost it microseconds per launch: docs/gpu.md).
  *
  * What can go wrong
  * -----------------
@@ -172,16 +172,18 @@ void skv__kvc_reap(skv__kvc_t *kc) {
   pthread_mutex_unlock(&kc->mu);
 }
 
-/* Idle, the completion thread naps this long before it waits on its condition variable. */
+/* Idle, the completion thread keeps looking this long before it waits on its condition variable,
+ * napping 2 us doubling to REAPER_IDLE_NAP between looks. */
 #define REAPER_LINGER_NS (2000u * 1000u)
-#define REAPER_IDLE_NAP  50000 /* ns between looks while lingering */
+#define REAPER_IDLE_NAP  50000
 
 /* The completion thread: sleeps 2 us doubling to 100 us while launches are pending and none
- * completed. With none pending it lingers REAPER_LINGER_NS, looking every REAPER_IDLE_NAP,
- * before it waits for work: a launch that finds it awake hands off with no futex wake (on one
- * H100 under MPS the hand-off took 2.3 us of a 10.7 us call of 1 MiB when every call woke the
- * thread: bench/results/e2e_p21_1gpu_mps_nvidia-h100-x1.txt), at the price of a few hundred
- * wake-ups after the last launch. */
+ * completed. With none pending it lingers REAPER_LINGER_NS before it waits for work: a launch
+ * that finds it awake hands off with no futex wake (on one H100 under MPS the hand-off took 2.3
+ * us of a 10.7 us call of 1 MiB when every call woke the thread:
+ * bench/results/e2e_p21_1gpu_mps_nvidia-h100-x1.txt), at the price of about 45 wake-ups after
+ * the last launch; a launch right after the last one is seen within a few us, one after a longer
+ * gap within 50 us (plus the timer's slack), where a woken thread saw it at once. */
 static void *reaper_main(void *arg) {
   skv__kvc_t *kc = arg;
   (void)cudaSetDevice(kc->device);
@@ -194,8 +196,9 @@ static void *reaper_main(void *arg) {
       if (idle_since == 0) idle_since = now;
       if (now - idle_since < REAPER_LINGER_NS) {
         pthread_mutex_unlock(&kc->mu);
-        struct timespec ts = {0, REAPER_IDLE_NAP};
+        struct timespec ts = {0, nap_ns};
         nanosleep(&ts, NULL);
+        nap_ns = nap_ns * 2 > REAPER_IDLE_NAP ? REAPER_IDLE_NAP : nap_ns * 2;
         pthread_mutex_lock(&kc->mu);
         continue;
       }
@@ -204,7 +207,7 @@ static void *reaper_main(void *arg) {
       nap_ns = 2000;
       continue;
     }
-    idle_since = 0;
+    if (idle_since) idle_since = 0, nap_ns = 2000;
     if (skv__kvc_reap_locked(kc) > 0) {
       nap_ns = 2000;
       continue;
