@@ -114,8 +114,9 @@ static SKV_ALWAYS_INLINE void gather_stream(char *restrict d, const char *restri
 }
 
 /* The T x H rows of `row` bytes of a page's block part (token-major, as the page holds them)
- * into `d` head-major (an HND block: each head's tokens contiguous). Common row sizes get a
- * fixed-size memcpy (a few vector moves), and prefetch the page's next part a token ahead (the
+ * into `d` head-major (an HND block: each head's tokens contiguous); rows under 64 bytes (longer
+ * ones are scattered whole lines at a time instead). Rows of 16 and 32 bytes get a fixed-size
+ * memcpy (a few vector moves), and prefetch the page's next part a token ahead (the
  * pages of a batch are far apart: the hardware prefetcher starts late on each). */
 static SKV_ALWAYS_INLINE void transpose_rows(char *restrict d, const char *restrict s, uint64_t T,
                                              uint64_t H, size_t row) {
@@ -128,7 +129,7 @@ static SKV_ALWAYS_INLINE void transpose_rows(char *restrict d, const char *restr
     }                                                                                            \
     return;
   switch (row) {
-    TROWS(16) TROWS(32) TROWS(64) TROWS(128) TROWS(256)
+    TROWS(16) TROWS(32)
   default:
     for (uint64_t t = 0; t < T; t++, s += H * row)
       for (uint64_t h = 0; h < H; h++) memcpy(d + (h * T + t) * row, s + h * row, row);

@@ -989,8 +989,6 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
  *   call fails with SKV_ESTATE. A stream-ordered step that cannot be queued gives its pages back.
  */
 
-/* The references of refs[0..n) that are this PE's reserved pages (generation 0 skipped), into
- * pages[] and idx[] (their positions); SKV_ESTATE naming the first that is not. */
 /* Give claimed pages[0..k) of generations gens[] back to the caller: READY (claimed, nothing
  * done with them yet) -> WRITING, so that they are still its reservations to commit or abort. */
 static void unclaim(skv_kv_t *kv, const uint32_t *pages, const uint32_t *gens, size_t k) {

@@ -712,12 +712,7 @@ void skv__pool_ready_at(skv__pool_t *p, uint32_t page, uint64_t key_hi, uint64_t
 }
 
 void skv__pool_commit(skv__pool_t *p, uint32_t page) {
-  skv__page_meta_t *m = &p->meta[p->me][page];
-  uint32_t gen = skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_RELAXED));
-  uint64_t lu = __atomic_load_n(&m->last_use, __ATOMIC_RELAXED);
-  pthread_mutex_lock(&p->mu);
-  lru_push(p, lu, page, gen);
-  pthread_mutex_unlock(&p->mu);
+  skv__pool_commit_n(p, &page, 1);
 }
 
 void skv__pool_commit_n(skv__pool_t *p, const uint32_t *pages, size_t n) {
