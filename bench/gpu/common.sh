@@ -8,6 +8,22 @@ OUT=${OUT:-/tmp/skv-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LD_LIBRARY_PATH="$PWD/$L:${LD_LIBRARY_PATH:-}"
 
+# mps_start: start the MPS daemon, so that the kernels of PEs sharing a GPU run side by side
+# instead of in time slices (docs/comm.md), and stop it when the script exits; says which
+# through the script's `log`.
+mps_start() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  mps=/usr/local/nvidia/bin/nvidia-cuda-mps-control
+  [ -x "$mps" ] || mps=$(command -v nvidia-cuda-mps-control || true)
+  if [ -n "$mps" ] && "$mps" -d; then
+    log "MPS daemon started ($mps)"
+    trap 'echo quit | "$mps" 2>/dev/null; sleep 1' EXIT
+  else
+    log "MPS daemon NOT started (no nvidia-cuda-mps-control): PEs time-slice the GPU"
+  fi
+}
+
 # fetch_variant NAME "FETCH ARGS" ENV...: one `symkv-bench fetch` on 2 PEs with ENV set, its
 # log and JSON under $OUT as NAME.*, the rows on stdout.
 fetch_variant() {

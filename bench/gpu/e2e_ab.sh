@@ -16,16 +16,7 @@ S="$OUT/summary.txt"
 log() { echo "== $* ($(date -u +%T))" | tee -a "$S"; }
 { date -u; hostname; nvidia-smi -L; git log --oneline -1 2>/dev/null; } > "$OUT/host.txt" 2>&1
 
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-mps=/usr/local/nvidia/bin/nvidia-cuda-mps-control
-[ -x "$mps" ] || mps=$(command -v nvidia-cuda-mps-control || true)
-if [ -n "$mps" ] && "$mps" -d; then
-  log "MPS daemon started ($mps)"
-  trap 'echo quit | "$mps" 2>/dev/null; sleep 1' EXIT
-else
-  log "MPS daemon NOT started (no nvidia-cuda-mps-control): PEs time-slice the GPU"
-fi
+mps_start
 
 rows='^\[0\] (fetch_e2e|publish_e2e|fetch_latency_e2e|breakdown/(fetch|publish)_e2e(_host)?/64KiB/x1024/)'
 for round in 1 2; do
