@@ -17,6 +17,9 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef SKV_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #define MAX_SIZES  16
 #define MAX_ROUNDS 15
@@ -58,6 +61,7 @@ typedef struct node {
   uint64_t pb;
   uint32_t npages;
   uint8_t *mem;
+  uint8_t *dev; /* --gpu: the engine's blocks in GPU memory (mem then receives a copy) */
   skv_layout_t *lay;
   skv_namespace_t *ns;
   skv_kv_t *kv;
@@ -65,8 +69,11 @@ typedef struct node {
   skv_key_t *keys;
 } node_t;
 
+/* A node; gpu: its blocks in GPU memory and its pages too (a CUDA domain, joined with
+ * SKV_CLUSTER_NO_EXPORT: it reads other nodes' pages into the GPU). */
 static int node_open(node_t *n, const char *domain, const char *name, const char *url,
-                     const char *cluster, uint64_t page_bytes, uint32_t npages, int role) {
+                     const char *cluster, uint64_t page_bytes, uint32_t npages, int role,
+                     bool gpu) {
   memset(n, 0, sizeof *n);
   n->g = geom_of(page_bytes);
   n->npages = npages;
@@ -75,19 +82,31 @@ static int node_open(node_t *n, const char *domain, const char *name, const char
   n->keys = calloc(npages, sizeof(*n->keys));
   if (!n->mem || !n->keys) return SKV_ENOMEM;
   void *base[1] = {n->mem};
-  SKV_CHECK(skv_layout_create_preset(&n->g, SKV_LAYOUT_CONTIGUOUS, 16, npages, base, -1, &n->lay));
+  if (gpu) {
+#ifdef SKV_WITH_CUDA
+    if (cudaMalloc((void **)&n->dev, n->pb * npages) != cudaSuccess)
+      return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cluster --gpu: cudaMalloc failed");
+    base[0] = n->dev;
+#else
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_BENCH, "cluster --gpu: built without CUDA");
+#endif
+  }
+  SKV_CHECK(skv_layout_create_preset(&n->g, SKV_LAYOUT_CONTIGUOUS, 16, npages, base, gpu ? 0 : -1,
+                                     &n->lay));
   SKV_CHECK(skv_namespace_create("bench", &n->g, NULL, 0, NULL, 0, &n->ns));
   for (uint32_t i = 0; i < npages; i++)
     SKV_CHECK(skv_namespace_hash_bytes(n->ns, &i, sizeof i, &n->keys[i]));
   skv_attach_opts_t ao = SKV_ATTACH_OPTS_INIT;
-  ao.role = role;
+  ao.role = gpu ? SKV_ROLE_OWNER : role;
   ao.pages_per_pe = npages;
   ao.max_slots = 2;
+  if (gpu) ao.backend = SKV_BACKEND_CUDA;
   SKV_CHECK(skv_kv_attach(domain, &n->g, &ao, &n->kv));
   skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
   co.redis_url = url;
   co.node = name;
   co.cluster = cluster;
+  if (gpu) co.flags = SKV_CLUSTER_NO_EXPORT;
   return skv_cluster_join(n->kv, &co, &n->cl);
 }
 
@@ -96,6 +115,9 @@ static void node_close(node_t *n) {
   if (n->kv) skv_kv_detach(n->kv);
   if (n->lay) skv_layout_destroy(n->lay);
   if (n->ns) skv_namespace_destroy(n->ns);
+#ifdef SKV_WITH_CUDA
+  if (n->dev) cudaFree(n->dev);
+#endif
   free(n->mem);
   free(n->keys);
 }
@@ -104,7 +126,7 @@ static void node_close(node_t *n) {
 static _Noreturn void server_main(const char *domain, const char *url, const char *cluster,
                                   uint64_t page_bytes, uint32_t npages, int ready, int quit) {
   node_t n;
-  int rc = node_open(&n, domain, "server", url, cluster, page_bytes, npages, SKV_ROLE_OWNER);
+  int rc = node_open(&n, domain, "server", url, cluster, page_bytes, npages, SKV_ROLE_OWNER, false);
   uint64_t *ids = malloc(npages * sizeof(*ids));
   if (!rc && !ids) rc = SKV_ENOMEM;
   if (!rc) {
@@ -354,6 +376,7 @@ static int bench_cluster(bench_t *b) {
   const int nlookups = (int)bench_opt_int(b, "--lookups", 2000);
   const int chain = (int)bench_opt_int(b, "--chain", 32);
   const int rounds = (int)bench_opt_int(b, "--rounds", 3);
+  const bool gpu = bench_flag(b, "--gpu");
   const char *tls = bench_opt(b, "--tls");
   if (tls)
     setenv("UCX_TLS", tls, 1);
@@ -363,6 +386,8 @@ static int bench_cluster(bench_t *b) {
   bench_config_int(b, "batch_bytes", (long long)batch_bytes);
   bench_config_real(b, "seconds", seconds);
   bench_config_int(b, "rounds", rounds);
+  bench_config_str(b, "destination",
+                   gpu ? "GPU blocks (pinned staging, copy kernels)" : "host blocks");
   bench_config_str(b, "host_kind", getenv("SKV_HOST_KIND") ? getenv("SKV_HOST_KIND") : "unknown");
   char la[64];
   bench_config_str(b, "loadavg_start", loadavg(la, sizeof la));
@@ -411,7 +436,7 @@ static int bench_cluster(bench_t *b) {
       break;
     }
     node_t c;
-    rc = node_open(&c, dom_c, "client", url, cluster, pb, per, SKV_ROLE_READER);
+    rc = node_open(&c, dom_c, "client", url, cluster, pb, per, SKV_ROLE_READER, gpu);
     skv_cluster_ref_t *refs = calloc(per, sizeof(*refs));
     uint64_t *ids = malloc(per * sizeof(*ids));
     size_t nl = 0, nh = 0;
@@ -424,7 +449,14 @@ static int bench_cluster(bench_t *b) {
     /* the first fetch is checked byte for byte */
     if (!rc) {
       memset(c.mem, 0xEE, pb * per);
-      rc = skv_cluster_fetch(c.cl, refs, per, c.lay, ids, 0, NULL);
+#ifdef SKV_WITH_CUDA
+      if (c.dev && cudaMemset(c.dev, 0xEE, pb * per) != cudaSuccess) rc = SKV_ECUDA;
+#endif
+      if (!rc) rc = skv_cluster_fetch(c.cl, refs, per, c.lay, ids, 0, NULL);
+#ifdef SKV_WITH_CUDA
+      if (!rc && c.dev && cudaMemcpy(c.mem, c.dev, pb * per, cudaMemcpyDeviceToHost) != cudaSuccess)
+        rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cluster --gpu: copying the blocks back failed");
+#endif
       for (uint64_t i = 0; !rc && i < per; i++)
         for (uint64_t j = 0; j < pb; j++)
           if (c.mem[i * pb + j] != pat((uint32_t)i, j)) {
@@ -489,8 +521,8 @@ static int bench_cluster(bench_t *b) {
     char name[96], bname[160];
     char sz[32];
     skv__fmt_bytes(pb, sz, sizeof sz);
-    snprintf(name, sizeof name, "remote fetch %s pages, %u per fetch%s", sz, per,
-             bench_flag(b, "--same-page") ? " (one page)" : "");
+    snprintf(name, sizeof name, "remote fetch %s pages, %u per fetch%s%s", sz, per,
+             gpu ? ", into the GPU" : "", bench_flag(b, "--same-page") ? " (one page)" : "");
     snprintf(bname, sizeof bname, "ucx_perftest ucp_get %s, -O %u", sz, per);
     bench_row(b, name, gbs, "GB/s", "higher", bname, base);
     bench_config_str(b, sz, cmd);
@@ -525,6 +557,10 @@ static const bench_optspec_t cluster_opts[] = {
      64, NULL},
     {"--tls", BENCH_STR, "LIST", "UCX_TLS, else tcp", "UCX transports (UCX_TLS), e.g. tcp or sm", 0,
      0, NULL},
+    {"--gpu", BENCH_FLAG, NULL, NULL,
+     "the fetching node's blocks (and pages) in GPU memory: remote pages go through its pinned "
+     "staging buffer and the copy kernels (ucx_perftest still reads host memory)",
+     0, 0, NULL},
     {"--same-page", BENCH_FLAG, NULL, NULL,
      "every fetch reads one remote page N times (ucx_perftest's pattern: one buffer)", 0, 0, NULL},
     {"--trace", BENCH_STR, "FILE", NULL,

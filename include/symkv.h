@@ -701,12 +701,17 @@ typedef struct skv_cluster_opts {
   uint32_t version;      /* SKV_CLUSTER_OPTS_VERSION */
   int32_t timeout_ms;    /* bound on every wait (Redis, UCX); -1: SKV_TIMEOUT_MS, else 60000 */
   int32_t lease_ms;      /* directory lease of this node's entries; -1: SKV_CLUSTER_LEASE_MS */
-  uint32_t flags;        /* reserved, 0 */
+  uint32_t flags;        /* 0 or SKV_CLUSTER_NO_EXPORT */
   const char *redis_url; /* redis://HOST:PORT[/DB]; NULL: SKV_REDIS_URL; neither: node-local */
   const char *node;      /* this node's name in the directory (1..63 of [A-Za-z0-9._:-]);
                           * NULL: HOSTNAME:PID */
   const char *cluster;   /* the directory's key prefix (same rule); NULL: "symkv" */
 } skv_cluster_opts_t;
+
+/* Join to look up and read other nodes' pages only: this process's pages are not exported (nor
+ * its keys put in the directory). Pages in GPU memory need it (this version exports host pages
+ * only); reading remote pages into GPU layouts does not. */
+enum { SKV_CLUSTER_NO_EXPORT = 1u };
 
 /* clang-format off */
 #define SKV_CLUSTER_OPTS_INIT                                                                      \
@@ -744,10 +749,11 @@ typedef struct skv_cluster_stats {
   uint64_t remote_pages, remote_bytes; /* pages and bytes read from peer nodes */
   uint64_t remote_stale;               /* remote pages found evicted after (or before) the read */
   uint64_t peer_failures;              /* fetches that failed because a peer node was unreachable */
+  uint64_t remote_pins;                /* remote pages pinned by lookups (SKV_LOOKUP_PIN) */
 } skv_cluster_stats_t;
 
 #define SKV_CLUSTER_STATS_INIT \
-  { sizeof(skv_cluster_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(skv_cluster_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* Join `kv` (its owner's pages, if any, are exported) to the cluster. With Redis configured:
  * connects (SKV_ECONN naming the URL when Redis does not answer: the cache itself goes on
@@ -765,24 +771,37 @@ SKV_EXTERN int skv_cluster_publish(skv_cluster_t *cl, const skv_namespace_t *ns,
                                    const uint64_t *block_ids, void *stream, size_t *ninserted);
 /* Wait (bounded by the timeout) until every directory write queued so far is in Redis. */
 SKV_EXTERN int skv_cluster_flush(skv_cluster_t *cl);
-/* How many leading keys are cached anywhere: refs[0..*nlocal) on this node (as skv_kv_lookup,
- * SKV_LOOKUP_PIN pins them), refs[*nlocal..*nhit) on peer nodes, from the directory (one
- * round trip to Redis). A remote entry whose node left or lost its lease ends the prefix. When
- * Redis cannot be reached the call returns SKV_ECONN with the node-local hits filled in
- * (*nhit == *nlocal), so the caller can go on with them. */
+/* How many leading keys are cached anywhere: refs[0..*nlocal) on this node (as skv_kv_lookup),
+ * refs[*nlocal..*nhit) on peer nodes, from the directory (one round trip to Redis). A remote
+ * entry whose node left or lost its lease ends the prefix. With SKV_LOOKUP_PIN every hit is
+ * pinned, the remote ones on their nodes (one batch of atomic adds per peer, then their states
+ * read back: a page found evicted meanwhile ends the prefix); release them with
+ * skv_cluster_fetch(SKV_FETCH_UNPIN) or skv_cluster_unpin. A node keeps remote pins of a page
+ * while any node pins or unpins it at least once per pin lease (SKV_PIN_LEASE_MS of the owner):
+ * pins of a node that died or hangs lapse so. When Redis cannot be reached the call returns
+ * SKV_ECONN with the node-local hits filled in (*nhit == *nlocal), so the caller can go on with
+ * them. */
 SKV_EXTERN int skv_cluster_lookup(skv_cluster_t *cl, const skv_namespace_t *ns,
                                   const skv_key_t *keys, size_t n, uint32_t flags,
                                   skv_cluster_ref_t *refs, size_t *nlocal, size_t *nhit);
 /* Copy pages refs[0..n) into the engine's blocks as skv_kv_fetch does (same block_ids rule;
- * local references exactly as there, flags and stream included). Remote pages are read with
- * UCX gets into host memory, one batch per peer node, and each page's generation is read after
- * its bytes: a page evicted or reused before or during the read fails with SKV_ESTALE and is
- * not copied into its blocks (earlier batches may have been). A peer that does not answer
- * within the timeout, or dies, fails with SKV_EPEERDEAD naming it (its blocks not written).
- * Remote pages need a host layout of every layer (SKV_ENOTSUP / SKV_EINVAL otherwise, for now). */
+ * local references exactly as there, flags and stream included). Remote pages (the bytes of
+ * the layout's layers) are read with UCX gets into a registered host buffer, one pipelined
+ * batch per peer node, and each page's generation is read after its bytes: a page evicted or
+ * reused before or during the read fails with SKV_ESTALE and is not copied into its blocks
+ * (earlier batches may have been). Checked pages go into host layouts with the host copy,
+ * into GPU layouts (a cache with the CUDA backend) with the copy kernels reading the buffer,
+ * which is pinned for CUDA, on `stream`; remote pages are in their blocks when the call
+ * returns (not stream-ordered; SKV_ECAPTURE while `stream` is captured). SKV_FETCH_UNPIN
+ * releases the pins of every reference, remote ones included, also when the call fails. A
+ * peer that does not answer within the timeout, or dies, fails with SKV_EPEERDEAD naming it
+ * (its blocks not written). */
 SKV_EXTERN int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
                                  const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                                  void *stream);
+/* Release pins taken by skv_cluster_lookup(SKV_LOOKUP_PIN), local and remote, without a fetch
+ * (a peer that cannot be reached keeps them until they lapse). */
+SKV_EXTERN int skv_cluster_unpin(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n);
 SKV_EXTERN int skv_cluster_get_stats(const skv_cluster_t *cl, skv_cluster_stats_t *stats);
 /* Name of peer node `node` of this handle (as in skv_cluster_ref_t), or NULL. */
 SKV_EXTERN const char *skv_cluster_node_name(const skv_cluster_t *cl, uint32_t node);

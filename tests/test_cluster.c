@@ -20,6 +20,9 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef SKV_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 static char g_cluster[64]; /* the directory's prefix: t<pid of the test> */
 static void setup(void) {
@@ -191,8 +194,22 @@ static uint64_t eng_wrong(const eng_t *e, uint32_t first, uint32_t n, uint32_t v
   return wrong;
 }
 
+/* Bytes of blocks[0..n) (pages of pb bytes at mem) wrong: in [off, off + len) not those of
+ * keys first.. version v, elsewhere not the poison 0xEE. */
+static uint64_t layer_wrong(const uint8_t *mem, uint64_t pb, uint32_t first, uint32_t n, uint32_t v,
+                            uint64_t off, uint64_t len) {
+  uint64_t wrong = 0;
+  for (uint32_t i = 0; i < n; i++)
+    for (uint64_t j = 0; j < pb; j++) {
+      const uint8_t b = mem[i * pb + j];
+      wrong += (j >= off && j < off + len) ? b != pat(first + i, v, j) : b != 0xEE;
+    }
+  return wrong;
+}
+
 /* A node in a child process, driven through pipes: commands "P first n v" (publish), "E"
- * (evict everything), "Q" (leave and exit). Each answers with its return code. */
+ * (evict everything; "C" answers how many pages went), "Q" (leave and exit). Each answers with its
+ * return code. */
 typedef struct child {
   pid_t pid;
   int cmd, rep;
@@ -219,6 +236,11 @@ static void child_main(const node_args_t *a, int cmd, int rep) {
       uint64_t ev = 0;
       rc = skv_kv_evict(e.kv, UINT64_MAX, &ev);
       if (!rc) rc = skv_cluster_flush(e.cl);
+    } else if (line[0] == 'C') { /* as E, answering how many pages went */
+      uint64_t ev = 0;
+      rc = skv_kv_evict(e.kv, UINT64_MAX, &ev);
+      if (!rc) rc = skv_cluster_flush(e.cl);
+      if (!rc) rc = (int)ev;
     } else if (line[0] == 'Q') {
       eng_close(&e);
       rc = 0;
@@ -381,15 +403,19 @@ Test(cluster, evicted_page_is_stale_never_served) {
   cr_assert_eq(nh, 0, "an evicted key still in the directory");
   lookup_all(&c, 100, 8, refs, &nl, &nh);
   cr_assert_eq(nh, 8);
-  /* remote pages into a layout of some layers: refused, nothing written (for now) */
+  /* remote pages into a layout of layer 1 of 4: that layer's bytes only are read and written */
   skv_layout_t *part = NULL;
   cr_assert_eq(skv_layout_create_layers(c.lay, 1, 1, &part), 0, "%s", skv_last_error());
   rc = skv_cluster_fetch(c.cl, refs, 8, part, ids, 0, NULL);
-  cr_assert_eq(rc, SKV_EINVAL, "remote fetch into layers [1, 2): %s", skv_err_name(rc));
-  cr_assert(strstr(skv_last_error(), "layers [1, 2)"), "%s", skv_last_error());
+  cr_assert_eq(rc, 0, "remote fetch into layers [1, 2): %s: %s", skv_err_name(rc),
+               skv_last_error());
   skv_layout_destroy(part);
-  cr_assert_eq(eng_wrong(&c, 100, 8, 2, &poisoned), 0);
-  cr_assert_eq(poisoned, 8, "a refused fetch wrote blocks");
+  cr_assert_eq(layer_wrong(c.mem, c.pb, 100, 8, 2, c.pb / 4, c.pb / 4), 0,
+               "layer 1 wrong, or bytes of other layers written");
+  skv_cluster_stats_t st0 = SKV_CLUSTER_STATS_INIT;
+  skv_cluster_get_stats(c.cl, &st0);
+  cr_assert_eq(st0.remote_bytes, 8 * c.pb / 4, "only layer 1's bytes travel");
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
   cr_assert_eq(skv_cluster_fetch(c.cl, refs, 8, c.lay, ids, 0, NULL), 0, "%s", skv_last_error());
   cr_assert_eq(eng_wrong(&c, 100, 8, 2, &poisoned), 0);
   cr_assert_eq(poisoned, 0);
@@ -399,6 +425,164 @@ Test(cluster, evicted_page_is_stale_never_served) {
   eng_close(&c);
   child_stop(&a);
   redis_stop(&r);
+}
+
+/* Remote pins: pages that a lookup pinned on their node survive its evictions until the fetch
+ * releases them; pins nobody touches for a lease lapse (the owner evicts, the reader gets
+ * SKV_ESTALE and no wrong byte), and their late unpin is harmless. */
+Test(cluster, remote_pins_hold_evictions_until_released_or_lapsed) {
+  redis_t r;
+  redis_start(&r, 0);
+  setenv("SKV_PIN_LEASE_MS", "1000", 1); /* the owner's pin lease (read at attach) */
+  node_args_t aa = args_for("a", &r, 4, 8, 5000);
+  child_t a;
+  child_start(&a, &aa);
+  unsetenv("SKV_PIN_LEASE_MS");
+  cr_assert_eq(child_do(&a, "P 0 8 1"), 0);
+  eng_t c;
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-c", (int)getpid());
+  cr_assert_eq(eng_open(&c, dom, 4, 8, "c", r.url, 5000, 10000), 0, "%s", skv_last_error());
+  skv_key_t keys[BLOCKS];
+  for (uint32_t i = 0; i < 8; i++) keys[i] = key_of(c.ns, i);
+  skv_cluster_ref_t refs[BLOCKS];
+  size_t nl = 0, nh = 0;
+  /* pin the first 5 only: a's evictions take the other 3 */
+  cr_assert_eq(skv_cluster_lookup(c.cl, c.ns, keys, 5, SKV_LOOKUP_PIN, refs, &nl, &nh), 0, "%s",
+               skv_last_error());
+  cr_assert_eq(nh, 5);
+  skv_cluster_stats_t st = SKV_CLUSTER_STATS_INIT;
+  skv_cluster_get_stats(c.cl, &st);
+  cr_assert_eq(st.remote_pins, 5);
+  cr_assert_eq(child_do(&a, "C"), 3, "a evicted other than its 3 unpinned pages");
+  uint64_t ids[BLOCKS];
+  for (int i = 0; i < BLOCKS; i++) ids[i] = (uint64_t)i;
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  int rc = skv_cluster_fetch(c.cl, refs, 5, c.lay, ids, SKV_FETCH_UNPIN, NULL);
+  cr_assert_eq(rc, 0, "fetch of pinned pages after evictions: %s: %s", skv_err_name(rc),
+               skv_last_error());
+  int poisoned;
+  cr_assert_eq(eng_wrong(&c, 0, 5, 1, &poisoned), 0);
+  cr_assert_eq(poisoned, 0);
+  cr_assert_eq(child_do(&a, "C"), 5, "the released pins still held pages");
+  /* pinned, then left alone longer than the lease: the pins lapse */
+  cr_assert_eq(child_do(&a, "P 20 4 3"), 0);
+  for (uint32_t i = 0; i < 4; i++) keys[i] = key_of(c.ns, 20 + i);
+  cr_assert_eq(skv_cluster_lookup(c.cl, c.ns, keys, 4, SKV_LOOKUP_PIN, refs, &nl, &nh), 0, "%s",
+               skv_last_error());
+  cr_assert_eq(nh, 4);
+  cr_assert_eq(child_do(&a, "C"), 0, "pinned pages evicted within the lease");
+  usleep(1300 * 1000);
+  cr_assert_eq(child_do(&a, "C"), 4, "pins untouched for longer than the lease did not lapse");
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  rc = skv_cluster_fetch(c.cl, refs, 4, c.lay, ids, 0, NULL);
+  cr_assert_eq(rc, SKV_ESTALE, "fetch of pages whose pins lapsed: %s", skv_err_name(rc));
+  cr_assert_eq(eng_wrong(&c, 20, 4, 3, &poisoned), 0);
+  cr_assert_eq(poisoned, 4);
+  /* the late unpin is harmless: new pins on the reused pages still hold */
+  cr_assert_eq(skv_cluster_unpin(c.cl, refs, 4), 0, "%s", skv_last_error());
+  cr_assert_eq(child_do(&a, "P 40 8 4"), 0);
+  for (uint32_t i = 0; i < 8; i++) keys[i] = key_of(c.ns, 40 + i);
+  cr_assert_eq(skv_cluster_lookup(c.cl, c.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nl, &nh), 0, "%s",
+               skv_last_error());
+  cr_assert_eq(nh, 8);
+  cr_assert_eq(child_do(&a, "C"), 0, "pages pinned again were evicted");
+  cr_assert_eq(skv_cluster_unpin(c.cl, refs, 8), 0, "%s", skv_last_error());
+  cr_assert_eq(child_do(&a, "C"), 8);
+  eng_close(&c);
+  child_stop(&a);
+  redis_stop(&r);
+}
+
+/* Remote pages into a GPU layout: node c keeps its pages in GPU memory (a CUDA domain, which it
+ * cannot export: join says so and names SKV_CLUSTER_NO_EXPORT) and reads a's host pages into
+ * engine blocks in GPU memory, all layers and layer 1 alone, every byte checked against the
+ * host pattern, the rest of the poisoned blocks untouched. */
+Test(cluster, remote_pages_into_a_gpu_layout_byte_exact) {
+#ifndef SKV_WITH_CUDA
+  cr_skip_test("symkv built without CUDA");
+#else
+  SKV_TEST_REQUIRE_GPUS(1);
+  redis_t r;
+  redis_start(&r, 0);
+  node_args_t aa = args_for("a", &r, 4, 8, 5000);
+  child_t a;
+  child_start(&a, &aa); /* before this process touches CUDA */
+  cr_assert_eq(child_do(&a, "P 0 8 1"), 0);
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.num_layers = 4, g.num_kv_heads = 2, g.head_dim = 32, g.elem_bytes = 2, g.page_tokens = 16;
+  uint64_t pb = 0;
+  cr_assert_eq(skv_geometry_get_page_bytes(&g, &pb), 0);
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-g", (int)getpid());
+  skv_attach_opts_t ao = SKV_ATTACH_OPTS_INIT;
+  ao.pages_per_pe = 8;
+  ao.max_slots = 2;
+  ao.backend = SKV_BACKEND_CUDA;
+  ao.timeout_ms = 10000;
+  skv_kv_t *kv = NULL;
+  cr_assert_eq(skv_kv_attach(dom, &g, &ao, &kv), 0, "%s", skv_last_error());
+  skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
+  co.redis_url = r.url, co.node = "g", co.cluster = g_cluster, co.timeout_ms = 10000;
+  skv_cluster_t *cl = NULL;
+  int rc = skv_cluster_join(kv, &co, &cl);
+  cr_assert_eq(rc, SKV_ENOTSUP, "GPU pages exported: %s", skv_err_name(rc));
+  cr_assert(strstr(skv_last_error(), "SKV_CLUSTER_NO_EXPORT"), "%s", skv_last_error());
+  co.flags = SKV_CLUSTER_NO_EXPORT;
+  cr_assert_eq(skv_cluster_join(kv, &co, &cl), 0, "%s", skv_last_error());
+  uint8_t *dev = NULL, *host = malloc(pb * BLOCKS);
+  cr_assert(host);
+  cr_assert_eq(cudaMalloc((void **)&dev, pb * BLOCKS), cudaSuccess);
+  void *base[1] = {dev};
+  skv_layout_t *lay = NULL, *part = NULL;
+  cr_assert_eq(skv_layout_create_preset(&g, SKV_LAYOUT_CONTIGUOUS, 16, BLOCKS, base, 0, &lay), 0,
+               "%s", skv_last_error());
+  cr_assert_eq(skv_layout_create_layers(lay, 1, 1, &part), 0, "%s", skv_last_error());
+  skv_namespace_t *ns = NULL;
+  cr_assert_eq(skv_namespace_create("m", &g, NULL, 0, "secret", 6, &ns), 0);
+  skv_key_t keys[BLOCKS];
+  for (uint32_t i = 0; i < 8; i++) keys[i] = key_of(ns, i);
+  skv_cluster_ref_t refs[BLOCKS];
+  size_t nl = 0, nh = 0;
+  cr_assert_eq(skv_cluster_lookup(cl, ns, keys, 8, SKV_LOOKUP_PIN, refs, &nl, &nh), 0, "%s",
+               skv_last_error());
+  cr_assert_eq(nh, 8);
+  cr_assert_eq(nl, 0);
+  /* blocks in reverse order, so that a copy ignoring block ids is caught */
+  uint64_t ids[BLOCKS];
+  for (int i = 0; i < 8; i++) ids[i] = (uint64_t)(7 - i);
+  const skv_layout_t *lays[2] = {part, lay};
+  const uint64_t offs[2] = {pb / 4, 0}, lens[2] = {pb / 4, pb};
+  for (int t = 0; t < 2; t++) {
+    cr_assert_eq(cudaMemset(dev, 0xEE, pb * BLOCKS), cudaSuccess);
+    cr_assert_eq(cudaDeviceSynchronize(), cudaSuccess);
+    rc = skv_cluster_fetch(cl, refs, 8, lays[t], ids, t == 1 ? SKV_FETCH_UNPIN : 0, NULL);
+    cr_assert_eq(rc, 0, "remote fetch into the GPU (%s): %s: %s", t ? "every layer" : "layer 1",
+                 skv_err_name(rc), skv_last_error());
+    cr_assert_eq(cudaMemcpy(host, dev, pb * BLOCKS, cudaMemcpyDeviceToHost), cudaSuccess);
+    uint8_t *ordered = malloc(pb * 8);
+    cr_assert(ordered);
+    for (int i = 0; i < 8; i++) memcpy(ordered + i * pb, host + ids[i] * pb, pb);
+    cr_assert_eq(layer_wrong(ordered, pb, 0, 8, 1, offs[t], lens[t]), 0,
+                 "wrong bytes in the GPU blocks (%s)", t ? "every layer" : "layer 1");
+    free(ordered);
+  }
+  /* the pins went with the second fetch: a evicts all 8 */
+  cr_assert_eq(child_do(&a, "C"), 8);
+  skv_cluster_stats_t st = SKV_CLUSTER_STATS_INIT;
+  skv_cluster_get_stats(cl, &st);
+  cr_assert_eq(st.remote_pages, 16);
+  cr_assert_eq(st.remote_bytes, 8 * pb + 8 * pb / 4);
+  skv_cluster_leave(cl);
+  skv_layout_destroy(part);
+  skv_layout_destroy(lay);
+  skv_namespace_destroy(ns);
+  cudaFree(dev);
+  free(host);
+  skv_kv_detach(kv);
+  child_stop(&a);
+  redis_stop(&r);
+#endif
 }
 
 /* A fetch of 16 MiB from one node goes in a pipeline of sub-batches (xfer.c): a page evicted

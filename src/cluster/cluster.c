@@ -3,22 +3,35 @@
 #define _GNU_SOURCE
 #include "cluster/cluster.h"
 #include "kv/kv.h"
+#include "pool/pool.h"
+#ifdef SKV_WITH_CUDA
+#include "kv/kv_cuda.h"
+#endif
 
+#include <stddef.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#if SKV_WITH_CLUSTER && defined(SKV_WITH_CUDA)
+static int staging_cuda(void *arg, void *p, size_t len, bool add) {
+  (void)arg;
+  return skv__kvc_host_register(p, len, add);
+}
+#endif
+
 struct skv_cluster {
   skv_kv_t *kv;
   int timeout_ms, lease_ms;
   char node[SKV__CL_NAME_CAP], prefix[SKV__CL_NAME_CAP];
   bool remote;
+  bool exporting; /* this process's pages are in the directory (not SKV_CLUSTER_NO_EXPORT) */
   uint64_t nonce;
   pthread_mutex_t mu; /* lookups and fetches (the fetching worker and its buffer) */
   uint64_t lookups, local_hits, remote_hits, remote_pages, remote_bytes, remote_stale,
-      peer_failures;
+      peer_failures, remote_pins;
 #if SKV_WITH_CLUSTER
   skv__xfer_t *x;
   skv__dir_t *dir;
@@ -56,8 +69,10 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
                   opts->size, opts->version, sizeof(o), SKV_CLUSTER_OPTS_VERSION);
     o = *opts;
   }
-  SKV_ARG_CHECK(o.flags == 0, SKV_SUBSYS_KV, "skv_cluster_join: opts.flags=0x%x (reserved, 0)",
-                o.flags);
+  SKV_ARG_CHECK(
+      (o.flags & ~(uint32_t)SKV_CLUSTER_NO_EXPORT) == 0, SKV_SUBSYS_KV,
+      "skv_cluster_join: opts.flags=0x%x has unknown bits (SKV_CLUSTER_NO_EXPORT is 0x%x)", o.flags,
+      (unsigned)SKV_CLUSTER_NO_EXPORT);
   SKV_ARG_CHECK(o.timeout_ms == -1 || (o.timeout_ms >= 1 && o.timeout_ms <= 86400000),
                 SKV_SUBSYS_KV, "skv_cluster_join: opts.timeout_ms=%d is not -1 or 1..86400000",
                 o.timeout_ms);
@@ -108,14 +123,17 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
   skv__export_t ex = {0};
   const int backend = kv->data->info.backend;
   const bool has_pages = kv->pool.hdr && kv->pool.meta[kv->pool.me] &&
-                         !(kv->domain && skv__domain_role(kv->domain) != SKV_ROLE_OWNER);
+                         !(kv->domain && skv__domain_role(kv->domain) != SKV_ROLE_OWNER) &&
+                         !(o.flags & SKV_CLUSTER_NO_EXPORT);
   if (has_pages && backend == SKV_BACKEND_CUDA) {
     rc = SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
-                  "skv_cluster_join: pages in GPU memory are not exported yet (UCX's CUDA "
-                  "transports are not used by this version): use SKV_BACKEND_HOST or "
-                  "SKV_BACKEND_CUDA_HOST pages, or join as a reader");
+                  "skv_cluster_join: pages in GPU memory are not exported (UCX's CUDA transports "
+                  "are not used by this version): join with opts.flags = SKV_CLUSTER_NO_EXPORT to "
+                  "read other nodes' pages into this GPU without exporting these, or keep the "
+                  "exported pages in host memory (SKV_BACKEND_HOST or SKV_BACKEND_CUDA_HOST)");
     goto fail;
   }
+  cl->exporting = has_pages;
   if (has_pages) {
     ex.pe = (uint32_t)kv->pool.me;
     ex.pages = kv->pool.pages;
@@ -124,6 +142,7 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
     ex.page_bytes = kv->page_bytes;
     ex.meta_base = &kv->pool.meta[ex.pe][0];
     ex.meta_stride = sizeof(skv__page_meta_t);
+    ex.rpins_off = (uint32_t)offsetof(skv__page_meta_t, rpins);
   } else {
     ex.page_bytes = kv->page_bytes;
   }
@@ -131,6 +150,10 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
   size_t blob_len;
   SKV_CHECK_GOTO(skv__xfer_create(&ex, cl->nonce, cl->timeout_ms, &cl->x, &blob, &blob_len), rc,
                  fail);
+#ifdef SKV_WITH_CUDA
+  /* remote pages go to GPU layouts through the staging buffer, which the copy kernels read */
+  if (kv->cuda) skv__xfer_set_staging_hook(cl->x, staging_cuda, NULL);
+#endif
   skv__dir_params_t dp = {.url = url,
                           .prefix = cl->prefix,
                           .node = cl->node,
@@ -183,7 +206,7 @@ int skv_cluster_publish(skv_cluster_t *cl, const skv_namespace_t *ns, const skv_
   CL_CHECK_NULL(cl, "skv_cluster_publish");
   SKV_CHECK(skv_kv_publish(cl->kv, ns, keys, n, src, block_ids, stream, ninserted));
 #if SKV_WITH_CLUSTER
-  if (!cl->remote || !cl->dir) return 0;
+  if (!cl->remote || !cl->dir || !cl->exporting) return 0;
   skv_kv_t *kv = cl->kv;
   if (src && src->device >= 0) SKV_CHECK(skv_kv_sync(kv)); /* inserts of stream-ordered copies */
   const uint32_t me = (uint32_t)kv->pool.me;
@@ -240,6 +263,84 @@ static int resolve_peer(skv_cluster_t *cl, const skv__dir_val_t *v, uint32_t *pe
 }
 
 static uint64_t peer_nonce_of(skv_cluster_t *cl, uint32_t peer);
+
+/* Pages of peer `peer` among refs[0..n) (positions into pos[], their pages and generations);
+ * how many. */
+static size_t refs_of_peer(const skv_cluster_ref_t *refs, size_t n, uint32_t peer, size_t *pos,
+                           uint32_t *pages, uint32_t *gens) {
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++)
+    if (refs[i].node == peer) {
+      pos[k] = i;
+      pages[k] = refs[i].page;
+      if (gens) gens[k] = refs[i].gen;
+      k++;
+    }
+  return k;
+}
+
+/* Give back the pins of the remote references among refs[0..n) (one batch per peer). A peer
+ * that cannot be reached keeps them until its lease lapses (pool.h, "Remote pins"). Returns
+ * the first failure. Under cl->mu. */
+static int unpin_remote(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n) {
+  size_t *pos = malloc((n ? n : 1) * sizeof *pos);
+  uint32_t *pages = malloc((n ? n : 1) * sizeof *pages);
+  int rc = 0;
+  if (!pos || !pages) {
+    rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory for unpins");
+  } else {
+    const uint32_t np = skv__xfer_npeers(cl->x);
+    for (uint32_t p = 0; p < np; p++) {
+      size_t k = refs_of_peer(refs, n, p, pos, pages, NULL);
+      int r = k ? skv__xfer_unpin_pages(cl->x, p, pages, k) : 0;
+      if (r && !rc) rc = r;
+    }
+  }
+  free(pos), free(pages);
+  return rc;
+}
+
+/* Pin the remote references refs[0..r) (a lookup's prefix from the directory), one batch per
+ * peer; *held: how many leading ones are pinned (a page found evicted, or a peer that cannot
+ * be reached, ends the prefix; the pins taken beyond it are given back). Under cl->mu. */
+static int pin_remote(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t r, size_t *held) {
+  *held = 0;
+  size_t *pos = malloc(r * sizeof *pos);
+  uint32_t *pages = malloc(r * sizeof *pages), *gens = malloc(r * sizeof *gens);
+  bool *pinned = calloc(r, sizeof *pinned);
+  skv_cluster_ref_t *beyond = malloc(r * sizeof *beyond);
+  if (!pos || !pages || !gens || !pinned || !beyond) {
+    free(pos), free(pages), free(gens), free(pinned), free(beyond);
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_lookup: out of memory");
+  }
+  int rc = 0;
+  size_t cut = r; /* the prefix pinned so far: later peers pin only before it */
+  const uint32_t np = skv__xfer_npeers(cl->x);
+  for (uint32_t p = 0; p < np && cut > 0; p++) {
+    size_t k = refs_of_peer(refs, cut, p, pos, pages, gens);
+    if (!k) continue;
+    size_t h = 0;
+    int prc = skv__xfer_pin_pages(cl->x, p, pages, gens, k, &h);
+    if (prc == SKV_EPEERDEAD || prc == SKV_EPROTO) {
+      if (prc == SKV_EPEERDEAD) __atomic_add_fetch(&cl->peer_failures, 1, __ATOMIC_RELAXED);
+      h = 0; /* a miss from its first page on, as in the lookup itself */
+    } else if (prc) {
+      if (!rc) rc = prc;
+      h = 0;
+    }
+    for (size_t q = 0; q < h; q++) pinned[pos[q]] = true;
+    if (h < k) cut = pos[h];
+  }
+  /* pins that earlier peers took beyond the final cut */
+  size_t nb = 0;
+  for (size_t i = cut; i < r; i++)
+    if (pinned[i]) beyond[nb++] = refs[i];
+  if (nb) (void)unpin_remote(cl, beyond, nb);
+  __atomic_add_fetch(&cl->remote_pins, cut, __ATOMIC_RELAXED);
+  free(pos), free(pages), free(gens), free(pinned), free(beyond);
+  *held = cut;
+  return rc;
+}
 #endif
 
 int skv_cluster_lookup(skv_cluster_t *cl, const skv_namespace_t *ns, const skv_key_t *keys,
@@ -292,6 +393,12 @@ int skv_cluster_lookup(skv_cluster_t *cl, const skv_namespace_t *ns, const skv_k
       }
       refs[h + r] = (skv_cluster_ref_t){peer, vals[r].pe, vals[r].page, vals[r].gen};
     }
+    if (r > 0 && (flags & SKV_LOOKUP_PIN)) {
+      size_t held = 0;
+      int prc = pin_remote(cl, refs + h, r, &held);
+      if (prc && !rc) rc = prc;
+      r = held;
+    }
     pthread_mutex_unlock(&cl->mu);
   }
   free(vals), free(found);
@@ -315,25 +422,39 @@ typedef struct fetch_sink {
   const skv_layout_t *dst;
   const uint64_t *block_ids;
   const size_t *idx; /* refs of this peer (of the chunk being read) */
-  uint64_t pb;
+  uint64_t len;      /* bytes read of each page: the layers of `dst` */
   bool nt;
+  void *stream; /* a GPU layout: the copies' stream */
 } fetch_sink_t;
 
-static void fetch_deliver(void *arg, size_t first, size_t count, const void *bytes) {
+/* A checked sub-batch, in the staging buffer: into the blocks, with the host copy of local
+ * fetches, or, for a GPU layout, with the copy kernels reading the (CUDA-registered) staging
+ * over PCIe, waited for before the slot takes the next sub-batch. */
+static int fetch_deliver(void *arg, size_t first, size_t count, const void *bytes) {
   const fetch_sink_t *f = arg;
   const uint32_t m = f->dst->blocks_per_page;
-  for (size_t j = 0; j < count; j++)
-    skv__copy_page_to_blocks(f->dst, (const char *)bytes + j * f->pb,
-                             f->block_ids + f->idx[first + j] * m, f->nt);
+  if (f->dst->device >= 0) {
+#ifdef SKV_WITH_CUDA
+    SKV_CHECK(skv__kvc_copy_in(f->cl->kv->cuda, f->dst, bytes, f->len, count, f->block_ids,
+                               f->idx + first, f->stream, "skv_cluster_fetch"));
+#else
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV, "skv_cluster_fetch: built without CUDA");
+#endif
+  } else {
+    for (size_t j = 0; j < count; j++)
+      skv__copy_page_to_blocks(f->dst, (const char *)bytes + j * f->len,
+                               f->block_ids + f->idx[first + j] * m, f->nt);
+  }
   __atomic_add_fetch(&f->cl->remote_pages, count, __ATOMIC_RELAXED);
-  __atomic_add_fetch(&f->cl->remote_bytes, count * f->pb, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&f->cl->remote_bytes, count * f->len, __ATOMIC_RELAXED);
+  return 0;
 }
 
 /* Remote pages of one peer: a pipeline of gets into the staging slots (xfer.c), each checked
  * sub-batch copied into its blocks while the next ones are on the wire. */
 static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t *refs,
                       const size_t *idx, size_t k, const skv_layout_t *dst,
-                      const uint64_t *block_ids) {
+                      const uint64_t *block_ids, void *stream) {
   const uint64_t pb = skv__xfer_page_bytes(cl->x, peer);
   if (pb != cl->kv->page_bytes)
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
@@ -341,11 +462,14 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
                     " bytes, this cache %" PRIu64 " (another geometry)",
                     skv__xfer_peer_name(cl->x, peer), pb, cl->kv->page_bytes);
   uint32_t pages[256], gens[256];
+  /* only the bytes of the layers `dst` covers ([layer][k|v][token][head][dim] pages) */
+  const uint64_t len = (uint64_t)dst->num_layers * dst->kvn * skv__geometry_slab_bytes(&dst->geom);
   fetch_sink_t f = {.cl = cl,
                     .dst = dst,
                     .block_ids = block_ids,
-                    .pb = pb,
-                    .nt = k * pb >= SKV_COPY_STREAM_BYTES};
+                    .len = len,
+                    .nt = dst->device < 0 && k * len >= SKV_COPY_STREAM_BYTES,
+                    .stream = stream};
   int rc = 0;
   for (size_t done = 0; done < k && !rc;) {
     size_t c = SKV_MIN(k - done, SKV_ARRAY_LEN(pages));
@@ -355,7 +479,8 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
     }
     size_t bad = 0;
     f.idx = idx + done;
-    rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, fetch_deliver, &f, &bad);
+    rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, dst->page_off, len, fetch_deliver, &f,
+                             &bad);
     if (rc == SKV_ESTALE) __atomic_add_fetch(&cl->remote_stale, 1, __ATOMIC_RELAXED);
     if (rc == SKV_EPEERDEAD) __atomic_add_fetch(&cl->peer_failures, 1, __ATOMIC_RELAXED);
     done += c;
@@ -400,16 +525,29 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
                     "skv_cluster_fetch: a reference names a peer node, but this handle is "
                     "node-local (no Redis URL)");
   const uint32_t m = dst->blocks_per_page;
-  SKV_ARG_CHECK(dst->num_layers == dst->geom.num_layers, SKV_SUBSYS_KV,
-                "skv_cluster_fetch: remote pages into a layout of layers [%u, %u) of %u are not "
-                "supported yet: fetch them with a layout of every layer",
-                dst->first_layer, dst->first_layer + dst->num_layers, dst->geom.num_layers);
-  SKV_ARG_CHECK(dst->device < 0, SKV_SUBSYS_KV,
-                "skv_cluster_fetch: remote pages into a GPU layout are not supported yet (UCX's "
-                "CUDA transports are not used by this version): fetch into a host layout");
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_FETCH_UNPIN) == 0, SKV_SUBSYS_KV,
                 "skv_cluster_fetch: unknown flags 0x%x", flags);
   SKV_CHECK(skv__check_block_ids(dst, block_ids, n, "skv_cluster_fetch"));
+  if (dst->device >= 0) {
+#ifdef SKV_WITH_CUDA
+    skv__kvc_t *kc = cl->kv->cuda;
+    SKV_ARG_CHECK(kc, SKV_SUBSYS_KV,
+                  "skv_cluster_fetch: remote pages into a GPU layout need a cache with the CUDA "
+                  "backend (this one keeps host pages and has no GPU copy path): attach with "
+                  "SKV_BACKEND_CUDA, or fetch into a host layout");
+    SKV_CHECK(skv__kvc_check(kc, dst, SKV__KV_FETCH, "skv_cluster_fetch"));
+    bool capturing = false;
+    SKV_CHECK(skv__kvc_begin(kc, stream, &capturing, false));
+    if (capturing)
+      return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
+                      "skv_cluster_fetch: remote pages cannot be fetched while the stream is "
+                      "being captured (they are read over the network when the call runs): "
+                      "fetch them before the capture");
+#else
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
+                    "skv_cluster_fetch: a GPU layout, but this symkv was built without CUDA");
+#endif
+  }
   size_t *idx = malloc(n * sizeof(*idx));
   skv_page_ref_t *lrefs = malloc((nl ? nl : 1) * sizeof(*lrefs));
   uint64_t *lblocks = malloc((nl ? nl : 1) * m * sizeof(*lblocks));
@@ -434,8 +572,17 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
       size_t k = 0;
       for (size_t i = 0; i < n; i++)
         if (refs[i].node == p) idx[k++] = i;
-      if (k) rc = fetch_peer(cl, p, refs, idx, k, dst, block_ids);
+      if (k) rc = fetch_peer(cl, p, refs, idx, k, dst, block_ids, stream);
     }
+  }
+  if (flags & SKV_FETCH_UNPIN) { /* the remote pins go as promised, also after a failure */
+    char saved[512];
+    snprintf(saved, sizeof(saved), "%s", skv_last_error());
+    int urc = unpin_remote(cl, refs, n);
+    if (rc)
+      skv__error_restore(saved);
+    else
+      rc = urc;
   }
 out:
   pthread_mutex_unlock(&cl->mu);
@@ -459,6 +606,46 @@ out:
   free(idx), free(lrefs), free(lblocks);
   return rc;
 #endif
+}
+
+int skv_cluster_unpin(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n) {
+  CL_CHECK_NULL(cl, "skv_cluster_unpin");
+  SKV_ARG_CHECK(refs || n == 0, SKV_SUBSYS_KV, "skv_cluster_unpin: refs is NULL with n=%zu", n);
+  size_t nl = 0;
+  for (size_t i = 0; i < n; i++) nl += refs[i].node == SKV_NODE_LOCAL;
+  int rc = 0;
+  if (nl < n) {
+#if SKV_WITH_CLUSTER
+    if (!cl->remote)
+      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                      "skv_cluster_unpin: a reference names a peer node, but this handle is "
+                      "node-local (no Redis URL)");
+    pthread_mutex_lock(&cl->mu);
+    for (size_t i = 0; i < n && !rc; i++)
+      if (refs[i].node != SKV_NODE_LOCAL && refs[i].node >= skv__xfer_npeers(cl->x))
+        rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                      "skv_cluster_unpin: refs[%zu] names node %u, this handle knows %u", i,
+                      refs[i].node, skv__xfer_npeers(cl->x));
+    if (!rc) rc = unpin_remote(cl, refs, n);
+    pthread_mutex_unlock(&cl->mu);
+#else
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                    "skv_cluster_unpin: a reference names a peer node, but this build is "
+                    "node-local");
+#endif
+  }
+  if (nl) {
+    skv_page_ref_t small[64], *lr = nl <= 64 ? small : malloc(nl * sizeof(*lr));
+    if (!lr) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_unpin: out of memory");
+    size_t j = 0;
+    for (size_t i = 0; i < n; i++)
+      if (refs[i].node == SKV_NODE_LOCAL)
+        lr[j++] = (skv_page_ref_t){refs[i].pe, refs[i].page, refs[i].gen, 0};
+    int lrc = skv_kv_unpin(cl->kv, lr, nl);
+    if (!rc) rc = lrc;
+    if (lr != small) free(lr);
+  }
+  return rc;
 }
 
 int skv_cluster_get_stats(const skv_cluster_t *cl, skv_cluster_stats_t *st) {
@@ -486,6 +673,7 @@ int skv_cluster_get_stats(const skv_cluster_t *cl, skv_cluster_stats_t *st) {
   s.remote_bytes = cl->remote_bytes;
   s.remote_stale = cl->remote_stale;
   s.peer_failures = cl->peer_failures;
+  s.remote_pins = cl->remote_pins;
   *st = s;
   return 0;
 }

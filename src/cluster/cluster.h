@@ -28,7 +28,8 @@ typedef struct skv__export {
   uint64_t page_stride, page_bytes, pages;
   void *meta_base;
   uint64_t meta_stride;
-  uint32_t pe; /* the slot (or local PE) the pages belong to */
+  uint32_t rpins_off; /* offset of the remote pin word in a record (skv__page_meta_t.rpins) */
+  uint32_t pe;        /* the slot (or local PE) the pages belong to */
 } skv__export_t;
 
 /* Create a UCX context, a serving worker (with its progress thread) and a fetching worker;
@@ -49,19 +50,36 @@ void skv__xfer_peer_retry(skv__xfer_t *x, uint32_t peer);
 uint64_t skv__xfer_peer_nonce(const skv__xfer_t *x, uint32_t peer);
 
 /* Pages read by skv__xfer_get_pages and checked: pages [first, first + count) of the call are
- * at `bytes` (count * page_bytes, valid during the callback only). */
-typedef void (*skv__xfer_deliver_fn)(void *arg, size_t first, size_t count, const void *bytes);
+ * at `bytes`, `len` bytes apart (valid during the callback only). Non-zero: a failure (set
+ * with SKV_FAIL) that ends the call, returned by it. */
+typedef int (*skv__xfer_deliver_fn)(void *arg, size_t first, size_t count, const void *bytes);
 
-/* Read pages page[i] (whose directory generation is gen[i]) of `peer`, i < n, in a pipeline of
- * sub-batches: each sub-batch's pages, then their state words, go into a registered staging
- * slot; while later sub-batches are in flight, a sub-batch whose state words all say READY with
- * the generation asked for goes to `deliver`, in order. SKV_ESTALE (*bad: the first stale page;
- * the pages before its sub-batch were delivered, none of its own or after) when a page is not
- * READY with its generation after its bytes were read; SKV_EPEERDEAD when the peer failed or
- * did not answer within the timeout (each wait is bounded by it; the endpoint is then closed,
- * so nothing lands in the staging later). Not thread-safe (the caller serialises). */
+/* Called with the staging buffer after it is allocated (add) and before it is freed (!add):
+ * where a GPU copies from it, the buffer is registered with CUDA. A failure to add fails the
+ * get that needed the buffer. */
+typedef int (*skv__xfer_mem_fn)(void *arg, void *p, size_t len, bool add);
+void skv__xfer_set_staging_hook(skv__xfer_t *x, skv__xfer_mem_fn fn, void *arg);
+
+/* Read bytes [off, off + len) of pages page[i] (whose directory generation is gen[i]) of
+ * `peer`, i < n, in a pipeline of sub-batches: each sub-batch's pages, then their state words,
+ * go into a registered staging slot; while later sub-batches are in flight, a sub-batch whose
+ * state words all say READY with the generation asked for goes to `deliver`, in order.
+ * SKV_ESTALE (*bad: the first stale page; the pages before its sub-batch were delivered, none
+ * of its own or after) when a page is not READY with its generation after its bytes were read;
+ * SKV_EPEERDEAD when the peer failed or did not answer within the timeout (each wait is bounded
+ * by it; the endpoint is then closed, so nothing lands in the staging later). Not thread-safe
+ * (the caller serialises). */
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
-                        size_t n, skv__xfer_deliver_fn deliver, void *arg, size_t *bad);
+                        size_t n, uint64_t off, uint64_t len, skv__xfer_deliver_fn deliver,
+                        void *arg, size_t *bad);
+/* Pin pages page[i] of `peer` (src/pool/pool.h, "Remote pins"): one atomic add per page, a
+ * fence, one read per page of its state; *held: how many leading pages are READY with gen[i]
+ * and stay pinned (the pins of the others are given back). SKV_EPEERDEAD as for a get (no pin
+ * is then held: those taken lapse with the owner's lease). */
+int skv__xfer_pin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
+                        size_t n, size_t *held);
+/* Give back pins of pages page[0..n) of `peer` (one atomic add each, then a flush, bounded). */
+int skv__xfer_unpin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, size_t n);
 uint64_t skv__xfer_page_bytes(const skv__xfer_t *x, uint32_t peer);
 
 /* ---- dir.c: the Redis directory --------------------------------------------------------- */

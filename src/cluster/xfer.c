@@ -2,6 +2,7 @@
  * serving worker progressed by its own thread, and batched gets from peer nodes. */
 #define _GNU_SOURCE
 #include "cluster/cluster.h"
+#include "pool/pool.h"
 
 #include <poll.h>
 #include <sched.h>
@@ -46,7 +47,7 @@
  * - A peer restarts under the same name: its record has another nonce, so it becomes another
  *   peer number and entries of the old incarnation end the lookup's prefix. */
 
-#define XFER_MAGIC     0x736b76636c757331ull /* "skvclus1" */
+#define XFER_MAGIC     0x736b76636c757332ull /* "skvclus2": records carry rpins_off */
 #define XFER_MAX_PEERS 1024
 #define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread polls 2 ms after a request */
 #define SERVE_POLL_MS  20                /* and then sleeps at most this long (see serve_main) */
@@ -56,7 +57,7 @@
 typedef struct xfer_rec {
   uint64_t magic, nonce;
   uint64_t page_bytes, page_stride, pages, pages_base, meta_base, meta_stride;
-  uint32_t addr_len, rk_pages_len, rk_meta_len, pad;
+  uint32_t addr_len, rk_pages_len, rk_meta_len, rpins_off;
 } xfer_rec_t;
 
 typedef struct xfer_peer {
@@ -89,6 +90,8 @@ struct skv__xfer {
                   * zero-copy where the transport can */
   size_t staging_cap;
   ucp_mem_h staging_mh;
+  skv__xfer_mem_fn staging_hook; /* registers the staging buffer with CUDA, when set */
+  void *staging_hook_arg;
 };
 
 static int ucx_fail(ucs_status_t st, const char *what) {
@@ -96,6 +99,8 @@ static int ucx_fail(ucs_status_t st, const char *what) {
                   "cluster: %s failed: %s (UCX; check UCX_TLS and UCX_NET_DEVICES)", what,
                   ucs_status_string(st));
 }
+
+static void staging_free(skv__xfer_t *x);
 
 static void *serve_main(void *arg) {
   skv__xfer_t *x = arg;
@@ -148,7 +153,7 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
     goto fail;
   }
   ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
-                     .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
+                     .features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_WAKEUP,
                      .mt_workers_shared = 1};
   st = ucp_init(&pp, cfg, &x->ctx);
   ucp_config_release(cfg);
@@ -198,7 +203,8 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
                   .meta_stride = ex->meta_stride,
                   .addr_len = (uint32_t)addr_len,
                   .rk_pages_len = (uint32_t)rkp_len,
-                  .rk_meta_len = (uint32_t)rkm_len};
+                  .rk_meta_len = (uint32_t)rkm_len,
+                  .rpins_off = ex->rpins_off};
   x->blob_len = sizeof(r) + addr_len + rkp_len + rkm_len;
   x->blob = malloc(x->blob_len);
   if (!x->blob) {
@@ -309,13 +315,12 @@ void skv__xfer_destroy(skv__xfer_t *x) {
     free(x->peers[i]->blob);
     free(x->peers[i]);
   }
-  if (x->staging_mh) ucp_mem_unmap(x->ctx, x->staging_mh);
+  staging_free(x);
   if (x->mh_pages) ucp_mem_unmap(x->ctx, x->mh_pages);
   if (x->mh_meta) ucp_mem_unmap(x->ctx, x->mh_meta);
   if (x->fetch) ucp_worker_destroy(x->fetch);
   if (x->serve) ucp_worker_destroy(x->serve);
   if (x->ctx) ucp_cleanup(x->ctx);
-  free(x->staging);
   free(x->reqs);
   free(x->words);
   free(x->blob);
@@ -460,17 +465,31 @@ static int wait_reqs(skv__xfer_t *x, xfer_peer_t *p, void **reqs, size_t k) {
                   p->name, ucs_status_string(bad != UCS_OK ? bad : UCS_ERR_ENDPOINT_TIMEOUT));
 }
 
-/* A registered buffer of at least `bytes` (grown, never shrunk). */
-static int staging(skv__xfer_t *x, size_t bytes) {
-  if (x->staging_cap >= bytes) return 0;
+void skv__xfer_set_staging_hook(skv__xfer_t *x, skv__xfer_mem_fn fn, void *arg) {
+  x->staging_hook = fn;
+  x->staging_hook_arg = arg;
+}
+
+static void staging_free(skv__xfer_t *x) {
   if (x->staging_mh) ucp_mem_unmap(x->ctx, x->staging_mh);
+  if (x->staging && x->staging_hook)
+    (void)x->staging_hook(x->staging_hook_arg, x->staging, x->staging_cap, false);
   free(x->staging);
   x->staging = NULL;
   x->staging_mh = NULL;
   x->staging_cap = 0;
-  if (posix_memalign((void **)&x->staging, 4096, bytes) != 0)
+}
+
+/* A registered buffer of at least `bytes` (grown, never shrunk; registered with CUDA too
+ * when a hook is set and it was not yet). */
+static int staging(skv__xfer_t *x, size_t bytes) {
+  if (x->staging_cap >= bytes) return 0;
+  staging_free(x);
+  if (posix_memalign((void **)&x->staging, 4096, bytes) != 0) {
+    x->staging = NULL;
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory (%zu bytes of staging)",
                     bytes);
+  }
   ucp_mem_map_params_t mp = {.field_mask =
                                  UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
                              .address = x->staging,
@@ -483,18 +502,30 @@ static int staging(skv__xfer_t *x, size_t bytes) {
     return ucx_fail(st, "ucp_mem_map of the staging buffer");
   }
   x->staging_cap = bytes;
+  if (x->staging_hook) {
+    int rc = x->staging_hook(x->staging_hook_arg, x->staging, bytes, true);
+    if (rc) {
+      ucp_mem_unmap(x->ctx, x->staging_mh);
+      free(x->staging);
+      x->staging = NULL;
+      x->staging_mh = NULL;
+      x->staging_cap = 0;
+      return rc;
+    }
+  }
   return 0;
 }
 
 /* Put pages [first, first + c) of the call on the wire into `buf`, then their state words
  * (after a fence): their requests into reqs, *k of them. A failure to post marks the peer. */
 static void issue_sub(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, size_t first, size_t c,
-                      char *buf, void **reqs, size_t *k) {
+                      uint64_t off, uint64_t len, char *buf, void **reqs, size_t *k) {
   ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, .memh = x->staging_mh};
   *k = 0;
   for (size_t i = first; i < first + c && !p->failed; i++) {
-    void *req = ucp_get_nbx(p->ep, buf + (i - first) * p->rec.page_bytes, p->rec.page_bytes,
-                            p->rec.pages_base + page[i] * p->rec.page_stride, p->rk_pages, &rp);
+    void *req =
+        ucp_get_nbx(p->ep, buf + (i - first) * len, len,
+                    p->rec.pages_base + page[i] * p->rec.page_stride + off, p->rk_pages, &rp);
     if (UCS_PTR_IS_ERR(req))
       p->failed = (int)UCS_PTR_STATUS(req);
     else if (req)
@@ -513,9 +544,10 @@ static void issue_sub(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, size
   }
 }
 
-int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
-                        size_t n, skv__xfer_deliver_fn deliver, void *arg, size_t *bad) {
-  *bad = 0;
+/* The peer of a call, connected, with pages page[0..n) in its range and room for n state
+ * words. */
+static int call_begin(skv__xfer_t *x, uint32_t peer, const uint32_t *page, size_t n,
+                      xfer_peer_t **out, size_t *bad) {
   if (peer >= x->npeers) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, "cluster: no peer %u", peer);
   xfer_peer_t *p = x->peers[peer];
   if (p->failed)
@@ -529,14 +561,29 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
                       "cluster: page %u of node '%s' (it has %" PRIu64 ")", page[i], p->name,
                       p->rec.pages);
     }
-  if (n == 0) return 0;
   if (n > x->words_cap) {
     uint64_t *w = realloc(x->words, n * sizeof(*w));
     if (!w) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
     x->words = w;
     x->words_cap = n;
   }
-  const uint64_t pb = p->rec.page_bytes;
+  *out = p;
+  return 0;
+}
+
+int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
+                        size_t n, uint64_t off, uint64_t len, skv__xfer_deliver_fn deliver,
+                        void *arg, size_t *bad) {
+  *bad = 0;
+  xfer_peer_t *p = NULL;
+  SKV_CHECK(call_begin(x, peer, page, n, &p, bad));
+  if (len == 0 || off + len > p->rec.page_bytes)
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                    "cluster: bytes [%" PRIu64 ", %" PRIu64
+                    ") of pages of node '%s' (they have %" PRIu64 ")",
+                    off, off + len, p->name, p->rec.page_bytes);
+  if (n == 0) return 0;
+  const uint64_t pb = len;
   const size_t sub = (size_t)SKV_MAX(1, SKV_MIN((uint64_t)n, XFER_SUB_BYTES / pb));
   const size_t nsub = (n + sub - 1) / sub, depth = SKV_MIN(nsub, (size_t)XFER_DEPTH);
   SKV_CHECK(staging(x, depth * sub * pb));
@@ -553,7 +600,7 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
   while (tail < nsub) {
     for (; head < nsub && head - tail < depth && !p->failed; head++) {
       const size_t s = head % depth, first = head * sub;
-      issue_sub(x, p, page, first, SKV_MIN(sub, n - first), x->staging + s * sub * pb,
+      issue_sub(x, p, page, first, SKV_MIN(sub, n - first), off, len, x->staging + s * sub * pb,
                 x->reqs + s * 2 * sub, &k[s]);
     }
     if (tail == head) { /* nothing in flight: the peer failed before a post */
@@ -569,13 +616,16 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
           (uint32_t)(x->words[i] >> 32) != gen[i])
         stale = i;
     if (stale < n) break;
-    deliver(arg, first, c, x->staging + s * sub * pb);
+    if ((rc = deliver(arg, first, c, x->staging + s * sub * pb)) != 0) break;
   }
-  /* after a failure: what is still in flight lands in the staging slots, never later */
+  /* after a failure: what is still in flight lands in the staging slots, never later (a
+   * failed delivery leaves the endpoint open: its reads are waited for) */
   for (; tail < head; tail++) {
     const size_t s = tail % depth;
-    if (rc)
+    if (rc && !p->ep)
       drain_reqs(x, x->reqs + s * 2 * sub, k[s]);
+    else if (rc)
+      (void)wait_reqs(x, p, x->reqs + s * 2 * sub, k[s]);
     else
       rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s]);
   }
@@ -589,4 +639,89 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
                     page[stale], p->name, gen[stale], (uint32_t)(w >> 32), (uint32_t)w & 0xff);
   }
   return 0;
+}
+
+/* ---- remote pins ---------------------------------------------------------------------------- */
+
+static const uint64_t rpin_add = SKV_RPIN_ADD, rpin_sub = SKV_RPIN_SUB;
+
+/* Post one atomic add of *val to the rpins word of pages page[0..n) of p: requests into reqs,
+ * *k of them. A failure to post marks the peer. */
+static void post_rpins(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, size_t n,
+                       const uint64_t *val, void **reqs, size_t *k) {
+  (void)x;
+  ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE,
+                            .datatype = ucp_dt_make_contig(sizeof(uint64_t))};
+  for (size_t i = 0; i < n && !p->failed; i++) {
+    void *req = ucp_atomic_op_nbx(
+        p->ep, UCP_ATOMIC_OP_ADD, val, 1,
+        p->rec.meta_base + page[i] * p->rec.meta_stride + p->rec.rpins_off, p->rk_meta, &rp);
+    if (UCS_PTR_IS_ERR(req))
+      p->failed = (int)UCS_PTR_STATUS(req);
+    else if (req)
+      reqs[(*k)++] = req;
+  }
+}
+
+static int reqs_room(skv__xfer_t *x, size_t need) {
+  if (need <= x->reqs_cap) return 0;
+  void **r = realloc(x->reqs, need * sizeof(*r));
+  if (!r) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
+  x->reqs = r;
+  x->reqs_cap = need;
+  return 0;
+}
+
+int skv__xfer_pin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
+                        size_t n, size_t *held) {
+  *held = 0;
+  size_t bad = 0;
+  xfer_peer_t *p = NULL;
+  SKV_CHECK(call_begin(x, peer, page, n, &p, &bad));
+  if (n == 0) return 0;
+  if (!p->rec.rpins_off)
+    return SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_KV, "cluster: node '%s' takes no remote pins", p->name);
+  SKV_CHECK(reqs_room(x, 2 * n));
+  /* the adds, a fence, the state words: the Dekker pair of a local pin (pool.h) */
+  size_t k = 0;
+  post_rpins(x, p, page, n, &rpin_add, x->reqs, &k);
+  ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
+  if (st != UCS_OK) p->failed = (int)st;
+  ucp_request_param_t rp = {.op_attr_mask = 0};
+  for (size_t i = 0; i < n && !p->failed; i++) {
+    void *req = ucp_get_nbx(p->ep, &x->words[i], sizeof(uint64_t),
+                            p->rec.meta_base + page[i] * p->rec.meta_stride, p->rk_meta, &rp);
+    if (UCS_PTR_IS_ERR(req))
+      p->failed = (int)UCS_PTR_STATUS(req);
+    else if (req)
+      x->reqs[k++] = req;
+  }
+  int rc = wait_reqs(x, p, x->reqs, k);
+  if (rc) return rc;
+  size_t h = 0;
+  while (h < n && (uint32_t)x->words[h] == 2u /* SKV_PAGE_READY */ &&
+         (uint32_t)(x->words[h] >> 32) == gen[h])
+    h++;
+  *held = h;
+  /* a page evicted (or being evicted) ends the prefix: the pins from there on go back */
+  return h < n ? skv__xfer_unpin_pages(x, peer, page + h, n - h) : 0;
+}
+
+int skv__xfer_unpin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, size_t n) {
+  size_t bad = 0;
+  xfer_peer_t *p = NULL;
+  SKV_CHECK(call_begin(x, peer, page, n, &p, &bad));
+  if (n == 0) return 0;
+  SKV_CHECK(reqs_room(x, n + 1));
+  size_t k = 0;
+  post_rpins(x, p, page, n, &rpin_sub, x->reqs, &k);
+  if (!p->failed) { /* the adds are posted, not done: a flush waits until they landed */
+    ucp_request_param_t rp = {.op_attr_mask = 0};
+    void *req = ucp_ep_flush_nbx(p->ep, &rp);
+    if (UCS_PTR_IS_ERR(req))
+      p->failed = (int)UCS_PTR_STATUS(req);
+    else if (req)
+      x->reqs[k++] = req;
+  }
+  return wait_reqs(x, p, x->reqs, k);
 }

@@ -4,6 +4,7 @@
 #include "kv/kv_cuda_int.h"
 
 #include <inttypes.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -271,6 +272,76 @@ int skv__kvc_read_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, uint64_t off, 
 int skv__kvc_write_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, uint64_t off, uint64_t len,
                          const void *buf, void *stream, const char *fn) {
   return stage(kc, b, off, len, (char *)buf, false, stream, fn);
+}
+
+/* ---- pages from outside the heap ------------------------------------------------------------ */
+
+int skv__kvc_host_register(void *p, size_t len, bool add) {
+  cudaError_t e = add ? cudaHostRegister(p, len, cudaHostRegisterMapped | cudaHostRegisterPortable)
+                      : cudaHostUnregister(p);
+  if (e == cudaSuccess) return 0;
+  (void)cudaGetLastError();
+  return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV, "cudaHost%sregister of %zu bytes of staging failed: %s",
+                  add ? "R" : "Unr", len, cudaGetErrorString(e));
+}
+
+int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *host, uint64_t stride,
+                     size_t n, const uint64_t *block_ids, const size_t *idx, void *stream,
+                     const char *fn) {
+  void *dev = NULL;
+  cudaError_t e = cudaHostGetDevicePointer(&dev, (void *)host, 0);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV,
+                    "%s: the staging buffer has no device address (%s): not registered?", fn,
+                    cudaGetErrorString(e));
+  }
+  skv__kvc_plan_t pl;
+  SKV_CHECK(skv__kvc_plan_src(kc, lay, (uint64_t)(uintptr_t)dev, stride, (uint32_t)n, &pl, fn));
+  uint32_t *seq = malloc(n * sizeof *seq);
+  if (!seq) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory", fn);
+  for (size_t i = 0; i < n; i++) seq[i] = (uint32_t)i;
+  const uint32_t zero = 0;
+  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &zero, 0, seq, 1, NULL, false};
+  int rc = 0;
+  for (size_t off = 0; off < n && !rc; off += pl.ppl) {
+    const uint32_t k = (uint32_t)SKV_MIN((size_t)pl.ppl, n - off);
+    skv__kvc_slot_t *s;
+    if ((rc = skv__kvc_slot_get(kc, &s, fn)) != 0) break;
+    skv__kvc_fill(s, &pl, lay, &b, off, k, idx ? block_ids : block_ids + off * lay->blocks_per_page,
+                  idx ? idx + off : NULL);
+    if ((rc = skv__kvc_launch(s, &pl, stream, fn)) != 0) {
+      skv__kvc_slot_put(kc, s);
+      break;
+    }
+    /* the slot's arguments and the staging are read by the kernel: wait for it, bounded */
+    e = cudaEventRecord(s->done, (cudaStream_t)stream);
+    const uint64_t dl = skv__now_ns() + (uint64_t)kc->p.ctx->cfg.timeout_ms * 1000000u;
+    for (unsigned spins = 0; e == cudaSuccess; spins++) {
+      const cudaError_t q = cudaEventQuery(s->done);
+      if (q != cudaErrorNotReady || skv__now_ns() >= dl) {
+        e = q; /* cudaErrorNotReady: the time ran out */
+        break;
+      }
+      if (spins > 64) sched_yield();
+    }
+    if (e == cudaSuccess) {
+      skv__kvc_slot_put(kc, s);
+    } else if (e == cudaErrorNotReady) { /* the slot stays the kernel's: leaked */
+      rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
+                    "%s: the copy of %u remote pages into the engine's blocks did not complete "
+                    "within %d ms (is the stream blocked?)",
+                    fn, k, kc->p.ctx->cfg.timeout_ms);
+    } else {
+      (void)cudaGetLastError();
+      (void)cudaStreamSynchronize((cudaStream_t)stream);
+      skv__kvc_slot_put(kc, s);
+      rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV, "%s: copying remote pages to the GPU failed: %s (%s)",
+                    fn, cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+  }
+  free(seq);
+  return rc;
 }
 
 /* ---- sync ----------------------------------------------------------------------------------- */

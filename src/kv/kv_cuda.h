@@ -91,6 +91,17 @@ int skv__kvc_write_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, uint64_t off,
 /* Pages one staging round moves (a bounded host buffer). */
 size_t skv__kvc_stage_pages(const skv__kvc_t *kc);
 
+/* Pages from outside the heap (a peer node's, read into host memory): n pages at `host`,
+ * `stride` bytes apart, each holding the layout's layers only, into their blocks of `lay` (page
+ * i's at block_ids[idx[i] * m ...]), on `stream`, and a wait for the copy (bounded by the
+ * timeout). `host` must be registered with skv__kvc_host_register (the kernels read it over
+ * PCIe). No pins, no completion step. */
+int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *host, uint64_t stride,
+                     size_t n, const uint64_t *block_ids, const size_t *idx, void *stream,
+                     const char *fn);
+/* Register [p, p + len) of host memory with CUDA, mapped for the device (add), or unregister. */
+int skv__kvc_host_register(void *p, size_t len, bool add);
+
 /* Wait until every stream-ordered copy completed and its `done` ran (bounded by the timeout);
  * returns the first failure since the last sync, or a reference a kernel refused. */
 int skv__kvc_sync(skv__kvc_t *kc);

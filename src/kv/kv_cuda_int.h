@@ -94,6 +94,10 @@ typedef struct skv__kvc_plan {
 /* Describe copies between the cache's pages and `lay` (a device layout on this PE's GPU). */
 int skv__kvc_plan(skv__kvc_t *kc, const skv_layout_t *lay, int dir, skv__kvc_plan_t *pl,
                   const char *fn);
+/* A plan for pages that are not the heap's: n pages at device-readable address `src`,
+ * `stride` bytes apart, holding the layout's layers only (refs (0, i), i < n), into `lay`. */
+int skv__kvc_plan_src(skv__kvc_t *kc, const skv_layout_t *lay, uint64_t src, uint64_t stride,
+                      uint32_t n, skv__kvc_plan_t *pl, const char *fn);
 /* Write the arguments of pages [off, off + k) of `b` into slot `s`; page q's block ids are
  * bids[(idx ? idx[q] : q) * m ...] with idx and bids already offset to the batch's page off. */
 void skv__kvc_fill(skv__kvc_slot_t *s, skv__kvc_plan_t *pl, const skv_layout_t *lay,

@@ -35,6 +35,16 @@
 #define CE_MIN_RUN    (8u << 10) /* copy-engine fetch: runs of at least this many bytes */
 #define CE_MAX_COPIES 8192u      /* and at most this many copies per cudaMemcpyBatchAsync */
 
+/* The vector width: every row, stride and base a multiple of it. */
+static uint32_t vec_width(const skv__kv_copy_desc_t *d, const skv_layout_t *lay) {
+  uint64_t acc = d->row_bytes | d->heap | d->pe_stride | d->page_stride |
+                 (uint64_t)d->stride_block | (uint64_t)d->stride_token | (uint64_t)d->stride_head;
+  for (uint32_t t = 0; t < d->ntensors; t++) acc |= (uint64_t)(uintptr_t)lay->base[t];
+  uint32_t w = 16;
+  while (w > 1 && (acc & (w - 1))) w >>= 1;
+  return w;
+}
+
 /* Describe copies between this cache's pages and `lay` (a device layout on this PE's GPU). */
 int skv__kvc_plan(skv__kvc_t *kc, const skv_layout_t *lay, int dir, skv__kvc_plan_t *pl,
                   const char *fn) {
@@ -70,13 +80,7 @@ int skv__kvc_plan(skv__kvc_t *kc, const skv_layout_t *lay, int dir, skv__kvc_pla
   d->run_bytes = (uint32_t)SKV_MIN(lay->run_bytes, skv__geometry_slab_bytes(g));
   d->bid64 = lay->num_blocks > UINT32_MAX;
   d->err = kc->err_dev;
-  /* the vector width: every row, stride and base a multiple of it */
-  uint64_t acc = d->row_bytes | d->heap | d->pe_stride | d->page_stride |
-                 (uint64_t)d->stride_block | (uint64_t)d->stride_token | (uint64_t)d->stride_head;
-  for (uint32_t t = 0; t < d->ntensors; t++) acc |= (uint64_t)(uintptr_t)lay->base[t];
-  uint32_t w = 16;
-  while (w > 1 && (acc & (w - 1))) w >>= 1;
-  d->width = w;
+  d->width = vec_width(d, lay);
   pl->cfg = skv__kv_variant_cfg(kc->sms);
   pl->bases_bytes = (uint32_t)SKV_ALIGN_UP((uint64_t)d->ntensors * 8, 16);
   pl->bid_bytes = d->bid64 ? 8 : 4;
@@ -100,6 +104,20 @@ int skv__kvc_plan(skv__kvc_t *kc, const skv_layout_t *lay, int dir, skv__kvc_pla
   /* the copy engines: dense runs only (enqueue also caps the copies of one launch) */
   pl->ce = pl->cfg.kernel == SKV_KV_KERNEL_CE && dir == SKV_KV_COPY_FETCH &&
            d->run_bytes >= CE_MIN_RUN && !__atomic_load_n(&kc->ce_off, __ATOMIC_RELAXED);
+  return 0;
+}
+
+int skv__kvc_plan_src(skv__kvc_t *kc, const skv_layout_t *lay, uint64_t src, uint64_t stride,
+                      uint32_t n, skv__kvc_plan_t *pl, const char *fn) {
+  SKV_CHECK(skv__kvc_plan(kc, lay, SKV__KV_FETCH, pl, fn));
+  skv__kv_copy_desc_t *d = &pl->d;
+  d->heap = src;
+  d->pe_stride = 0;
+  d->page_stride = stride;
+  d->npes = 1;
+  d->pages_per_pe = n;
+  d->width = vec_width(d, lay);
+  pl->ce = false;
   return 0;
 }
 

@@ -74,9 +74,11 @@ int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const
   p->dead = calloc((size_t)npes, sizeof *p->dead);
   p->alive_checked_ms = calloc((size_t)npes, sizeof *p->alive_checked_ms);
   p->retired = malloc(pages * sizeof *p->retired);
+  p->rp_seen = (flags & SKV__POOL_NO_PAGES) ? NULL : calloc(pages, sizeof *p->rp_seen);
   p->forgot = calloc((size_t)npes, 1);
   if (!p->hdr || !p->meta || !p->free_stack || !p->lru || !p->pins || !p->dead ||
-      !p->alive_checked_ms || !p->retired || !p->forgot) {
+      !p->alive_checked_ms || !p->retired || !p->forgot ||
+      (!p->rp_seen && pages && !(flags & SKV__POOL_NO_PAGES))) {
     skv__pool_fini(p);
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_POOL, "page pool: out of memory for %llu pages",
                     (unsigned long long)pages);
@@ -100,6 +102,8 @@ int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const
       if (skv__st_state(st) != SKV_PAGE_FREE) gen = gen + 1 ? gen + 1 : 1;
     }
     m->last_use = m->key_hi = m->key_lo = 0;
+    /* remote pins of an earlier incarnation went with its UCX registration */
+    __atomic_store_n(&m->rpins, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&m->pinmask, pins & ~(1ull << me), __ATOMIC_RELAXED);
     __atomic_store_n(&m->state, skv__st_make(gen, SKV_PAGE_FREE), __ATOMIC_RELEASE);
     if (pins & ~(1ull << me))
@@ -158,6 +162,7 @@ void skv__pool_fini(skv__pool_t *p) {
   free(p->dead);
   free(p->alive_checked_ms);
   free(p->retired);
+  free(p->rp_seen);
   free(p->forgot);
   if (p->hdr) {
     pthread_mutex_destroy(&p->mu);
@@ -288,6 +293,28 @@ static uint64_t live_pins(skv__pool_t *p, skv__page_meta_t *m, uint32_t page) {
     }
   }
   return pins;
+}
+
+/* Do other nodes pin page `page` of ours (record m)? Read after the CAS to EVICTING, as
+ * pinmask is; pins whose word stayed the same for a lease are treated as released (see
+ * "Remote pins" in pool.h). Under mu. */
+static bool remote_pins(skv__pool_t *p, skv__page_meta_t *m, uint32_t page) {
+  const uint64_t w = __atomic_load_n(&m->rpins, __ATOMIC_SEQ_CST);
+  if ((uint32_t)w == 0) return false;
+  if (!p->rp_seen || !p->lease_ms) return true;
+  const uint64_t now = skv__now_ms();
+  if (p->rp_seen[page].word != w) {
+    p->rp_seen[page].word = w;
+    p->rp_seen[page].since_ms = now;
+    return true;
+  }
+  if (now - p->rp_seen[page].since_ms <= p->lease_ms) return true;
+  p->rp_voided++;
+  SKV_WARN_RL(SKV_SUBSYS_POOL,
+              "page %u holds %u pin(s) of other nodes, none pinned or unpinned for longer than the "
+              "lease (%llu ms): treated as released",
+              page, (uint32_t)w, (unsigned long long)p->lease_ms);
+  return false;
 }
 
 /* Pin one page, pin_mu held. */
@@ -518,7 +545,7 @@ static bool try_evict(skv__pool_t *p, uint32_t page, uint32_t gen, skv__pool_evi
                                    __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
     return false;
   uint64_t pins = live_pins(p, m, page);
-  if (pins) {
+  if (pins || remote_pins(p, m, page)) {
     __atomic_store_n(&m->state, ready, __ATOMIC_SEQ_CST);
     return false;
   }

@@ -49,6 +49,20 @@
  *   can no longer be evicted; the other PEs' capacity is unaffected.
  * - Pins must balance: unpinning a page the PE does not hold fails with SKV_EINVAL.
  *
+ * Remote pins
+ * -----------
+ * Other nodes pin a page through UCX (src/cluster/xfer.c): an atomic add to its record's
+ * rpins word (SKV_RPIN_ADD: one more pin, one more event), then, after a fence, a read of its
+ * state: the Dekker pair of a local pin, with rpins in place of pinmask. An unpin adds
+ * SKV_RPIN_SUB. The evictor reads rpins after its CAS to EVICTING, as it reads pinmask. A node
+ * that dies or hangs holding pins cannot be told apart from one that holds them long, so remote
+ * pins are leased as a whole per page: a page whose rpins word showed pins and did not change
+ * for lease_ms (no pin, no unpin by anyone) is evicted as if unpinned (a warning says so). The
+ * word is never reset (an unpin that comes late must not take the count below zero), so a
+ * dead node's pins stay counted; they only delay that page's eviction by a lease after each
+ * remote pin or unpin of it. A reader checks the generation after every remote read anyway, so
+ * a pin that lapsed costs a retry, never wrong bytes.
+ *
  * Leases
  * ------
  * A live PE that stops (SIGSTOP, a debugger, a hung thread) would keep its pins for ever, and
@@ -75,8 +89,16 @@ typedef struct skv__page_meta {
   uint64_t pinmask; /* bit per local PE */
   uint64_t last_use;
   uint64_t key_hi, key_lo;
-  uint64_t pad[3];
+  uint64_t rpins; /* pins of other nodes (src/cluster): count (low half) | pins + unpins (high) */
+  uint64_t pad[2];
 } skv__page_meta_t;
+_Static_assert(sizeof(skv__page_meta_t) == 64, "a page record is one cache line");
+
+/* Remote pins (src/cluster/xfer.c) are atomic adds of other nodes' fetching workers, through
+ * UCX, to a page's rpins word: a pin adds SKV_RPIN_ADD, an unpin SKV_RPIN_SUB (the count goes
+ * down by one, the activity count up by one). */
+#define SKV_RPIN_ADD ((1ull << 32) + 1)
+#define SKV_RPIN_SUB ((1ull << 32) - 1)
 
 typedef struct skv__pe_hdr {
   uint64_t magic;
@@ -136,6 +158,12 @@ typedef struct skv__pool {
   uint64_t lease_ms;     /* 0: pins never expire */
   uint64_t seen_revoked; /* our header's revoked when we last looked (under pin_mu) */
   uint64_t lease_lost;   /* times our pins were dropped because a lease ran out */
+  /* remote pins (see "Remote pins" above): the rpins word an evictor last saw on each page of
+   * ours and since when (owner-private, under mu) */
+  struct {
+    uint64_t word, since_ms;
+  } * rp_seen;        /* [pages] */
+  uint64_t rp_voided; /* remote pins treated as released (no pin or unpin for a lease) */
   /* evictions: told each candidate's key a few pages ahead (the cache prefetches its index slot) */
   void (*evict_hint)(void *arg, uint64_t key_hi, uint64_t key_lo);
 } skv__pool_t;

@@ -129,7 +129,7 @@ class ClusterStats(Structure):
     _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
         "exported_pages", "dir_puts", "dir_dels", "dir_errors", "dir_reconnects", "lookups",
         "local_hits", "remote_hits", "remote_pages", "remote_bytes", "remote_stale",
-        "peer_failures")]
+        "peer_failures", "remote_pins")]
 
 
 class CommOpts(Structure):
@@ -355,6 +355,7 @@ FUNCTIONS = {
                                 P(c_size_t), P(c_size_t)], "rc"),
     "skv_cluster_fetch": (c_int, [c_void_p, P(ClusterRef), c_size_t, c_void_p, P(c_uint64),
                                c_uint32, c_void_p], "rc"),
+    "skv_cluster_unpin": (c_int, [c_void_p, P(ClusterRef), c_size_t], "rc"),
     "skv_cluster_get_stats": (c_int, [c_void_p, P(ClusterStats)], "rc"),
     "skv_cluster_node_name": (c_char_p, [c_void_p, c_uint32], None),
     "skv_comm_create": (c_int, [_ctx, P(CommOpts), P(c_void_p)], "rc"),
