@@ -800,7 +800,10 @@ SKV_EXTERN int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *ref
                                  const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                                  void *stream);
 /* Release pins taken by skv_cluster_lookup(SKV_LOOKUP_PIN), local and remote, without a fetch
- * (a peer that cannot be reached keeps them until they lapse). */
+ * (a peer that cannot be reached keeps them until they lapse). A remote reference this handle
+ * does not pin (as often as it is listed) fails the call with SKV_EINVAL before any is
+ * released, as skv_cluster_fetch(SKV_FETCH_UNPIN) does before it reads anything: an unpin too
+ * many would take away another node's pin. */
 SKV_EXTERN int skv_cluster_unpin(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n);
 SKV_EXTERN int skv_cluster_get_stats(const skv_cluster_t *cl, skv_cluster_stats_t *stats);
 /* Name of peer node `node` of this handle (as in skv_cluster_ref_t), or NULL. */

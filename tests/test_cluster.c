@@ -10,6 +10,7 @@
 #include <hiredis.h>
 #include <inttypes.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -403,6 +404,22 @@ Test(cluster, evicted_page_is_stale_never_served) {
   cr_assert_eq(nh, 0, "an evicted key still in the directory");
   lookup_all(&c, 100, 8, refs, &nl, &nh);
   cr_assert_eq(nh, 8);
+  /* a layout of another geometry (same page size, other heads) is refused, nothing written */
+  {
+    skv_geometry_t g2 = c.g;
+    g2.num_kv_heads = 4, g2.head_dim = 16;
+    skv_layout_t *other = NULL;
+    void *base[1] = {c.mem};
+    cr_assert_eq(skv_layout_create_preset(&g2, SKV_LAYOUT_CONTIGUOUS, 16, BLOCKS, base, -1, &other),
+                 0, "%s", skv_last_error());
+    memset(c.mem, 0xEE, c.pb * BLOCKS);
+    rc = skv_cluster_fetch(c.cl, refs, 8, other, ids, 0, NULL);
+    cr_assert_eq(rc, SKV_EINVAL, "a layout of another geometry: %s", skv_err_name(rc));
+    cr_assert(strstr(skv_last_error(), "another geometry"), "%s", skv_last_error());
+    skv_layout_destroy(other);
+    cr_assert_eq(eng_wrong(&c, 100, 8, 2, &poisoned), 0);
+    cr_assert_eq(poisoned, 8, "a refused fetch wrote blocks");
+  }
   /* remote pages into a layout of layer 1 of 4: that layer's bytes only are read and written */
   skv_layout_t *part = NULL;
   cr_assert_eq(skv_layout_create_layers(c.lay, 1, 1, &part), 0, "%s", skv_last_error());
@@ -488,6 +505,26 @@ Test(cluster, remote_pins_hold_evictions_until_released_or_lapsed) {
   cr_assert_eq(nh, 8);
   cr_assert_eq(child_do(&a, "C"), 0, "pages pinned again were evicted");
   cr_assert_eq(skv_cluster_unpin(c.cl, refs, 8), 0, "%s", skv_last_error());
+  /* unbalanced unpins are refused before anything is sent (they would take another node's
+   * pins away): a second unpin, and a fetch with SKV_FETCH_UNPIN of references looked up
+   * without SKV_LOOKUP_PIN, which reads nothing either */
+  rc = skv_cluster_unpin(c.cl, refs, 8);
+  cr_assert_eq(rc, SKV_EINVAL, "a second unpin: %s", skv_err_name(rc));
+  cr_assert(strstr(skv_last_error(), "not pinned by this handle"), "%s", skv_last_error());
+  cr_assert_eq(skv_cluster_lookup(c.cl, c.ns, keys, 8, 0, refs, &nl, &nh), 0);
+  cr_assert_eq(nh, 8);
+  memset(c.mem, 0xEE, c.pb * BLOCKS);
+  rc = skv_cluster_fetch(c.cl, refs, 8, c.lay, ids, SKV_FETCH_UNPIN, NULL);
+  cr_assert_eq(rc, SKV_EINVAL, "fetch(UNPIN) of unpinned references: %s", skv_err_name(rc));
+  cr_assert_eq(eng_wrong(&c, 40, 8, 4, &poisoned), 0);
+  cr_assert_eq(poisoned, 8, "a refused fetch wrote blocks");
+  /* one node's pins and another's are counted apart: c's refused unpin took none of them */
+  cr_assert_eq(skv_cluster_lookup(c.cl, c.ns, keys, 8, SKV_LOOKUP_PIN, refs, &nl, &nh), 0);
+  cr_assert_eq(child_do(&a, "C"), 0, "pinned pages were evicted after refused unpins");
+  cr_assert_eq(skv_cluster_fetch(c.cl, refs, 8, c.lay, ids, SKV_FETCH_UNPIN, NULL), 0, "%s",
+               skv_last_error());
+  cr_assert_eq(eng_wrong(&c, 40, 8, 4, &poisoned), 0);
+  cr_assert_eq(poisoned, 0);
   cr_assert_eq(child_do(&a, "C"), 8);
   eng_close(&c);
   child_stop(&a);
@@ -862,6 +899,22 @@ Test(cluster, bad_arguments_are_refused_by_name) {
   o = (skv_cluster_opts_t)SKV_CLUSTER_OPTS_INIT;
   o.lease_ms = 5;
   cr_assert_eq(skv_cluster_join(c.kv, &o, &cl), SKV_EINVAL);
+  o = (skv_cluster_opts_t)SKV_CLUSTER_OPTS_INIT;
+  o.flags = 2;
+  cr_assert_eq(skv_cluster_join(c.kv, &o, &cl), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "SKV_CLUSTER_NO_EXPORT"), "%s", skv_last_error());
+  /* stats: a caller built before remote_pins existed gets the fields it knows, no more */
+  skv_cluster_stats_t st = SKV_CLUSTER_STATS_INIT;
+  st.size = offsetof(skv_cluster_stats_t, remote_pins);
+  st.remote_pins = 12345;
+  cr_assert_eq(skv_cluster_get_stats(c.cl, &st), 0, "%s", skv_last_error());
+  cr_assert_eq(st.remote_pins, 12345, "written beyond the caller's size");
+  st.size = sizeof st - 1;
+  cr_assert_eq(skv_cluster_get_stats(c.cl, &st), SKV_EINVAL);
+  /* unpins of a node-local handle: local references only */
+  skv_cluster_ref_t far = {0, 0, 0, 1};
+  cr_assert_eq(skv_cluster_unpin(c.cl, &far, 1), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "node-local"), "%s", skv_last_error());
   eng_close(&c);
 }
 

@@ -36,6 +36,12 @@ struct skv_cluster {
   skv__xfer_t *x;
   skv__dir_t *dir;
   uint64_t *peer_checked_ms; /* [XFER peers]: when the peer's record was last read */
+  /* the remote pins this handle holds, per (peer, page): so that an unpin of a page it does
+   * not pin is refused (it would take another node's pin away), under mu. Open addressing,
+   * key (peer + 1) << 32 | page, 0 empty; a slot whose count went to 0 keeps its key. */
+  uint64_t *pin_key;
+  uint32_t *pin_cnt;
+  size_t pin_cap, pin_used;
 #endif
 };
 
@@ -194,6 +200,7 @@ int skv_cluster_leave(skv_cluster_t *cl) {
   if (cl->dir) skv__dir_destroy(cl->dir);
   if (cl->x) skv__xfer_destroy(cl->x);
   free(cl->peer_checked_ms);
+  free(cl->pin_key), free(cl->pin_cnt);
 #endif
   pthread_mutex_destroy(&cl->mu);
   free(cl);
@@ -279,7 +286,79 @@ static size_t refs_of_peer(const skv_cluster_ref_t *refs, size_t n, uint32_t pee
   return k;
 }
 
-/* Give back the pins of the remote references among refs[0..n) (one batch per peer). A peer
+/* The slot of (peer, page) in the pin table, or of where it would go (NULL: no table). */
+static size_t pin_slot(const skv_cluster_t *cl, uint64_t key) {
+  size_t i = (size_t)((key * 0x9e3779b97f4a7c15ull) >> 20) & (cl->pin_cap - 1), free_at = SIZE_MAX;
+  for (;; i = (i + 1) & (cl->pin_cap - 1)) {
+    if (cl->pin_key[i] == key) return i;
+    if (cl->pin_key[i] == 0) return free_at != SIZE_MAX ? free_at : i;
+    if (cl->pin_cnt[i] == 0 && free_at == SIZE_MAX) free_at = i;
+  }
+}
+
+static uint64_t pin_key_of(const skv_cluster_ref_t *r) {
+  return ((uint64_t)r->node + 1) << 32 | r->page;
+}
+
+/* Count one more pin of each remote reference of refs[0..n). Under cl->mu. */
+static int pins_add(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n) {
+  if ((cl->pin_used + n) * 2 > cl->pin_cap) { /* grow: keep the live entries */
+    size_t cap = 64;
+    while (cap < (cl->pin_used + n) * 4) cap *= 2;
+    uint64_t *ok = cl->pin_key;
+    uint32_t *oc = cl->pin_cnt;
+    const size_t ocap = cl->pin_cap;
+    cl->pin_key = calloc(cap, sizeof *cl->pin_key);
+    cl->pin_cnt = calloc(cap, sizeof *cl->pin_cnt);
+    if (!cl->pin_key || !cl->pin_cnt) {
+      free(cl->pin_key), free(cl->pin_cnt);
+      cl->pin_key = ok, cl->pin_cnt = oc;
+      return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory for the pin table");
+    }
+    cl->pin_cap = cap;
+    cl->pin_used = 0;
+    for (size_t i = 0; i < ocap; i++)
+      if (oc[i]) {
+        size_t j = pin_slot(cl, ok[i]);
+        cl->pin_key[j] = ok[i], cl->pin_cnt[j] = oc[i];
+        cl->pin_used++;
+      }
+    free(ok), free(oc);
+  }
+  for (size_t i = 0; i < n; i++) {
+    if (refs[i].node == SKV_NODE_LOCAL) continue;
+    const uint64_t key = pin_key_of(&refs[i]);
+    size_t j = pin_slot(cl, key);
+    if (cl->pin_key[j] != key) {
+      if (cl->pin_key[j] == 0) cl->pin_used++;
+      cl->pin_key[j] = key, cl->pin_cnt[j] = 0;
+    }
+    cl->pin_cnt[j]++;
+  }
+  return 0;
+}
+
+/* Count one pin less of each remote reference of refs[0..n): all, or none and SKV_EINVAL
+ * naming a reference this handle does not pin (as often as it is listed). Under cl->mu. */
+static int pins_take(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n, const char *fn) {
+  size_t i = 0;
+  for (; i < n; i++) {
+    if (refs[i].node == SKV_NODE_LOCAL) continue;
+    size_t j = cl->pin_cap ? pin_slot(cl, pin_key_of(&refs[i])) : 0;
+    if (!cl->pin_cap || cl->pin_key[j] != pin_key_of(&refs[i]) || cl->pin_cnt[j] == 0) break;
+    cl->pin_cnt[j]--;
+  }
+  if (i == n) return 0;
+  const size_t bad = i;
+  while (i-- > 0) /* undo */
+    if (refs[i].node != SKV_NODE_LOCAL) cl->pin_cnt[pin_slot(cl, pin_key_of(&refs[i]))]++;
+  return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                  "%s: refs[%zu] (node '%s', page %u) is not pinned by this handle (pin it with "
+                  "skv_cluster_lookup(SKV_LOOKUP_PIN); unpin each pin once): nothing released",
+                  fn, bad, skv__xfer_peer_name(cl->x, refs[bad].node), refs[bad].page);
+}
+
+/* Send the unpins of the remote references among refs[0..n) (one batch per peer). A peer
  * that cannot be reached keeps them until its lease lapses (pool.h, "Remote pins"). Returns
  * the first failure. Under cl->mu. */
 static int unpin_remote(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n) {
@@ -336,6 +415,12 @@ static int pin_remote(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t r
   for (size_t i = cut; i < r; i++)
     if (pinned[i]) beyond[nb++] = refs[i];
   if (nb) (void)unpin_remote(cl, beyond, nb);
+  int arc = pins_add(cl, refs, cut);
+  if (arc) { /* not counted: not kept either */
+    (void)unpin_remote(cl, refs, cut);
+    cut = 0;
+    if (!rc) rc = arc;
+  }
   __atomic_add_fetch(&cl->remote_pins, cut, __ATOMIC_RELAXED);
   free(pos), free(pages), free(gens), free(pinned), free(beyond);
   *held = cut;
@@ -393,6 +478,7 @@ int skv_cluster_lookup(skv_cluster_t *cl, const skv_namespace_t *ns, const skv_k
       }
       refs[h + r] = (skv_cluster_ref_t){peer, vals[r].pe, vals[r].page, vals[r].gen};
     }
+    if (rc) r = 0; /* Redis failed part-way: the node-local hits only (as promised) */
     if (r > 0 && (flags & SKV_LOOKUP_PIN)) {
       size_t held = 0;
       int prc = pin_remote(cl, refs + h, r, &held);
@@ -490,6 +576,47 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
 }
 #endif
 
+#if SKV_WITH_CLUSTER
+/* Can remote pages go into `dst`? Its geometry must be the cache's (the bytes read are the
+ * cache's page format), and a GPU layout needs the CUDA copy path, on a stream not captured. */
+static int remote_dst_check(skv_cluster_t *cl, const skv_layout_t *dst, void *stream) {
+  if (!skv__geometry_equal(&dst->geom, &cl->kv->geom))
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                    "skv_cluster_fetch: the layout was made for another geometry than the "
+                    "cache's: remote pages are in the cache's page format");
+  if (dst->device < 0) return 0;
+#ifdef SKV_WITH_CUDA
+  skv__kvc_t *kc = cl->kv->cuda;
+  if (!kc)
+    return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                    "skv_cluster_fetch: remote pages into a GPU layout need a cache with the CUDA "
+                    "backend (this one keeps host pages and has no GPU copy path): attach with "
+                    "SKV_BACKEND_CUDA, or fetch into a host layout");
+  SKV_CHECK(skv__kvc_check(kc, dst, SKV__KV_FETCH, "skv_cluster_fetch"));
+  bool capturing = false;
+  SKV_CHECK(skv__kvc_begin(kc, stream, &capturing, false));
+  if (capturing)
+    return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
+                    "skv_cluster_fetch: remote pages cannot be fetched while the stream is being "
+                    "captured (they are read over the network when the call runs): fetch them "
+                    "before the capture");
+  return 0;
+#else
+  (void)stream;
+  return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
+                  "skv_cluster_fetch: a GPU layout, but this symkv was built without CUDA");
+#endif
+}
+
+/* Release the remote pins among refs[0..n) that this handle holds: every one, or none and
+ * SKV_EINVAL (pins_take). Under cl->mu. */
+static int release_remote(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
+                          const char *fn) {
+  SKV_CHECK(pins_take(cl, refs, n, fn));
+  return unpin_remote(cl, refs, n);
+}
+#endif
+
 int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
                       const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                       void *stream) {
@@ -528,26 +655,6 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_FETCH_UNPIN) == 0, SKV_SUBSYS_KV,
                 "skv_cluster_fetch: unknown flags 0x%x", flags);
   SKV_CHECK(skv__check_block_ids(dst, block_ids, n, "skv_cluster_fetch"));
-  if (dst->device >= 0) {
-#ifdef SKV_WITH_CUDA
-    skv__kvc_t *kc = cl->kv->cuda;
-    SKV_ARG_CHECK(kc, SKV_SUBSYS_KV,
-                  "skv_cluster_fetch: remote pages into a GPU layout need a cache with the CUDA "
-                  "backend (this one keeps host pages and has no GPU copy path): attach with "
-                  "SKV_BACKEND_CUDA, or fetch into a host layout");
-    SKV_CHECK(skv__kvc_check(kc, dst, SKV__KV_FETCH, "skv_cluster_fetch"));
-    bool capturing = false;
-    SKV_CHECK(skv__kvc_begin(kc, stream, &capturing, false));
-    if (capturing)
-      return SKV_FAIL(SKV_ECAPTURE, SKV_SUBSYS_KV,
-                      "skv_cluster_fetch: remote pages cannot be fetched while the stream is "
-                      "being captured (they are read over the network when the call runs): "
-                      "fetch them before the capture");
-#else
-    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
-                    "skv_cluster_fetch: a GPU layout, but this symkv was built without CUDA");
-#endif
-  }
   size_t *idx = malloc(n * sizeof(*idx));
   skv_page_ref_t *lrefs = malloc((nl ? nl : 1) * sizeof(*lrefs));
   uint64_t *lblocks = malloc((nl ? nl : 1) * m * sizeof(*lblocks));
@@ -555,15 +662,31 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
     free(idx), free(lrefs), free(lblocks);
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory");
   }
-  int rc = 0;
+  /* from here on a failure still releases the pins of SKV_FETCH_UNPIN */
+  int rc = remote_dst_check(cl, dst, stream);
   pthread_mutex_lock(&cl->mu);
-  for (size_t i = 0; i < n; i++)
+  bool bad_node = false; /* then no pin of the call is taken nor released */
+  for (size_t i = 0; i < n && !bad_node; i++)
     if (refs[i].node != SKV_NODE_LOCAL && refs[i].node >= skv__xfer_npeers(cl->x)) {
+      bad_node = true;
       rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
                     "skv_cluster_fetch: refs[%zu] names node %u, this handle knows %u", i,
                     refs[i].node, skv__xfer_npeers(cl->x));
-      goto out;
     }
+  /* SKV_FETCH_UNPIN: the remote pins are taken off this handle's count first (a reference it
+   * does not pin fails the call before anything is read), and given back after the reads, also
+   * when they failed */
+  bool taken = false;
+  if ((flags & SKV_FETCH_UNPIN) && !bad_node) {
+    char saved[512];
+    snprintf(saved, sizeof(saved), "%s", skv_last_error());
+    int trc = pins_take(cl, refs, n, "skv_cluster_fetch");
+    taken = trc == 0;
+    if (rc)
+      skv__error_restore(saved);
+    else
+      rc = trc;
+  }
   /* remote pages first, a batch per peer node, then the local ones (their pins are released by
    * skv_kv_fetch, also when a remote batch failed: see below) */
   {
@@ -575,7 +698,7 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
       if (k) rc = fetch_peer(cl, p, refs, idx, k, dst, block_ids, stream);
     }
   }
-  if (flags & SKV_FETCH_UNPIN) { /* the remote pins go as promised, also after a failure */
+  if (taken) {
     char saved[512];
     snprintf(saved, sizeof(saved), "%s", skv_last_error());
     int urc = unpin_remote(cl, refs, n);
@@ -584,7 +707,6 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
     else
       rc = urc;
   }
-out:
   pthread_mutex_unlock(&cl->mu);
   if (nl) {
     size_t j = 0;
@@ -626,7 +748,7 @@ int skv_cluster_unpin(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
         rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
                       "skv_cluster_unpin: refs[%zu] names node %u, this handle knows %u", i,
                       refs[i].node, skv__xfer_npeers(cl->x));
-    if (!rc) rc = unpin_remote(cl, refs, n);
+    if (!rc) rc = release_remote(cl, refs, n, "skv_cluster_unpin");
     pthread_mutex_unlock(&cl->mu);
 #else
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
@@ -650,10 +772,13 @@ int skv_cluster_unpin(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
 
 int skv_cluster_get_stats(const skv_cluster_t *cl, skv_cluster_stats_t *st) {
   CL_CHECK_NULL(cl, "skv_cluster_get_stats");
+  /* callers built before remote_pins existed pass the size they know: that much is written */
+  const size_t v1 = offsetof(skv_cluster_stats_t, remote_pins);
   SKV_ARG_CHECK(
-      st && st->size == sizeof(*st), SKV_SUBSYS_KV,
+      st && (st->size == sizeof(*st) || st->size == v1), SKV_SUBSYS_KV,
       "skv_cluster_get_stats: stats is NULL or its size is not sizeof(skv_cluster_stats_t) "
       "(start from SKV_CLUSTER_STATS_INIT)");
+  const size_t size = st->size;
   skv_cluster_stats_t s = SKV_CLUSTER_STATS_INIT;
 #if SKV_WITH_CLUSTER
   if (cl->dir) {
@@ -674,7 +799,8 @@ int skv_cluster_get_stats(const skv_cluster_t *cl, skv_cluster_stats_t *st) {
   s.remote_stale = cl->remote_stale;
   s.peer_failures = cl->peer_failures;
   s.remote_pins = cl->remote_pins;
-  *st = s;
+  s.size = size;
+  memcpy(st, &s, size);
   return 0;
 }
 

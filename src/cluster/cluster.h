@@ -51,7 +51,8 @@ uint64_t skv__xfer_peer_nonce(const skv__xfer_t *x, uint32_t peer);
 
 /* Pages read by skv__xfer_get_pages and checked: pages [first, first + count) of the call are
  * at `bytes`, `len` bytes apart (valid during the callback only). Non-zero: a failure (set
- * with SKV_FAIL) that ends the call, returned by it. */
+ * with SKV_FAIL) that ends the call, returned by it; SKV_ETIMEDOUT says that a copy out of
+ * `bytes` may still be running, and the staging buffer is then left to it (never reused). */
 typedef int (*skv__xfer_deliver_fn)(void *arg, size_t first, size_t count, const void *bytes);
 
 /* Called with the staging buffer after it is allocated (add) and before it is freed (!add):

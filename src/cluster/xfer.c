@@ -254,11 +254,11 @@ static bool settle(skv__xfer_t *x, void *req, uint64_t deadline_ms) {
 /* Some cancelled request did not complete in time: it may still write into the staging buffer
  * or the state words, so both are left to it (leaked, never reused; the next call allocates new
  * ones). Its request is freed (UCX releases it once it completes). */
-static void abandon_buffers(skv__xfer_t *x) {
+static void abandon_buffers(skv__xfer_t *x, const char *who) {
   SKV_WARN(SKV_SUBSYS_KV,
-           "cluster: reads of a closed endpoint did not complete within %d ms; leaving their "
-           "buffers (%zu bytes) to them and taking new ones",
-           x->timeout_ms, x->staging_cap + x->words_cap * sizeof(uint64_t));
+           "cluster: %s did not complete within %d ms; leaving the buffers (%zu bytes) to them "
+           "and taking new ones",
+           who, x->timeout_ms, x->staging_cap + x->words_cap * sizeof(uint64_t));
   x->staging = NULL;
   x->staging_mh = NULL;
   x->staging_cap = 0;
@@ -422,7 +422,7 @@ static void drain_reqs(skv__xfer_t *x, void **reqs, size_t k) {
     if (!stuck && !settle(x, reqs[i], deadline_ms)) stuck = true;
     ucp_request_free(reqs[i]);
   }
-  if (stuck) abandon_buffers(x);
+  if (stuck) abandon_buffers(x, "reads of a closed endpoint");
 }
 
 /* Wait for reqs[0..k) (requests of `p`), bounded, and free them; SKV_EPEERDEAD (the endpoint
@@ -596,6 +596,7 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
   size_t k[XFER_DEPTH] = {0};
   size_t head = 0, tail = 0; /* sub-batches [tail, head) are in flight, slot = index % depth */
   size_t stale = n;          /* the first stale page, n while none */
+  bool copy_stuck = false;
   int rc = 0;
   while (tail < nsub) {
     for (; head < nsub && head - tail < depth && !p->failed; head++) {
@@ -616,7 +617,10 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
           (uint32_t)(x->words[i] >> 32) != gen[i])
         stale = i;
     if (stale < n) break;
-    if ((rc = deliver(arg, first, c, x->staging + s * sub * pb)) != 0) break;
+    if ((rc = deliver(arg, first, c, x->staging + s * sub * pb)) != 0) {
+      copy_stuck = rc == SKV_ETIMEDOUT; /* the copy out of the slot may still read it */
+      break;
+    }
   }
   /* after a failure: what is still in flight lands in the staging slots, never later (a
    * failed delivery leaves the endpoint open: its reads are waited for) */
@@ -629,6 +633,7 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
     else
       rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s]);
   }
+  if (copy_stuck) abandon_buffers(x, "a copy out of the staging buffer");
   if (rc) return rc;
   if (stale < n) {
     const uint64_t w = x->words[stale];
@@ -681,12 +686,22 @@ int skv__xfer_pin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
   if (n == 0) return 0;
   if (!p->rec.rpins_off)
     return SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_KV, "cluster: node '%s' takes no remote pins", p->name);
-  SKV_CHECK(reqs_room(x, 2 * n));
-  /* the adds, a fence, the state words: the Dekker pair of a local pin (pool.h) */
+  SKV_CHECK(reqs_room(x, n + 1));
+  /* the adds, landed (a flush: a fence only orders each lane of the endpoint, and the adds and
+   * the reads may take different lanes on some transports), then the state words: the Dekker
+   * pair of a local pin (pool.h) */
   size_t k = 0;
   post_rpins(x, p, page, n, &rpin_add, x->reqs, &k);
-  ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
-  if (st != UCS_OK) p->failed = (int)st;
+  if (!p->failed) {
+    ucp_request_param_t fp = {.op_attr_mask = 0};
+    void *req = ucp_ep_flush_nbx(p->ep, &fp);
+    if (UCS_PTR_IS_ERR(req))
+      p->failed = (int)UCS_PTR_STATUS(req);
+    else if (req)
+      x->reqs[k++] = req;
+  }
+  SKV_CHECK(wait_reqs(x, p, x->reqs, k));
+  k = 0;
   ucp_request_param_t rp = {.op_attr_mask = 0};
   for (size_t i = 0; i < n && !p->failed; i++) {
     void *req = ucp_get_nbx(p->ep, &x->words[i], sizeof(uint64_t),

@@ -327,7 +327,13 @@ int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *host, 
     }
     if (e == cudaSuccess) {
       skv__kvc_slot_put(kc, s);
-    } else if (e == cudaErrorNotReady) { /* the slot stays the kernel's: leaked */
+    } else if (e == cudaErrorNotReady) {
+      /* the kernel may still run: the completion thread takes the slot back once its event
+       * completes (a step with nothing to do), and the caller leaves the staging to it */
+      s->dir = SKV__KV_WRITE;
+      s->n = 0;
+      s->unpin_caller = false;
+      skv__kvc_slot_pending(kc, s);
       rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
                     "%s: the copy of %u remote pages into the engine's blocks did not complete "
                     "within %d ms (is the stream blocked?)",

@@ -95,7 +95,8 @@ size_t skv__kvc_stage_pages(const skv__kvc_t *kc);
  * `stride` bytes apart, each holding the layout's layers only, into their blocks of `lay` (page
  * i's at block_ids[idx[i] * m ...]), on `stream`, and a wait for the copy (bounded by the
  * timeout). `host` must be registered with skv__kvc_host_register (the kernels read it over
- * PCIe). No pins, no completion step. */
+ * PCIe). No pins, no completion step. SKV_ETIMEDOUT: the copy may still run and read `host`
+ * (the caller must not reuse nor free it); its argument slot goes back once it completes. */
 int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *host, uint64_t stride,
                      size_t n, const uint64_t *block_ids, const size_t *idx, void *stream,
                      const char *fn);
