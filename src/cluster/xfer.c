@@ -668,6 +668,17 @@ static void post_rpins(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, siz
   }
 }
 
+/* Post a flush of p's endpoint behind what was posted on it (its request into x->reqs[*k]). */
+static void post_flush(skv__xfer_t *x, xfer_peer_t *p, size_t *k) {
+  if (p->failed) return;
+  ucp_request_param_t rp = {.op_attr_mask = 0};
+  void *req = ucp_ep_flush_nbx(p->ep, &rp);
+  if (UCS_PTR_IS_ERR(req))
+    p->failed = (int)UCS_PTR_STATUS(req);
+  else if (req)
+    x->reqs[(*k)++] = req;
+}
+
 static int reqs_room(skv__xfer_t *x, size_t need) {
   if (need <= x->reqs_cap) return 0;
   void **r = realloc(x->reqs, need * sizeof(*r));
@@ -692,14 +703,7 @@ int skv__xfer_pin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
    * pair of a local pin (pool.h) */
   size_t k = 0;
   post_rpins(x, p, page, n, &rpin_add, x->reqs, &k);
-  if (!p->failed) {
-    ucp_request_param_t fp = {.op_attr_mask = 0};
-    void *req = ucp_ep_flush_nbx(p->ep, &fp);
-    if (UCS_PTR_IS_ERR(req))
-      p->failed = (int)UCS_PTR_STATUS(req);
-    else if (req)
-      x->reqs[k++] = req;
-  }
+  post_flush(x, p, &k);
   SKV_CHECK(wait_reqs(x, p, x->reqs, k));
   k = 0;
   ucp_request_param_t rp = {.op_attr_mask = 0};
@@ -730,13 +734,6 @@ int skv__xfer_unpin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, s
   SKV_CHECK(reqs_room(x, n + 1));
   size_t k = 0;
   post_rpins(x, p, page, n, &rpin_sub, x->reqs, &k);
-  if (!p->failed) { /* the adds are posted, not done: a flush waits until they landed */
-    ucp_request_param_t rp = {.op_attr_mask = 0};
-    void *req = ucp_ep_flush_nbx(p->ep, &rp);
-    if (UCS_PTR_IS_ERR(req))
-      p->failed = (int)UCS_PTR_STATUS(req);
-    else if (req)
-      x->reqs[k++] = req;
-  }
+  post_flush(x, p, &k); /* the adds are posted, not done: the flush completes once they landed */
   return wait_reqs(x, p, x->reqs, k);
 }
