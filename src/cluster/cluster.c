@@ -286,7 +286,7 @@ static size_t refs_of_peer(const skv_cluster_ref_t *refs, size_t n, uint32_t pee
   return k;
 }
 
-/* The slot of (peer, page) in the pin table, or of where it would go (NULL: no table). */
+/* The slot of (peer, page) in the pin table, or of where it would go (the table exists). */
 static size_t pin_slot(const skv_cluster_t *cl, uint64_t key) {
   size_t i = (size_t)((key * 0x9e3779b97f4a7c15ull) >> 20) & (cl->pin_cap - 1), free_at = SIZE_MAX;
   for (;; i = (i + 1) & (cl->pin_cap - 1)) {
@@ -356,6 +356,17 @@ static int pins_take(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
                   "%s: refs[%zu] (node '%s', page %u) is not pinned by this handle (pin it with "
                   "skv_cluster_lookup(SKV_LOOKUP_PIN); unpin each pin once): nothing released",
                   fn, bad, skv__xfer_peer_name(cl->x, refs[bad].node), refs[bad].page);
+}
+
+/* Every remote reference of refs[0..n) names a peer this handle knows; else SKV_EINVAL naming
+ * the first that does not. Under cl->mu. */
+static int check_nodes(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n, const char *fn) {
+  const uint32_t np = skv__xfer_npeers(cl->x);
+  for (size_t i = 0; i < n; i++)
+    if (refs[i].node != SKV_NODE_LOCAL && refs[i].node >= np)
+      return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
+                      "%s: refs[%zu] names node %u, this handle knows %u", fn, i, refs[i].node, np);
+  return 0;
 }
 
 /* Send the unpins of the remote references among refs[0..n) (one batch per peer). A peer
@@ -548,8 +559,7 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
                     " bytes, this cache %" PRIu64 " (another geometry)",
                     skv__xfer_peer_name(cl->x, peer), pb, cl->kv->page_bytes);
   uint32_t pages[256], gens[256];
-  /* only the bytes of the layers `dst` covers ([layer][k|v][token][head][dim] pages) */
-  const uint64_t len = (uint64_t)dst->num_layers * dst->kvn * skv__geometry_slab_bytes(&dst->geom);
+  const uint64_t len = skv__layout_page_bytes(dst); /* only the bytes of dst's layers */
   fetch_sink_t f = {.cl = cl,
                     .dst = dst,
                     .block_ids = block_ids,
@@ -665,14 +675,9 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
   /* from here on a failure still releases the pins of SKV_FETCH_UNPIN */
   int rc = remote_dst_check(cl, dst, stream);
   pthread_mutex_lock(&cl->mu);
-  bool bad_node = false; /* then no pin of the call is taken nor released */
-  for (size_t i = 0; i < n && !bad_node; i++)
-    if (refs[i].node != SKV_NODE_LOCAL && refs[i].node >= skv__xfer_npeers(cl->x)) {
-      bad_node = true;
-      rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
-                    "skv_cluster_fetch: refs[%zu] names node %u, this handle knows %u", i,
-                    refs[i].node, skv__xfer_npeers(cl->x));
-    }
+  const int nrc = check_nodes(cl, refs, n, "skv_cluster_fetch");
+  const bool bad_node = nrc != 0; /* then no pin of the call is taken nor released */
+  if (bad_node) rc = nrc;
   /* SKV_FETCH_UNPIN: the remote pins are taken off this handle's count first (a reference it
    * does not pin fails the call before anything is read), and given back after the reads, also
    * when they failed */
@@ -743,11 +748,7 @@ int skv_cluster_unpin(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
                       "skv_cluster_unpin: a reference names a peer node, but this handle is "
                       "node-local (no Redis URL)");
     pthread_mutex_lock(&cl->mu);
-    for (size_t i = 0; i < n && !rc; i++)
-      if (refs[i].node != SKV_NODE_LOCAL && refs[i].node >= skv__xfer_npeers(cl->x))
-        rc = SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
-                      "skv_cluster_unpin: refs[%zu] names node %u, this handle knows %u", i,
-                      refs[i].node, skv__xfer_npeers(cl->x));
+    rc = check_nodes(cl, refs, n, "skv_cluster_unpin");
     if (!rc) rc = release_remote(cl, refs, n, "skv_cluster_unpin");
     pthread_mutex_unlock(&cl->mu);
 #else

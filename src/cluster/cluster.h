@@ -74,9 +74,9 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
                         size_t n, uint64_t off, uint64_t len, skv__xfer_deliver_fn deliver,
                         void *arg, size_t *bad);
 /* Pin pages page[i] of `peer` (src/pool/pool.h, "Remote pins"): one atomic add per page, a
- * fence, one read per page of its state; *held: how many leading pages are READY with gen[i]
- * and stay pinned (the pins of the others are given back). SKV_EPEERDEAD as for a get (no pin
- * is then held: those taken lapse with the owner's lease). */
+ * flush (the adds landed), one read per page of its state; *held: how many leading pages are READY
+ * with gen[i] and stay pinned (the pins of the others are given back). SKV_EPEERDEAD as for a get
+ * (no pin is then held: those taken lapse with the owner's lease). */
 int skv__xfer_pin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
                         size_t n, size_t *held);
 /* Give back pins of pages page[0..n) of `peer` (one atomic add each, then a flush, bounded). */

@@ -510,11 +510,6 @@ static int check_layout(const skv_kv_t *kv, const skv_layout_t *lay, const uint6
   return skv__check_block_ids(lay, block_ids, n, fn);
 }
 
-/* Bytes of a page the layout's layers occupy (all of it for a layout of every layer). */
-static uint64_t layout_bytes(const skv_kv_t *kv, const skv_layout_t *lay) {
-  return (uint64_t)lay->num_layers * lay->kvn * skv__geometry_slab_bytes(&kv->geom);
-}
-
 /* A layout of every layer: what skv_kv_publish needs (a key is inserted only with its whole
  * page written). */
 static int check_whole(const skv_layout_t *lay, const char *fn) {
@@ -702,7 +697,7 @@ static int copy_sync_fetch(skv_kv_t *kv, const skv__kv_batch_t *b, int path,
   }
 #ifdef SKV_WITH_CUDA
   /* only the bytes of the layers `dst` covers */
-  const uint64_t pb = layout_bytes(kv, dst);
+  const uint64_t pb = skv__layout_page_bytes(dst);
   const size_t per = skv__kvc_stage_pages(kv->cuda);
   char *buf = malloc(SKV_MIN(b->n, per) * pb);
   if (!buf)
@@ -1119,7 +1114,7 @@ int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   if (rc == 0) rc = reserved_refs(kv, refs, n, pages, idx, NULL, &k, fn);
   const uint32_t me = (uint32_t)kv->pool.me, m = src->blocks_per_page;
   if (rc == 0 && k > 0 && path == PATH_HOST) {
-    const bool nt = (uint64_t)k * layout_bytes(kv, src) >= SKV_COPY_STREAM_BYTES;
+    const bool nt = (uint64_t)k * skv__layout_page_bytes(src) >= SKV_COPY_STREAM_BYTES;
     for (size_t q = 0; q < k; q++)
       skv__copy_blocks_to_page(src, (char *)skv__kv_page(kv, me, pages[q]) + src->page_off,
                                block_ids + idx[q] * m, nt);
@@ -1127,7 +1122,7 @@ int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   }
 #ifdef SKV_WITH_CUDA
   if (rc == 0 && k > 0 && path == PATH_STAGED) {
-    const uint64_t lb = layout_bytes(kv, src);
+    const uint64_t lb = skv__layout_page_bytes(src);
     const size_t per = skv__kvc_stage_pages(kv->cuda);
     char *buf = malloc(SKV_MIN(k, per) * lb);
     if (!buf)

@@ -27,6 +27,12 @@ struct skv_layout {
   uint64_t run_bytes;
 };
 
+/* Bytes of a page that the layout's layers take (from page_off on: pages are
+ * [layer][k|v][token][head][dim]). */
+static inline uint64_t skv__layout_page_bytes(const skv_layout_t *lay) {
+  return (uint64_t)lay->num_layers * lay->kvn * skv__geometry_slab_bytes(&lay->geom);
+}
+
 /* ---- copy_host.c ---------------------------------------------------------------------- */
 
 /* Copy one page at `page` into the m = blocks_per_page engine blocks block_ids[0..m). Block ids
