@@ -69,11 +69,17 @@ typedef struct node {
   skv_key_t *keys;
 } node_t;
 
-/* A node; gpu: its blocks in GPU memory and its pages too (a CUDA domain, joined with
- * SKV_CLUSTER_NO_EXPORT: it reads other nodes' pages into the GPU). */
+/* Where a node keeps things: its blocks and pages in GPU memory (a CUDA domain: --gpu for the
+ * fetching node, --gpu-pages for the serving one, which then exports GPU memory), and whether
+ * UCX reads pages for GPU blocks into GPU memory itself (--gpu-direct). */
+enum { NODE_GPU = 1, NODE_EXPORT = 2, NODE_DIRECT = 4 };
+
+/* A node; NODE_GPU: its blocks in GPU memory and its pages too (a CUDA domain, joined with
+ * SKV_CLUSTER_NO_EXPORT unless NODE_EXPORT). */
 static int node_open(node_t *n, const char *domain, const char *name, const char *url,
                      const char *cluster, uint64_t page_bytes, uint32_t npages, int role,
-                     bool gpu) {
+                     int mode) {
+  const bool gpu = mode & NODE_GPU;
   memset(n, 0, sizeof *n);
   n->g = geom_of(page_bytes);
   n->npages = npages;
@@ -106,7 +112,8 @@ static int node_open(node_t *n, const char *domain, const char *name, const char
   co.redis_url = url;
   co.node = name;
   co.cluster = cluster;
-  if (gpu) co.flags = SKV_CLUSTER_NO_EXPORT;
+  if (gpu && !(mode & NODE_EXPORT)) co.flags |= SKV_CLUSTER_NO_EXPORT;
+  if (mode & NODE_DIRECT) co.flags |= SKV_CLUSTER_GPU_DIRECT;
   return skv_cluster_join(n->kv, &co, &n->cl);
 }
 
@@ -124,9 +131,12 @@ static void node_close(node_t *n) {
 
 /* The serving node: publish npages pages, say so on `ready`, stay until `quit` closes. */
 static _Noreturn void server_main(const char *domain, const char *url, const char *cluster,
-                                  uint64_t page_bytes, uint32_t npages, int ready, int quit) {
+                                  uint64_t page_bytes, uint32_t npages, int mode, int ready,
+                                  int quit) {
   node_t n;
-  int rc = node_open(&n, domain, "server", url, cluster, page_bytes, npages, SKV_ROLE_OWNER, false);
+  char name[32]; /* one per size: a node's record is under its name */
+  snprintf(name, sizeof name, "server-%" PRIu64, page_bytes);
+  int rc = node_open(&n, domain, name, url, cluster, page_bytes, npages, SKV_ROLE_OWNER, mode);
   uint64_t *ids = malloc(npages * sizeof(*ids));
   if (!rc && !ids) rc = SKV_ENOMEM;
   if (!rc) {
@@ -134,8 +144,12 @@ static _Noreturn void server_main(const char *domain, const char *url, const cha
       ids[i] = i;
       for (uint64_t j = 0; j < n.pb; j++) n.mem[i * n.pb + j] = pat(i, j);
     }
+#ifdef SKV_WITH_CUDA
+    if (n.dev && cudaMemcpy(n.dev, n.mem, n.pb * npages, cudaMemcpyHostToDevice) != cudaSuccess)
+      rc = SKV_ECUDA;
+#endif
     size_t ins = 0;
-    rc = skv_cluster_publish(n.cl, n.ns, n.keys, npages, n.lay, ids, NULL, &ins);
+    if (!rc) rc = skv_cluster_publish(n.cl, n.ns, n.keys, npages, n.lay, ids, NULL, &ins);
     if (!rc) rc = skv_cluster_flush(n.cl);
   }
   if (rc)
@@ -149,8 +163,10 @@ static _Noreturn void server_main(const char *domain, const char *url, const cha
   _exit(rc ? 1 : 0);
 }
 
-/* ucx_perftest ucp_get of `bytes`, `outstanding` operations in flight: MB/s (2^20 bytes). */
-static double perftest_get(uint64_t bytes, int iters, int outstanding, char *cmd, size_t cap) {
+/* ucx_perftest ucp_get of `bytes`, `outstanding` operations in flight, `mem` the memory types
+ * (-m local,remote: "host,host", "cuda,cuda"...): MB/s (2^20 bytes). */
+static double perftest_get(uint64_t bytes, int iters, int outstanding, const char *mem, char *cmd,
+                           size_t cap) {
   int port = bench_free_port();
   char ps[16], ss[32], ns[16], os[16];
   snprintf(ps, sizeof ps, "%d", port);
@@ -161,7 +177,8 @@ static double perftest_get(uint64_t bytes, int iters, int outstanding, char *cmd
   pid_t s = spawn(srv, true);
   if (s < 0) return -1;
   sleep_ms(300);
-  snprintf(cmd, cap, "ucx_perftest 127.0.0.1 -p %s -t ucp_get -s %s -n %s -O %s", ps, ss, ns, os);
+  snprintf(cmd, cap, "ucx_perftest 127.0.0.1 -p %s -t ucp_get -s %s -n %s -O %s -m %s", ps, ss, ns,
+           os, mem);
   char line[512];
   snprintf(line, sizeof line, "%s 2>/dev/null", cmd);
   FILE *f = popen(line, "r");
@@ -376,7 +393,13 @@ static int bench_cluster(bench_t *b) {
   const int nlookups = (int)bench_opt_int(b, "--lookups", 2000);
   const int chain = (int)bench_opt_int(b, "--chain", 32);
   const int rounds = (int)bench_opt_int(b, "--rounds", 3);
-  const bool gpu = bench_flag(b, "--gpu");
+  const bool gpu = bench_flag(b, "--gpu"), gpu_direct = bench_flag(b, "--gpu-direct"),
+             gpu_pages = bench_flag(b, "--gpu-pages");
+  if (gpu_direct && !gpu) bench_usage_error(b, "--gpu-direct: with --gpu (GPU blocks) only");
+  const int cmode = (gpu ? NODE_GPU : 0) | (gpu_direct ? NODE_DIRECT : 0),
+            smode = gpu_pages ? NODE_GPU | NODE_EXPORT : 0;
+  char mem[32]; /* ucx_perftest's -m: local, remote */
+  snprintf(mem, sizeof mem, "%s,%s", gpu_direct ? "cuda" : "host", gpu_pages ? "cuda" : "host");
   const char *tls = bench_opt(b, "--tls");
   if (tls)
     setenv("UCX_TLS", tls, 1);
@@ -387,7 +410,11 @@ static int bench_cluster(bench_t *b) {
   bench_config_real(b, "seconds", seconds);
   bench_config_int(b, "rounds", rounds);
   bench_config_str(b, "destination",
-                   gpu ? "GPU blocks (pinned staging, copy kernels)" : "host blocks");
+                   !gpu         ? "host blocks"
+                   : gpu_direct ? "GPU blocks (UCX reads into GPU staging, copy kernels)"
+                                : "GPU blocks (pinned host staging, copy kernels)");
+  bench_config_str(b, "source", gpu_pages ? "GPU pages (exported GPU memory)" : "host pages");
+  bench_config_str(b, "perftest_memory", mem);
   bench_config_str(b, "host_kind", getenv("SKV_HOST_KIND") ? getenv("SKV_HOST_KIND") : "unknown");
   char la[64];
   bench_config_str(b, "loadavg_start", loadavg(la, sizeof la));
@@ -413,30 +440,43 @@ static int bench_cluster(bench_t *b) {
   snprintf(cluster, sizeof cluster, "bench%d", (int)getpid());
   int rc = 0;
 
-  for (int si = 0; si < nsizes && !rc; si++) {
+  /* the serving nodes, one per size, all forked before this process touches CUDA (a child
+   * forked after cannot use it) */
+  pid_t srvs[MAX_SIZES] = {0};
+  int ready[MAX_SIZES], quit[MAX_SIZES];
+  for (int si = 0; si < nsizes; si++) {
     const uint64_t pb = sizes[si];
     const uint32_t per = (uint32_t)SKV_MAX(1, SKV_MIN(64, batch_bytes / pb));
-    char dom_s[64], dom_c[64];
+    char dom_s[64];
     snprintf(dom_s, sizeof dom_s, "bench-%d-s%d", (int)getpid(), si);
-    snprintf(dom_c, sizeof dom_c, "bench-%d-c%d", (int)getpid(), si);
     int rp[2], qp[2];
     if (pipe(rp) || pipe(qp)) return SKV_FAIL(-errno, SKV_SUBSYS_BENCH, "pipe");
     fflush(stdout), fflush(stderr);
-    pid_t srv = fork();
-    if (srv == 0) {
+    srvs[si] = fork();
+    if (srvs[si] == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       close(rp[0]), close(qp[1]);
-      server_main(dom_s, url, cluster, pb, per, rp[1], qp[0]);
+      for (int j = 0; j < si; j++) close(quit[j]), close(ready[j]);
+      server_main(dom_s, url, cluster, pb, per, smode, rp[1], qp[0]);
     }
     close(rp[1]), close(qp[0]);
+    ready[si] = rp[0], quit[si] = qp[1];
+  }
+
+  for (int si = 0; si < nsizes && !rc; si++) {
+    const uint64_t pb = sizes[si];
+    const uint32_t per = (uint32_t)SKV_MAX(1, SKV_MIN(64, batch_bytes / pb));
+    char dom_c[64];
+    snprintf(dom_c, sizeof dom_c, "bench-%d-c%d", (int)getpid(), si);
+    const pid_t srv = srvs[si];
     int src = -1;
-    if (read(rp[0], &src, sizeof src) != sizeof src || src) {
+    if (read(ready[si], &src, sizeof src) != sizeof src || src) {
       rc = src ? src : SKV_EPEERDEAD;
       fprintf(stderr, "symkv-bench cluster: the serving node failed (%s)\n", skv_err_name(rc));
       break;
     }
     node_t c;
-    rc = node_open(&c, dom_c, "client", url, cluster, pb, per, SKV_ROLE_READER, gpu);
+    rc = node_open(&c, dom_c, "client", url, cluster, pb, per, SKV_ROLE_READER, cmode);
     skv_cluster_ref_t *refs = calloc(per, sizeof(*refs));
     uint64_t *ids = malloc(per * sizeof(*ids));
     size_t nl = 0, nh = 0;
@@ -482,7 +522,7 @@ static int bench_cluster(bench_t *b) {
       } while (!rc && t < seconds);
       ours[round] = (double)pb * per * iters / t / 1e9;
       const int piters = (int)SKV_MAX(20, SKV_MIN(20000, (uint64_t)iters * per));
-      double mbs = perftest_get(pb, piters, (int)per, cmd, sizeof cmd);
+      double mbs = perftest_get(pb, piters, (int)per, mem, cmd, sizeof cmd);
       theirs[round] = mbs > 0 ? mbs * 1048576.0 / 1e9 : -1;
     }
     double sorted[2][MAX_ROUNDS];
@@ -514,16 +554,20 @@ static int bench_cluster(bench_t *b) {
     if (rc) fprintf(stderr, "symkv-bench cluster: %s: %s\n", skv_err_name(rc), skv_last_error());
     node_close(&c);
     free(refs), free(ids);
-    close(qp[1]);
+    close(quit[si]), close(ready[si]);
     waitpid(srv, NULL, 0);
-    close(rp[0]);
+    srvs[si] = 0;
     if (rc) break;
-    char name[96], bname[160];
+    char name[160], bname[192];
     char sz[32];
     skv__fmt_bytes(pb, sz, sizeof sz);
-    snprintf(name, sizeof name, "remote fetch %s pages, %u per fetch%s%s", sz, per,
-             gpu ? ", into the GPU" : "", bench_flag(b, "--same-page") ? " (one page)" : "");
-    snprintf(bname, sizeof bname, "ucx_perftest ucp_get %s, -O %u", sz, per);
+    snprintf(name, sizeof name, "remote fetch %s%s pages, %u per fetch%s%s", sz,
+             gpu_pages ? " GPU" : "", per,
+             !gpu         ? ""
+             : gpu_direct ? ", into the GPU (direct)"
+                          : ", into the GPU",
+             bench_flag(b, "--same-page") ? " (one page)" : "");
+    snprintf(bname, sizeof bname, "ucx_perftest ucp_get %s, -O %u -m %s", sz, per, mem);
     bench_row(b, name, gbs, "GB/s", "higher", bname, base);
     bench_config_str(b, sz, cmd);
     char key[64], vals[512];
@@ -534,6 +578,11 @@ static int bench_cluster(bench_t *b) {
     snprintf(key, sizeof key, "rounds_%s_ours_vs_perftest_GBps", sz);
     bench_config_str(b, key, vals);
   }
+  for (int si = 0; si < nsizes; si++) /* those a failure left */
+    if (srvs[si] > 0) {
+      close(quit[si]), close(ready[si]);
+      waitpid(srvs[si], NULL, 0);
+    }
   const char *trace = bench_opt(b, "--trace");
   if (!rc && trace) rc = trace_replay(b, trace, url, cluster);
   bench_config_str(b, "loadavg_end", loadavg(la, sizeof la));
@@ -559,7 +608,15 @@ static const bench_optspec_t cluster_opts[] = {
      0, NULL},
     {"--gpu", BENCH_FLAG, NULL, NULL,
      "the fetching node's blocks (and pages) in GPU memory: remote pages go through its pinned "
-     "staging buffer and the copy kernels (ucx_perftest still reads host memory)",
+     "staging buffer and the copy kernels (ucx_perftest still gets into host memory)",
+     0, 0, NULL},
+    {"--gpu-direct", BENCH_FLAG, NULL, NULL,
+     "with --gpu: UCX reads the pages into GPU memory itself (SKV_CLUSTER_GPU_DIRECT; a UCX with "
+     "CUDA), ucx_perftest then gets into GPU memory too",
+     0, 0, NULL},
+    {"--gpu-pages", BENCH_FLAG, NULL, NULL,
+     "the serving node's pages in GPU memory, exported through UCX's CUDA support (a UCX with "
+     "CUDA), ucx_perftest then reads GPU memory too",
      0, 0, NULL},
     {"--same-page", BENCH_FLAG, NULL, NULL,
      "every fetch reads one remote page N times (ucx_perftest's pattern: one buffer)", 0, 0, NULL},

@@ -701,17 +701,22 @@ typedef struct skv_cluster_opts {
   uint32_t version;      /* SKV_CLUSTER_OPTS_VERSION */
   int32_t timeout_ms;    /* bound on every wait (Redis, UCX); -1: SKV_TIMEOUT_MS, else 60000 */
   int32_t lease_ms;      /* directory lease of this node's entries; -1: SKV_CLUSTER_LEASE_MS */
-  uint32_t flags;        /* 0 or SKV_CLUSTER_NO_EXPORT */
+  uint32_t flags;        /* SKV_CLUSTER_NO_EXPORT, SKV_CLUSTER_GPU_DIRECT or 0 */
   const char *redis_url; /* redis://HOST:PORT[/DB]; NULL: SKV_REDIS_URL; neither: node-local */
   const char *node;      /* this node's name in the directory (1..63 of [A-Za-z0-9._:-]);
                           * NULL: HOSTNAME:PID */
   const char *cluster;   /* the directory's key prefix (same rule); NULL: "symkv" */
 } skv_cluster_opts_t;
 
-/* Join to look up and read other nodes' pages only: this process's pages are not exported (nor
- * its keys put in the directory). Pages in GPU memory need it (this version exports host pages
- * only); reading remote pages into GPU layouts does not. */
-enum { SKV_CLUSTER_NO_EXPORT = 1u };
+/* SKV_CLUSTER_NO_EXPORT: join to look up and read other nodes' pages only: this process's pages
+ * are not exported (nor its keys put in the directory). Pages in GPU memory are exported through
+ * UCX's CUDA support (a UCX built with CUDA, such as the libucx-cu12 wheel's: UCX_TLS must then
+ * name cuda_copy); with a UCX without it, a cache with GPU pages needs this flag.
+ * SKV_CLUSTER_GPU_DIRECT: remote pages bound for a GPU layout are read by UCX straight into GPU
+ * memory (then scattered into the blocks on the GPU), for transports that write GPU memory
+ * themselves (GPUDirect RDMA, cuda_ipc). Without it they come through pinned host memory, which
+ * is faster over TCP (docs/cluster.md has the figures). Needs a UCX with CUDA. */
+enum { SKV_CLUSTER_NO_EXPORT = 1u, SKV_CLUSTER_GPU_DIRECT = 2u };
 
 /* clang-format off */
 #define SKV_CLUSTER_OPTS_INIT                                                                      \

@@ -15,19 +15,13 @@
 #include <string.h>
 #include <unistd.h>
 
-#if SKV_WITH_CLUSTER && defined(SKV_WITH_CUDA)
-static int staging_cuda(void *arg, void *p, size_t len, bool add) {
-  (void)arg;
-  return skv__kvc_host_register(p, len, add);
-}
-#endif
-
 struct skv_cluster {
   skv_kv_t *kv;
   int timeout_ms, lease_ms;
   char node[SKV__CL_NAME_CAP], prefix[SKV__CL_NAME_CAP];
   bool remote;
-  bool exporting; /* this process's pages are in the directory (not SKV_CLUSTER_NO_EXPORT) */
+  bool exporting;  /* this process's pages are in the directory (not SKV_CLUSTER_NO_EXPORT) */
+  bool gpu_direct; /* SKV_CLUSTER_GPU_DIRECT: UCX reads pages for GPU layouts into GPU memory */
   uint64_t nonce;
   pthread_mutex_t mu; /* lookups and fetches (the fetching worker and its buffer) */
   uint64_t lookups, local_hits, remote_hits, remote_pages, remote_bytes, remote_stale,
@@ -75,10 +69,11 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
                   opts->size, opts->version, sizeof(o), SKV_CLUSTER_OPTS_VERSION);
     o = *opts;
   }
-  SKV_ARG_CHECK(
-      (o.flags & ~(uint32_t)SKV_CLUSTER_NO_EXPORT) == 0, SKV_SUBSYS_KV,
-      "skv_cluster_join: opts.flags=0x%x has unknown bits (SKV_CLUSTER_NO_EXPORT is 0x%x)", o.flags,
-      (unsigned)SKV_CLUSTER_NO_EXPORT);
+  SKV_ARG_CHECK((o.flags & ~(uint32_t)(SKV_CLUSTER_NO_EXPORT | SKV_CLUSTER_GPU_DIRECT)) == 0,
+                SKV_SUBSYS_KV,
+                "skv_cluster_join: opts.flags=0x%x has unknown bits (SKV_CLUSTER_NO_EXPORT is "
+                "0x%x, SKV_CLUSTER_GPU_DIRECT 0x%x)",
+                o.flags, (unsigned)SKV_CLUSTER_NO_EXPORT, (unsigned)SKV_CLUSTER_GPU_DIRECT);
   SKV_ARG_CHECK(o.timeout_ms == -1 || (o.timeout_ms >= 1 && o.timeout_ms <= 86400000),
                 SKV_SUBSYS_KV, "skv_cluster_join: opts.timeout_ms=%d is not -1 or 1..86400000",
                 o.timeout_ms);
@@ -131,15 +126,8 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
   const bool has_pages = kv->pool.hdr && kv->pool.meta[kv->pool.me] &&
                          !(kv->domain && skv__domain_role(kv->domain) != SKV_ROLE_OWNER) &&
                          !(o.flags & SKV_CLUSTER_NO_EXPORT);
-  if (has_pages && backend == SKV_BACKEND_CUDA) {
-    rc = SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
-                  "skv_cluster_join: pages in GPU memory are not exported (UCX's CUDA transports "
-                  "are not used by this version): join with opts.flags = SKV_CLUSTER_NO_EXPORT to "
-                  "read other nodes' pages into this GPU without exporting these, or keep the "
-                  "exported pages in host memory (SKV_BACKEND_HOST or SKV_BACKEND_CUDA_HOST)");
-    goto fail;
-  }
   cl->exporting = has_pages;
+  ex.pages_gpu = backend == SKV_BACKEND_CUDA; /* xfer refuses it with a UCX without CUDA */
   if (has_pages) {
     ex.pe = (uint32_t)kv->pool.me;
     ex.pages = kv->pool.pages;
@@ -157,9 +145,25 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
   SKV_CHECK_GOTO(skv__xfer_create(&ex, cl->nonce, cl->timeout_ms, &cl->x, &blob, &blob_len), rc,
                  fail);
 #ifdef SKV_WITH_CUDA
-  /* remote pages go to GPU layouts through the staging buffer, which the copy kernels read */
-  if (kv->cuda) skv__xfer_set_staging_hook(cl->x, staging_cuda, NULL);
+  /* remote pages go to GPU layouts through a staging buffer that the copy kernels read: host
+   * memory registered with CUDA, or GPU memory that UCX writes (SKV_CLUSTER_GPU_DIRECT) */
+  if (kv->cuda) {
+    const skv__xfer_mem_ops_t ops = {.host_register = skv__kvc_host_register,
+                                     .gpu_alloc = skv__kvc_dev_alloc,
+                                     .gpu_free = skv__kvc_dev_free};
+    skv__xfer_set_mem_ops(cl->x, &ops);
+  }
 #endif
+  if (o.flags & SKV_CLUSTER_GPU_DIRECT) {
+    if (!kv->cuda || !skv__xfer_cuda(cl->x)) {
+      rc = SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV, "skv_cluster_join: SKV_CLUSTER_GPU_DIRECT needs %s",
+                    !kv->cuda ? "a cache with the CUDA backend"
+                              : "a UCX that reads GPU memory (built with CUDA, cuda_copy in "
+                                "UCX_TLS; docs/cluster.md)");
+      goto fail;
+    }
+    cl->gpu_direct = true;
+  }
   skv__dir_params_t dp = {.url = url,
                           .prefix = cl->prefix,
                           .node = cl->node,
@@ -532,8 +536,8 @@ static int fetch_deliver(void *arg, size_t first, size_t count, const void *byte
   const uint32_t m = f->dst->blocks_per_page;
   if (f->dst->device >= 0) {
 #ifdef SKV_WITH_CUDA
-    SKV_CHECK(skv__kvc_copy_in(f->cl->kv->cuda, f->dst, bytes, f->len, count, f->block_ids,
-                               f->idx + first, f->stream, "skv_cluster_fetch"));
+    SKV_CHECK(skv__kvc_copy_in(f->cl->kv->cuda, f->dst, bytes, f->cl->gpu_direct, f->len, count,
+                               f->block_ids, f->idx + first, f->stream, "skv_cluster_fetch"));
 #else
     return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV, "skv_cluster_fetch: built without CUDA");
 #endif
@@ -575,8 +579,8 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
     }
     size_t bad = 0;
     f.idx = idx + done;
-    rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, dst->page_off, len, fetch_deliver, &f,
-                             &bad);
+    rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, dst->page_off, len,
+                             cl->gpu_direct && dst->device >= 0, fetch_deliver, &f, &bad);
     if (rc == SKV_ESTALE) __atomic_add_fetch(&cl->remote_stale, 1, __ATOMIC_RELAXED);
     if (rc == SKV_EPEERDEAD) __atomic_add_fetch(&cl->peer_failures, 1, __ATOMIC_RELAXED);
     done += c;

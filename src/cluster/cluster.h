@@ -21,8 +21,9 @@ typedef struct skv__dir_val {
 
 typedef struct skv__xfer skv__xfer_t;
 
-/* What a node exports: its page area and the records of those pages (8-byte state words,
- * `meta_stride` apart), both host memory of this process. pages == 0: nothing (a reader). */
+/* What a node exports: its page area (host or GPU memory) and the records of those pages
+ * (8-byte state words, `meta_stride` apart, host memory) of this process. pages == 0: nothing
+ * (a reader). */
 typedef struct skv__export {
   void *pages_base;
   uint64_t page_stride, page_bytes, pages;
@@ -30,6 +31,7 @@ typedef struct skv__export {
   uint64_t meta_stride;
   uint32_t rpins_off; /* offset of the remote pin word in a record (skv__page_meta_t.rpins) */
   uint32_t pe;        /* the slot (or local PE) the pages belong to */
+  bool pages_gpu;     /* the page area is GPU memory (needs a UCX with CUDA) */
 } skv__export_t;
 
 /* Create a UCX context, a serving worker (with its progress thread) and a fetching worker;
@@ -55,24 +57,33 @@ uint64_t skv__xfer_peer_nonce(const skv__xfer_t *x, uint32_t peer);
  * `bytes` may still be running, and the staging buffer is then left to it (never reused). */
 typedef int (*skv__xfer_deliver_fn)(void *arg, size_t first, size_t count, const void *bytes);
 
-/* Called with the staging buffer after it is allocated (add) and before it is freed (!add):
- * where a GPU copies from it, the buffer is registered with CUDA. A failure to add fails the
- * get that needed the buffer. */
-typedef int (*skv__xfer_mem_fn)(void *arg, void *p, size_t len, bool add);
-void skv__xfer_set_staging_hook(skv__xfer_t *x, skv__xfer_mem_fn fn, void *arg);
+/* Where a get's pages land before they are delivered: host staging (registered with CUDA by
+ * host_register when set, so that GPU kernels read it; > 0: registered already, by UCX, which
+ * then unregisters it), or GPU staging (gpu_alloc / gpu_free: UCX then writes GPU memory itself;
+ * needs skv__xfer_cuda). A failure of host_register or gpu_alloc fails the get that needed the
+ * buffer. */
+typedef struct skv__xfer_mem_ops {
+  int (*host_register)(void *p, size_t len, bool add);
+  int (*gpu_alloc)(size_t len, void **p);
+  void (*gpu_free)(void *p);
+} skv__xfer_mem_ops_t;
+void skv__xfer_set_mem_ops(skv__xfer_t *x, const skv__xfer_mem_ops_t *ops);
+/* Does this UCX read and write GPU memory (a build with CUDA, cuda_copy in UCX_TLS)? */
+bool skv__xfer_cuda(const skv__xfer_t *x);
 
 /* Read bytes [off, off + len) of pages page[i] (whose directory generation is gen[i]) of
- * `peer`, i < n, in a pipeline of sub-batches: each sub-batch's pages, then their state words,
- * go into a registered staging slot; while later sub-batches are in flight, a sub-batch whose
- * state words all say READY with the generation asked for goes to `deliver`, in order.
+ * `peer`, i < n, in a pipeline of sub-batches: each sub-batch's pages go into a registered
+ * staging slot (GPU staging when to_gpu), then their state words into host memory; while later
+ * sub-batches are in flight, a sub-batch whose state words all say READY with the generation
+ * asked for goes to `deliver` (`bytes` is then GPU memory when to_gpu), in order.
  * SKV_ESTALE (*bad: the first stale page; the pages before its sub-batch were delivered, none
  * of its own or after) when a page is not READY with its generation after its bytes were read;
  * SKV_EPEERDEAD when the peer failed or did not answer within the timeout (each wait is bounded
  * by it; the endpoint is then closed, so nothing lands in the staging later). Not thread-safe
  * (the caller serialises). */
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
-                        size_t n, uint64_t off, uint64_t len, skv__xfer_deliver_fn deliver,
-                        void *arg, size_t *bad);
+                        size_t n, uint64_t off, uint64_t len, bool to_gpu,
+                        skv__xfer_deliver_fn deliver, void *arg, size_t *bad);
 /* Pin pages page[i] of `peer` (src/pool/pool.h, "Remote pins"): one atomic add per page, a
  * flush (the adds landed), one read per page of its state; *held: how many leading pages are READY
  * with gen[i] and stay pinned (the pins of the others are given back). SKV_EPEERDEAD as for a get

@@ -16,23 +16,26 @@
  * ------------
  * One UCX context per handle, two workers: the serving worker, whose address goes into the
  * node record and which a thread progresses (TCP emulates a get with messages that the target
- * must answer; shared-memory and RDMA transports need nothing from it), and the fetching
- * worker, used by the caller (serialised by the handle's lock). The page area and the page
- * records are registered with ucp_mem_map and their memory keys packed into the node record:
+ * must answer; shared-memory and RDMA transports need nothing from it; pins are messages it
+ * answers), and the fetching worker, used by the caller (serialised by the handle's lock). The
+ * page area (host memory, or GPU memory where UCX has CUDA) and the page records (host memory)
+ * are registered with ucp_mem_map and their memory keys packed into the node record:
  *
  *   [ record header | worker address | rkey of the pages | rkey of the records ]
  *
  * A get of n pages from one peer is a pipeline of sub-batches of about XFER_SUB_BYTES, at most
- * XFER_DEPTH of them in flight, each in a slot of a registered staging buffer: its pages'
- * ucp_get_nbx, a fence (ucp_worker_fence: what follows starts after they completed), one 8-byte
- * get per page of its state word. The oldest sub-batch is waited for, checked and handed to the
+ * XFER_DEPTH of them in flight, each in a slot of a registered staging buffer (host memory, or
+ * GPU memory for SKV_CLUSTER_GPU_DIRECT): its pages' ucp_get_nbx, then one 8-byte get per page
+ * of its state word, read after the pages' bytes. Where ucp_worker_fence costs nothing (its
+ * weak and ep_based modes: fence_setup) the state words go right behind a fence; otherwise
+ * (a strong fence would wait for everything in flight) they are read on a second endpoint once
+ * the sub-batch's bytes landed. The oldest sub-batch is waited for, checked and handed to the
  * caller (who copies it into engine blocks) while the next ones are on the wire, and its slot
- * takes the next sub-batch: the network does not wait for the copies, nor for the checks (the
- * state words travel behind the pages, not in a round trip of their own). An owner bumps a
- * page's generation before it writes new bytes into it, so a state word read after the bytes
- * that still says READY with the generation the directory gave means the bytes read are that
- * page's (a seqlock whose reader checks once, after); a sub-batch with a page that fails the
- * check is not handed over.
+ * takes the next sub-batch: the network does not wait for the copies, nor for the checks. An
+ * owner bumps a page's generation before it writes new bytes into it, so a state word read
+ * after the bytes that still says READY with the generation the directory gave means the bytes
+ * read are that page's (a seqlock whose reader checks once, after); a sub-batch with a page
+ * that fails the check is not handed over.
  *
  * What can go wrong
  * -----------------
@@ -47,12 +50,21 @@
  * - A peer restarts under the same name: its record has another nonce, so it becomes another
  *   peer number and entries of the old incarnation end the lookup's prefix. */
 
-#define XFER_MAGIC     0x736b76636c757332ull /* "skvclus2": records carry rpins_off */
+#define XFER_MAGIC     0x736b76636c757333ull /* "skvclus3": pins are active messages */
 #define XFER_MAX_PEERS 1024
 #define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread polls 2 ms after a request */
 #define SERVE_POLL_MS  20                /* and then sleeps at most this long (see serve_main) */
 #define XFER_SUB_BYTES (4ull << 20)      /* bytes of a sub-batch of a get (one page at least) */
 #define XFER_DEPTH     3                 /* sub-batches in flight */
+#define XFER_PIN_BATCH 1024              /* pages per pin message (4 KiB; its answer 8 KiB) */
+#define XFER_AM_PIN    1                 /* active message ids: a pin or unpin request */
+#define XFER_AM_ANSWER 2                 /* and its answer */
+
+typedef struct xfer_pin_hdr {
+  uint64_t token; /* echoed by the answer */
+  uint32_t op;    /* 0: pin, 1: unpin */
+  uint32_t n;     /* pages (uint32_t each) in the message's data */
+} xfer_pin_hdr_t;
 
 typedef struct xfer_rec {
   uint64_t magic, nonce;
@@ -60,15 +72,27 @@ typedef struct xfer_rec {
   uint32_t addr_len, rk_pages_len, rk_meta_len, rpins_off;
 } xfer_rec_t;
 
+/* The endpoint of a peer's state words and pins (behind a weak fence: the pages' own). */
+#define PEER_SEP(p) ((p)->ep2 ? (p)->ep2 : (p)->ep)
+
 typedef struct xfer_peer {
   char name[SKV__CL_NAME_CAP];
   xfer_rec_t rec;
   void *blob; /* the record, for connecting */
   size_t blob_len;
-  ucp_ep_h ep;
+  ucp_ep_h ep;  /* the pages' bytes */
+  ucp_ep_h ep2; /* without a weak fence, state words and pins: a connection of their own, so
+                 * that over TCP they do not queue behind megabytes of pages in flight */
   ucp_rkey_h rk_pages, rk_meta;
   volatile int failed; /* ucs_status_t of the endpoint's error, 0 while good */
 } xfer_peer_t;
+
+typedef struct xfer_staging {
+  char *buf;
+  size_t cap;
+  ucp_mem_h mh;
+  bool registered; /* host staging registered with CUDA by mem.host_register (not by UCX) */
+} xfer_staging_t;
 
 struct skv__xfer {
   ucp_context_h ctx;
@@ -86,13 +110,27 @@ struct skv__xfer {
   size_t reqs_cap;
   uint64_t *words; /* state words read back, one per page of the call */
   size_t words_cap;
-  char *staging; /* XFER_DEPTH slots that pages are read into: registered, so that UCX reads
-                  * zero-copy where the transport can */
-  size_t staging_cap;
-  ucp_mem_h staging_mh;
-  skv__xfer_mem_fn staging_hook; /* registers the staging buffer with CUDA, when set */
-  void *staging_hook_arg;
+  /* XFER_DEPTH slots that pages are read into, in host memory [0] or GPU memory [1]:
+   * registered, so that UCX reads zero-copy where the transport can */
+  xfer_staging_t stg[2];
+  skv__xfer_mem_ops_t mem; /* CUDA registration of [0], allocation of [1] */
+  bool cuda;               /* UCX reads and writes GPU memory */
+  bool fence;              /* state words behind a fence (else once the bytes landed) */
+  /* the exported page records, for pins (serving thread) */
+  char *ex_meta;
+  uint64_t ex_meta_stride, ex_pages;
+  uint32_t ex_rpins_off;
+  /* the pin call in flight (caller, under the handle's lock) */
+  uint64_t pin_seq, pin_token;
+  uint64_t *pin_out;
+  size_t pin_n;
+  int pin_answered; /* 1: answered, -1: an answer that did not parse */
 };
+
+static void ans_sent(void *req, ucs_status_t st, void *user_data) {
+  (void)req, (void)st;
+  free(user_data);
+}
 
 static int ucx_fail(ucs_status_t st, const char *what) {
   return SKV_FAIL(SKV_ECONN, SKV_SUBSYS_KV,
@@ -100,7 +138,11 @@ static int ucx_fail(ucs_status_t st, const char *what) {
                   ucs_status_string(st));
 }
 
-static void staging_free(skv__xfer_t *x);
+static void staging_free(skv__xfer_t *x, xfer_staging_t *sg, bool gpu);
+static ucs_status_t pin_am(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                           const ucp_am_recv_param_t *param);
+static ucs_status_t answer_am(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                              const ucp_am_recv_param_t *param);
 
 static void *serve_main(void *arg) {
   skv__xfer_t *x = arg;
@@ -135,6 +177,38 @@ static void *serve_main(void *arg) {
   return NULL;
 }
 
+/* Does ucp_worker_fence order a get after the gets before it without waiting for them? In its
+ * weak mode it does on one RMA lane (TCP: one connection, in order); its strong mode waits for
+ * everything in flight, which would stall the pipeline. UCX's "auto" is weak with the old
+ * protocols (UCX 1.13 has nothing else) and strong with the new ones (the default since about
+ * 1.16); its "ep_based" mode (1.22 has it) fences weakly where the operations share one lane and
+ * strongly only where they do not. So: ep_based where the new protocols run and UCX_FENCE_MODE
+ * is not set (by the caller, in `cfg`); the state words go behind the fence in weak and
+ * ep_based modes, and are read once the bytes landed otherwise. The settings are read from the
+ * configuration UCX prints. */
+static bool fence_setup(ucp_config_t *cfg) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  if (!f) return false;
+  ucp_config_print(cfg, f, NULL, UCS_CONFIG_PRINT_CONFIG);
+  fclose(f);
+  char mode[16] = "", proto[8] = "n";
+  long lanes = 1;
+  for (char *l = text; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL) {
+    (void)(sscanf(l, "UCX_FENCE_MODE=%15[a-z_]", mode) ||
+           sscanf(l, "UCX_PROTO_ENABLE=%7s", proto) || sscanf(l, "UCX_MAX_RMA_RAILS=%ld", &lanes));
+  }
+  free(text);
+  if (!*mode) return lanes <= 1; /* a UCX without the setting: weak */
+  if (strcmp(mode, "auto") == 0 && !getenv("UCX_FENCE_MODE") && proto[0] == 'y' &&
+      ucp_config_modify(cfg, "FENCE_MODE", "ep_based") == UCS_OK)
+    snprintf(mode, sizeof(mode), "ep_based");
+  if (strcmp(mode, "ep_based") == 0) return true;
+  return lanes <= 1 &&
+         (strcmp(mode, "weak") == 0 || (strcmp(mode, "auto") == 0 && proto[0] == 'n'));
+}
+
 int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, skv__xfer_t **out,
                      const void **blob, size_t *blob_len) {
   *out = NULL;
@@ -153,12 +227,27 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
     goto fail;
   }
   ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
-                     .features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_WAKEUP,
+                     .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
                      .mt_workers_shared = 1};
+  x->fence = fence_setup(cfg);
   st = ucp_init(&pp, cfg, &x->ctx);
   ucp_config_release(cfg);
   if (st != UCS_OK) {
     rc = ucx_fail(st, "ucp_init");
+    goto fail;
+  }
+  ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+  x->cuda =
+      ucp_context_query(x->ctx, &ca) == UCS_OK && (ca.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
+  if (ex->pages && ex->pages_gpu && !x->cuda) {
+    const char *tls = getenv("UCX_TLS");
+    rc = SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
+                  "skv_cluster_join: this cache's pages are in GPU memory, but UCX %s %s: use a "
+                  "UCX built with CUDA (the libucx-cu12 wheel's, docs/cluster.md) with cuda_copy "
+                  "in UCX_TLS, or join with opts.flags = SKV_CLUSTER_NO_EXPORT to read other "
+                  "nodes' pages without exporting these",
+                  ucp_get_version_string(),
+                  tls ? "reads no GPU memory with this UCX_TLS" : "has no CUDA support");
     goto fail;
   }
   ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
@@ -168,19 +257,40 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
     rc = ucx_fail(st, "ucp_worker_create");
     goto fail;
   }
+  x->ex_meta = ex->meta_base;
+  x->ex_meta_stride = ex->meta_stride;
+  x->ex_pages = ex->pages;
+  x->ex_rpins_off = ex->rpins_off;
+  ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                             UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                             UCP_AM_HANDLER_PARAM_FIELD_ARG,
+                               .id = XFER_AM_ANSWER,
+                               .cb = answer_am,
+                               .arg = x};
+  if ((st = ucp_worker_set_am_recv_handler(x->fetch, &hp)) != UCS_OK ||
+      (ex->pages && ex->rpins_off &&
+       (hp.id = XFER_AM_PIN, hp.cb = pin_am,
+        (st = ucp_worker_set_am_recv_handler(x->serve, &hp)) != UCS_OK))) {
+    rc = ucx_fail(st, "ucp_worker_set_am_recv_handler");
+    goto fail;
+  }
   if ((st = ucp_worker_get_address(x->serve, &addr, &addr_len)) != UCS_OK) {
     rc = ucx_fail(st, "ucp_worker_get_address");
     goto fail;
   }
   if (ex->pages) {
-    ucp_mem_map_params_t mp = {.field_mask =
-                                   UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                               .address = ex->pages_base,
-                               .length = ex->pages * ex->page_stride};
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+        .address = ex->pages_base,
+        .length = ex->pages * ex->page_stride,
+        .memory_type = ex->pages_gpu ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST};
     if ((st = ucp_mem_map(x->ctx, &mp, &x->mh_pages)) != UCS_OK) {
-      rc = ucx_fail(st, "ucp_mem_map of the pages");
+      rc = ucx_fail(st, ex->pages_gpu ? "ucp_mem_map of the pages (GPU memory)"
+                                      : "ucp_mem_map of the pages");
       goto fail;
     }
+    mp.memory_type = UCS_MEMORY_TYPE_HOST;
     mp.address = ex->meta_base;
     mp.length = ex->pages * ex->meta_stride;
     if ((st = ucp_mem_map(x->ctx, &mp, &x->mh_meta)) != UCS_OK) {
@@ -223,9 +333,11 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
   }
   x->thr_started = ex->pages != 0;
   SKV_INFO(SKV_SUBSYS_KV,
-           "cluster: UCX %s, exporting %" PRIu64 " pages of %" PRIu64
-           " bytes, node record %zu bytes",
-           ucp_get_version_string(), ex->pages, ex->page_bytes, x->blob_len);
+           "cluster: UCX %s (GPU memory: %s; state words %s), exporting %" PRIu64
+           " pages of %" PRIu64 " bytes%s, node record %zu bytes",
+           ucp_get_version_string(), x->cuda ? "yes" : "no",
+           x->fence ? "behind a fence" : "read once the bytes landed", ex->pages, ex->page_bytes,
+           ex->pages_gpu ? " in GPU memory" : "", x->blob_len);
 fail:
   if (rkp) ucp_rkey_buffer_release(rkp);
   if (rkm) ucp_rkey_buffer_release(rkm);
@@ -258,10 +370,8 @@ static void abandon_buffers(skv__xfer_t *x, const char *who) {
   SKV_WARN(SKV_SUBSYS_KV,
            "cluster: %s did not complete within %d ms; leaving the buffers (%zu bytes) to them "
            "and taking new ones",
-           who, x->timeout_ms, x->staging_cap + x->words_cap * sizeof(uint64_t));
-  x->staging = NULL;
-  x->staging_mh = NULL;
-  x->staging_cap = 0;
+           who, x->timeout_ms, x->stg[0].cap + x->stg[1].cap + x->words_cap * sizeof(uint64_t));
+  memset(x->stg, 0, sizeof(x->stg));
   x->words = NULL;
   x->words_cap = 0;
 }
@@ -293,13 +403,15 @@ static void peer_close(skv__xfer_t *x, xfer_peer_t *p) {
   if (p->rk_pages) ucp_rkey_destroy(p->rk_pages);
   if (p->rk_meta) ucp_rkey_destroy(p->rk_meta);
   p->rk_pages = p->rk_meta = NULL;
-  if (p->ep) {
+  ucp_ep_h *eps[2] = {&p->ep, &p->ep2};
+  for (int i = 0; i < 2; i++) {
+    if (!*eps[i]) continue;
     ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                               .flags = UCP_EP_CLOSE_FLAG_FORCE};
-    void *req = ucp_ep_close_nbx(p->ep, &rp);
+    void *req = ucp_ep_close_nbx(*eps[i], &rp);
     bool to;
     (void)wait_req(x, req, skv__now_ms() + 2000, &to);
-    p->ep = NULL;
+    *eps[i] = NULL;
   }
 }
 
@@ -315,7 +427,8 @@ void skv__xfer_destroy(skv__xfer_t *x) {
     free(x->peers[i]->blob);
     free(x->peers[i]);
   }
-  staging_free(x);
+  staging_free(x, &x->stg[0], false);
+  staging_free(x, &x->stg[1], true);
   if (x->mh_pages) ucp_mem_unmap(x->ctx, x->mh_pages);
   if (x->mh_meta) ucp_mem_unmap(x->ctx, x->mh_meta);
   if (x->fetch) ucp_worker_destroy(x->fetch);
@@ -396,15 +509,17 @@ static int peer_connect(skv__xfer_t *x, xfer_peer_t *p) {
                         .err_mode = UCP_ERR_HANDLING_MODE_PEER,
                         .err_handler = {.cb = ep_error, .arg = p}};
   ucs_status_t st = ucp_ep_create(x->fetch, &ep, &p->ep);
+  if (st == UCS_OK && !x->fence && (st = ucp_ep_create(x->fetch, &ep, &p->ep2)) != UCS_OK)
+    peer_close(x, p);
   if (st != UCS_OK) {
-    p->ep = NULL;
+    p->ep = p->ep2 = NULL;
     p->failed = (int)st;
     return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV, "cluster: cannot reach node '%s': %s", p->name,
                     ucs_status_string(st));
   }
   const char *rk = b + sizeof(xfer_rec_t) + p->rec.addr_len;
   if (!p->rec.pages || (st = ucp_ep_rkey_unpack(p->ep, rk, &p->rk_pages)) != UCS_OK ||
-      (st = ucp_ep_rkey_unpack(p->ep, rk + p->rec.rk_pages_len, &p->rk_meta)) != UCS_OK) {
+      (st = ucp_ep_rkey_unpack(PEER_SEP(p), rk + p->rec.rk_pages_len, &p->rk_meta)) != UCS_OK) {
     peer_close(x, p);
     p->failed = -1;
     return SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_KV, "cluster: node '%s' exports no readable pages%s%s",
@@ -465,62 +580,71 @@ static int wait_reqs(skv__xfer_t *x, xfer_peer_t *p, void **reqs, size_t k) {
                   p->name, ucs_status_string(bad != UCS_OK ? bad : UCS_ERR_ENDPOINT_TIMEOUT));
 }
 
-void skv__xfer_set_staging_hook(skv__xfer_t *x, skv__xfer_mem_fn fn, void *arg) {
-  x->staging_hook = fn;
-  x->staging_hook_arg = arg;
+void skv__xfer_set_mem_ops(skv__xfer_t *x, const skv__xfer_mem_ops_t *ops) {
+  x->mem = *ops;
 }
 
-static void staging_free(skv__xfer_t *x) {
-  if (x->staging_mh) ucp_mem_unmap(x->ctx, x->staging_mh);
-  if (x->staging && x->staging_hook)
-    (void)x->staging_hook(x->staging_hook_arg, x->staging, x->staging_cap, false);
-  free(x->staging);
-  x->staging = NULL;
-  x->staging_mh = NULL;
-  x->staging_cap = 0;
+bool skv__xfer_cuda(const skv__xfer_t *x) {
+  return x->cuda;
 }
 
-/* A registered buffer of at least `bytes` (grown, never shrunk; registered with CUDA too
- * when a hook is set and it was not yet). */
-static int staging(skv__xfer_t *x, size_t bytes) {
-  if (x->staging_cap >= bytes) return 0;
-  staging_free(x);
-  if (posix_memalign((void **)&x->staging, 4096, bytes) != 0) {
-    x->staging = NULL;
+static void staging_free(skv__xfer_t *x, xfer_staging_t *sg, bool gpu) {
+  if (sg->mh) ucp_mem_unmap(x->ctx, sg->mh);
+  if (sg->buf && gpu)
+    x->mem.gpu_free(sg->buf);
+  else if (sg->buf) {
+    if (sg->registered) (void)x->mem.host_register(sg->buf, sg->cap, false);
+    free(sg->buf);
+  }
+  memset(sg, 0, sizeof(*sg));
+}
+
+/* A registered buffer of at least `bytes` in host memory (registered with CUDA too when
+ * host_register is set) or GPU memory: grown, never shrunk. */
+static int staging(skv__xfer_t *x, bool gpu, size_t bytes) {
+  xfer_staging_t *sg = &x->stg[gpu];
+  if (sg->cap >= bytes) return 0;
+  staging_free(x, sg, gpu);
+  if (gpu && (!x->cuda || !x->mem.gpu_alloc))
+    return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
+                    "cluster: GPU staging needs a UCX with CUDA and a cache with the CUDA backend");
+  if (gpu) {
+    SKV_CHECK(x->mem.gpu_alloc(bytes, (void **)&sg->buf));
+  } else if (posix_memalign((void **)&sg->buf, 4096, bytes) != 0) {
+    sg->buf = NULL;
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory (%zu bytes of staging)",
                     bytes);
   }
-  ucp_mem_map_params_t mp = {.field_mask =
-                                 UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                             .address = x->staging,
-                             .length = bytes};
-  ucs_status_t st = ucp_mem_map(x->ctx, &mp, &x->staging_mh);
-  if (st != UCS_OK) {
-    x->staging_mh = NULL;
-    free(x->staging);
-    x->staging = NULL;
-    return ucx_fail(st, "ucp_mem_map of the staging buffer");
+  sg->cap = bytes;
+  ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                                           UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                                           UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+                             .address = sg->buf,
+                             .length = bytes,
+                             .memory_type = gpu ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST};
+  ucs_status_t st = ucp_mem_map(x->ctx, &mp, &sg->mh);
+  int rc = st == UCS_OK ? 0 : ucx_fail(st, "ucp_mem_map of the staging buffer");
+  if (!rc && !gpu && x->mem.host_register) {
+    rc = x->mem.host_register(sg->buf, bytes, true);
+    sg->registered = rc == 0;
+    if (rc > 0) rc = 0; /* registered already (UCX's cuda_copy does it): UCX undoes it */
   }
-  x->staging_cap = bytes;
-  if (x->staging_hook) {
-    int rc = x->staging_hook(x->staging_hook_arg, x->staging, bytes, true);
-    if (rc) {
-      ucp_mem_unmap(x->ctx, x->staging_mh);
-      free(x->staging);
-      x->staging = NULL;
-      x->staging_mh = NULL;
-      x->staging_cap = 0;
-      return rc;
-    }
+  if (rc) { /* undone here: staging_free would unregister what was not registered */
+    if (st == UCS_OK) ucp_mem_unmap(x->ctx, sg->mh);
+    if (gpu)
+      x->mem.gpu_free(sg->buf);
+    else
+      free(sg->buf);
+    memset(sg, 0, sizeof(*sg));
   }
-  return 0;
+  return rc;
 }
 
-/* Put pages [first, first + c) of the call on the wire into `buf`, then their state words
- * (after a fence): their requests into reqs, *k of them. A failure to post marks the peer. */
-static void issue_sub(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, size_t first, size_t c,
-                      uint64_t off, uint64_t len, char *buf, void **reqs, size_t *k) {
-  ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, .memh = x->staging_mh};
+/* Put pages [first, first + c) of the call on the wire into `buf`: their requests into reqs,
+ * *k of them. A failure to post marks the peer. */
+static void issue_sub(xfer_peer_t *p, const uint32_t *page, size_t first, size_t c, uint64_t off,
+                      uint64_t len, char *buf, ucp_mem_h mh, void **reqs, size_t *k) {
+  ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, .memh = mh};
   *k = 0;
   for (size_t i = first; i < first + c && !p->failed; i++) {
     void *req =
@@ -531,11 +655,16 @@ static void issue_sub(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, size
     else if (req)
       reqs[(*k)++] = req;
   }
-  ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
-  if (st != UCS_OK) p->failed = (int)st;
-  rp.op_attr_mask = 0;
+}
+
+/* Read the state words of pages [first, first + c) of the call into x->words (posted once their
+ * bytes landed: read after them whatever lanes UCX takes): requests into reqs, *k of them. */
+static void issue_states(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, size_t first,
+                         size_t c, void **reqs, size_t *k) {
+  ucp_request_param_t rp = {.op_attr_mask = 0};
+  *k = 0;
   for (size_t i = first; i < first + c && !p->failed; i++) {
-    void *req = ucp_get_nbx(p->ep, &x->words[i], sizeof(uint64_t),
+    void *req = ucp_get_nbx(PEER_SEP(p), &x->words[i], sizeof(uint64_t),
                             p->rec.meta_base + page[i] * p->rec.meta_stride, p->rk_meta, &rp);
     if (UCS_PTR_IS_ERR(req))
       p->failed = (int)UCS_PTR_STATUS(req);
@@ -572,8 +701,8 @@ static int call_begin(skv__xfer_t *x, uint32_t peer, const uint32_t *page, size_
 }
 
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
-                        size_t n, uint64_t off, uint64_t len, skv__xfer_deliver_fn deliver,
-                        void *arg, size_t *bad) {
+                        size_t n, uint64_t off, uint64_t len, bool to_gpu,
+                        skv__xfer_deliver_fn deliver, void *arg, size_t *bad) {
   *bad = 0;
   xfer_peer_t *p = NULL;
   SKV_CHECK(call_begin(x, peer, page, n, &p, bad));
@@ -586,7 +715,8 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
   const uint64_t pb = len;
   const size_t sub = (size_t)SKV_MAX(1, SKV_MIN((uint64_t)n, XFER_SUB_BYTES / pb));
   const size_t nsub = (n + sub - 1) / sub, depth = SKV_MIN(nsub, (size_t)XFER_DEPTH);
-  SKV_CHECK(staging(x, depth * sub * pb));
+  SKV_CHECK(staging(x, to_gpu, depth * sub * pb));
+  xfer_staging_t *sg = &x->stg[to_gpu];
   if (depth * 2 * sub > x->reqs_cap) {
     void **r = realloc(x->reqs, depth * 2 * sub * sizeof(*r));
     if (!r) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
@@ -601,8 +731,16 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
   while (tail < nsub) {
     for (; head < nsub && head - tail < depth && !p->failed; head++) {
       const size_t s = head % depth, first = head * sub;
-      issue_sub(x, p, page, first, SKV_MIN(sub, n - first), off, len, x->staging + s * sub * pb,
-                x->reqs + s * 2 * sub, &k[s]);
+      const size_t c = SKV_MIN(sub, n - first);
+      issue_sub(p, page, first, c, off, len, sg->buf + s * sub * pb, sg->mh, x->reqs + s * 2 * sub,
+                &k[s]);
+      if (x->fence) { /* the state words right behind, in order */
+        ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
+        if (st != UCS_OK) p->failed = (int)st;
+        size_t ks = 0;
+        issue_states(x, p, page, first, c, x->reqs + s * 2 * sub + k[s], &ks);
+        k[s] += ks;
+      }
     }
     if (tail == head) { /* nothing in flight: the peer failed before a post */
       rc = SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV,
@@ -612,12 +750,17 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
     const size_t s = tail % depth, first = tail * sub, c = SKV_MIN(sub, n - first);
     tail++;
     if ((rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s])) != 0) break;
+    if (!x->fence) { /* the bytes are here: their state words now (the next sub-batches stay
+                      * on the wire meanwhile) */
+      issue_states(x, p, page, first, c, x->reqs + s * 2 * sub, &k[s]);
+      if ((rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s])) != 0) break;
+    }
     for (size_t i = first; i < first + c && stale == n; i++)
       if ((uint32_t)x->words[i] != 2u /* SKV_PAGE_READY */ ||
           (uint32_t)(x->words[i] >> 32) != gen[i])
         stale = i;
     if (stale < n) break;
-    if ((rc = deliver(arg, first, c, x->staging + s * sub * pb)) != 0) {
+    if ((rc = deliver(arg, first, c, sg->buf + s * sub * pb)) != 0) {
       copy_stuck = rc == SKV_ETIMEDOUT; /* the copy out of the slot may still read it */
       break;
     }
@@ -648,43 +791,110 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
 
 /* ---- remote pins ---------------------------------------------------------------------------- */
 
-static const uint64_t rpin_add = SKV_RPIN_ADD, rpin_sub = SKV_RPIN_SUB;
-
-/* Post one atomic add of *val to the rpins word of pages page[0..n) of p: requests into reqs,
- * *k of them. A failure to post marks the peer. */
-static void post_rpins(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, size_t n,
-                       const uint64_t *val, void **reqs, size_t *k) {
-  (void)x;
-  ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE,
-                            .datatype = ucp_dt_make_contig(sizeof(uint64_t))};
-  for (size_t i = 0; i < n && !p->failed; i++) {
-    void *req = ucp_atomic_op_nbx(
-        p->ep, UCP_ATOMIC_OP_ADD, val, 1,
-        p->rec.meta_base + page[i] * p->rec.meta_stride + p->rec.rpins_off, p->rk_meta, &rp);
-    if (UCS_PTR_IS_ERR(req))
-      p->failed = (int)UCS_PTR_STATUS(req);
-    else if (req)
-      reqs[(*k)++] = req;
+/* A pin or unpin is an active message to the owner's serving worker, whose handler adds to the
+ * pages' rpins words and answers with their state words, read after the adds (the Dekker pair
+ * of a local pin, pool.h). Not UCX atomics: UCX 1.22 fails its software atomics (those of TCP)
+ * on endpoints with error handling ("cannot find remote protocol"; ucx_perftest -t ucp_add -e
+ * shows it too), and one round trip answers both the adds and the reads. */
+static ucs_status_t pin_am(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                           const ucp_am_recv_param_t *param) {
+  skv__xfer_t *x = arg;
+  xfer_pin_hdr_t h;
+  if (hlen != sizeof(h) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
+      !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+    return UCS_OK; /* not a request of this version: dropped (its sender times out) */
+  memcpy(&h, header, sizeof(h));
+  if (len != (size_t)h.n * sizeof(uint32_t) || h.n > XFER_PIN_BATCH || h.op > 1) return UCS_OK;
+  /* the answer: the token (its header), then the state words; kept until it is sent */
+  uint64_t *ans = malloc((1 + (size_t)h.n) * sizeof(uint64_t));
+  if (!ans) return UCS_OK;
+  ans[0] = h.token;
+  for (uint32_t i = 0; i < h.n; i++) {
+    uint32_t page;
+    memcpy(&page, (const char *)data + i * sizeof(page), sizeof(page));
+    ans[1 + i] = 0; /* not READY: a page this node does not have */
+    if (page >= x->ex_pages) continue;
+    char *rec = x->ex_meta + page * x->ex_meta_stride;
+    __atomic_add_fetch((uint64_t *)(rec + x->ex_rpins_off), h.op ? SKV_RPIN_SUB : SKV_RPIN_ADD,
+                       __ATOMIC_SEQ_CST);
+    ans[1 + i] = __atomic_load_n((uint64_t *)rec, __ATOMIC_SEQ_CST); /* the state word */
   }
+  ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                                            UCP_OP_ATTR_FIELD_USER_DATA,
+                            .flags = UCP_AM_SEND_FLAG_EAGER,
+                            .cb.send = ans_sent,
+                            .user_data = ans};
+  void *req = ucp_am_send_nbx(param->reply_ep, XFER_AM_ANSWER, ans, sizeof(uint64_t), ans + 1,
+                              h.n * sizeof(uint64_t), &rp);
+  if (req == NULL || UCS_PTR_IS_ERR(req))
+    free(ans); /* sent at once (no callback), or not at all */
+  else
+    ucp_request_free(req); /* ans_sent frees the answer */
+  return UCS_OK;
 }
 
-/* Post a flush of p's endpoint behind what was posted on it (its request into x->reqs[*k]). */
-static void post_flush(skv__xfer_t *x, xfer_peer_t *p, size_t *k) {
-  if (p->failed) return;
-  ucp_request_param_t rp = {.op_attr_mask = 0};
-  void *req = ucp_ep_flush_nbx(p->ep, &rp);
-  if (UCS_PTR_IS_ERR(req))
-    p->failed = (int)UCS_PTR_STATUS(req);
-  else if (req)
-    x->reqs[(*k)++] = req;
+/* The answer to the pin call in flight (fetching worker); a late one (of a call that gave up)
+ * carries an older token and is dropped. */
+static ucs_status_t answer_am(void *arg, const void *header, size_t hlen, void *data, size_t len,
+                              const ucp_am_recv_param_t *param) {
+  skv__xfer_t *x = arg;
+  uint64_t token;
+  if (hlen != sizeof(token) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) return UCS_OK;
+  memcpy(&token, header, sizeof(token));
+  if (token != x->pin_token || x->pin_answered) return UCS_OK;
+  if (len == x->pin_n * sizeof(uint64_t)) {
+    memcpy(x->pin_out, data, len);
+    x->pin_answered = 1;
+  } else {
+    x->pin_answered = -1;
+  }
+  return UCS_OK;
 }
 
-static int reqs_room(skv__xfer_t *x, size_t need) {
-  if (need <= x->reqs_cap) return 0;
-  void **r = realloc(x->reqs, need * sizeof(*r));
-  if (!r) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
-  x->reqs = r;
-  x->reqs_cap = need;
+/* Pins (op 0) or unpins (op 1) of pages page[0..n) of p, in messages of XFER_PIN_BATCH pages,
+ * each waited for (bounded); the state words after the adds into states[0..n). SKV_EPEERDEAD
+ * (the endpoint closed) when the peer fails or does not answer in time. */
+static int pin_call(skv__xfer_t *x, xfer_peer_t *p, uint32_t op, const uint32_t *page, size_t n,
+                    uint64_t *states) {
+  for (size_t done = 0; done < n;) {
+    const size_t c = SKV_MIN(n - done, (size_t)XFER_PIN_BATCH);
+    /* h and the pages stay put until the send completed or was cancelled (waited below) */
+    xfer_pin_hdr_t h = {.token = ++x->pin_seq, .op = op, .n = (uint32_t)c};
+    x->pin_token = h.token, x->pin_out = states + done, x->pin_n = c, x->pin_answered = 0;
+    ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                              .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY};
+    void *req = ucp_am_send_nbx(PEER_SEP(p), XFER_AM_PIN, &h, sizeof(h), page + done,
+                                c * sizeof(uint32_t), &rp);
+    ucs_status_t st = UCS_PTR_IS_ERR(req) ? UCS_PTR_STATUS(req) : UCS_OK;
+    if (UCS_PTR_IS_ERR(req)) req = NULL;
+    const uint64_t deadline_ms = skv__now_ms() + (uint64_t)x->timeout_ms;
+    bool to = false;
+    while (st == UCS_OK && !p->failed && (req || !x->pin_answered)) {
+      if (req && (st = ucp_request_check_status(req)) != UCS_INPROGRESS) {
+        ucp_request_free(req);
+        req = NULL;
+        continue;
+      }
+      st = UCS_OK;
+      if (ucp_worker_progress(x->fetch) != 0) continue;
+      sched_yield(); /* the owner's serving thread may need this core (as in wait_reqs) */
+      if ((to = skv__now_ms() >= deadline_ms)) break;
+    }
+    x->pin_token = 0; /* an answer from now on is late */
+    if (st == UCS_OK && !p->failed && !to && x->pin_answered == 1) {
+      done += c;
+      continue;
+    }
+    if (!p->failed) p->failed = st != UCS_OK ? (int)st : -1;
+    peer_close(x, p); /* cancels the send, if it is still in flight */
+    if (req) drain_reqs(x, &req, 1);
+    return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV, "cluster: node '%s' %s a %s of %zu pages%s%s",
+                    p->name, to ? "did not answer" : "failed during", op ? "unpin" : "pin", c,
+                    to ? " within the timeout" : ": ",
+                    to             ? ""
+                    : st != UCS_OK ? ucs_status_string(st)
+                                   : "its answer did not parse");
+  }
   return 0;
 }
 
@@ -697,43 +907,19 @@ int skv__xfer_pin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
   if (n == 0) return 0;
   if (!p->rec.rpins_off)
     return SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_KV, "cluster: node '%s' takes no remote pins", p->name);
-  SKV_CHECK(reqs_room(x, n + 1));
-  /* the adds, landed (a flush: a fence only orders each lane of the endpoint, and the adds and
-   * the reads may take different lanes on some transports), then the state words: the Dekker
-   * pair of a local pin (pool.h) */
-  size_t k = 0;
-  post_rpins(x, p, page, n, &rpin_add, x->reqs, &k);
-  post_flush(x, p, &k);
-  SKV_CHECK(wait_reqs(x, p, x->reqs, k));
-  k = 0;
-  ucp_request_param_t rp = {.op_attr_mask = 0};
-  for (size_t i = 0; i < n && !p->failed; i++) {
-    void *req = ucp_get_nbx(p->ep, &x->words[i], sizeof(uint64_t),
-                            p->rec.meta_base + page[i] * p->rec.meta_stride, p->rk_meta, &rp);
-    if (UCS_PTR_IS_ERR(req))
-      p->failed = (int)UCS_PTR_STATUS(req);
-    else if (req)
-      x->reqs[k++] = req;
-  }
-  int rc = wait_reqs(x, p, x->reqs, k);
-  if (rc) return rc;
+  SKV_CHECK(pin_call(x, p, 0, page, n, x->words));
   size_t h = 0;
   while (h < n && (uint32_t)x->words[h] == 2u /* SKV_PAGE_READY */ &&
          (uint32_t)(x->words[h] >> 32) == gen[h])
     h++;
   *held = h;
   /* a page evicted (or being evicted) ends the prefix: the pins from there on go back */
-  return h < n ? skv__xfer_unpin_pages(x, peer, page + h, n - h) : 0;
+  return h < n ? pin_call(x, p, 1, page + h, n - h, x->words + h) : 0;
 }
 
 int skv__xfer_unpin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, size_t n) {
   size_t bad = 0;
   xfer_peer_t *p = NULL;
   SKV_CHECK(call_begin(x, peer, page, n, &p, &bad));
-  if (n == 0) return 0;
-  SKV_CHECK(reqs_room(x, n + 1));
-  size_t k = 0;
-  post_rpins(x, p, page, n, &rpin_sub, x->reqs, &k);
-  post_flush(x, p, &k); /* the adds are posted, not done: the flush completes once they landed */
-  return wait_reqs(x, p, x->reqs, k);
+  return n ? pin_call(x, p, 1, page, n, x->words) : 0;
 }

@@ -281,15 +281,37 @@ int skv__kvc_host_register(void *p, size_t len, bool add) {
                       : cudaHostUnregister(p);
   if (e == cudaSuccess) return 0;
   (void)cudaGetLastError();
+  /* registered already, by UCX (its cuda_copy registers the host memory it maps): usable as
+   * it is, and UCX unregisters it */
+  if (add && e == cudaErrorHostMemoryAlreadyRegistered) return SKV__KVC_REGISTERED_ELSEWHERE;
   return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV, "cudaHost%sregister of %zu bytes of staging failed: %s",
                   add ? "R" : "Unr", len, cudaGetErrorString(e));
 }
 
-int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *host, uint64_t stride,
-                     size_t n, const uint64_t *block_ids, const size_t *idx, void *stream,
-                     const char *fn) {
-  void *dev = NULL;
-  cudaError_t e = cudaHostGetDevicePointer(&dev, (void *)host, 0);
+int skv__kvc_dev_alloc(size_t len, void **p) {
+  cudaError_t e = cudaMalloc(p, len);
+  if (e == cudaSuccess) return 0;
+  (void)cudaGetLastError();
+  *p = NULL;
+  return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV, "cudaMalloc of %zu bytes of staging failed: %s", len,
+                  cudaGetErrorString(e));
+}
+
+void skv__kvc_dev_free(void *p) {
+  if (p && cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+}
+
+int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, bool src_dev,
+                     uint64_t stride, size_t n, const uint64_t *block_ids, const size_t *idx,
+                     void *stream, const char *fn) {
+  void *dev = (void *)src;
+  cudaError_t e = src_dev ? cudaSuccess : cudaHostGetDevicePointer(&dev, (void *)src, 0);
+  struct cudaPointerAttributes pa;
+  if (e != cudaSuccess && cudaPointerGetAttributes(&pa, src) == cudaSuccess && pa.devicePointer) {
+    (void)cudaGetLastError(); /* registered without the mapped flag (by UCX): UVA maps it */
+    dev = pa.devicePointer;
+    e = cudaSuccess;
+  }
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV,

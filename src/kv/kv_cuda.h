@@ -91,17 +91,24 @@ int skv__kvc_write_pages(skv__kvc_t *kc, const skv__kv_batch_t *b, uint64_t off,
 /* Pages one staging round moves (a bounded host buffer). */
 size_t skv__kvc_stage_pages(const skv__kvc_t *kc);
 
-/* Pages from outside the heap (a peer node's, read into host memory): n pages at `host`,
+/* Pages from outside the heap (a peer node's, read over the network): n pages at `src`,
  * `stride` bytes apart, each holding the layout's layers only, into their blocks of `lay` (page
  * i's at block_ids[idx[i] * m ...]), on `stream`, and a wait for the copy (bounded by the
- * timeout). `host` must be registered with skv__kvc_host_register (the kernels read it over
- * PCIe). No pins, no completion step. SKV_ETIMEDOUT: the copy may still run and read `host`
- * (the caller must not reuse nor free it); its argument slot goes back once it completes. */
-int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *host, uint64_t stride,
-                     size_t n, const uint64_t *block_ids, const size_t *idx, void *stream,
-                     const char *fn);
-/* Register [p, p + len) of host memory with CUDA, mapped for the device (add), or unregister. */
+ * timeout). `src` is device memory (src_dev, from skv__kvc_dev_alloc) or host memory registered
+ * with skv__kvc_host_register (the kernels then read it over PCIe). No pins, no completion step.
+ * SKV_ETIMEDOUT: the copy may still run and read `src` (the caller must not reuse nor free it);
+ * its argument slot goes back once it completes. */
+int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, bool src_dev,
+                     uint64_t stride, size_t n, const uint64_t *block_ids, const size_t *idx,
+                     void *stream, const char *fn);
+/* Register [p, p + len) of host memory with CUDA, mapped for the device (add), or unregister.
+ * SKV__KVC_REGISTERED_ELSEWHERE (> 0, no error set): it was registered already (by UCX), and
+ * the caller must not unregister it. */
 int skv__kvc_host_register(void *p, size_t len, bool add);
+#define SKV__KVC_REGISTERED_ELSEWHERE 1
+/* Device memory of the current device for staging (cudaMalloc), and its release. */
+int skv__kvc_dev_alloc(size_t len, void **p);
+void skv__kvc_dev_free(void *p);
 
 /* Wait until every stream-ordered copy completed and its `done` ran (bounded by the timeout);
  * returns the first failure since the last sync, or a reference a kernel refused. */
