@@ -63,6 +63,9 @@ for m in $want; do "$py" -c "import $m" 2>/dev/null || need="$need $m"; done
 # scikit-build-core: pip install ./bindings/python builds the library with it (test_install
 # builds without a network when it is here)
 [ "$python" = all ] && ! "$py" -c "import scikit_build_core" 2>/dev/null && need="$need scikit-build-core"
+# libucx-cu12: UCX 1.22 built with CUDA (tests/run.sh builds test_cluster against it too: the new
+# protocols, and GPU pages exported where a GPU is)
+[ "$python" = all ] && ! "$py" -c "import libucx" 2>/dev/null && need="$need libucx-cu12==1.22.0"
 if [ -n "$need" ]; then
   echo "installing Python packages into $venv:$need"
   "$py" -m pip install -q --disable-pip-version-check $need

@@ -46,6 +46,26 @@ if [ -z "$san" ] && [ -d bindings/python/tests ]; then
   py_summary=$(grep -E "^=*.*[0-9]+ (passed|failed|error)" "$build/pytest.log" | tail -1 | tr -d '=' |
     sed 's/^ *//; s/ *$//')
 fi
+# the cluster suite again against UCX 1.22 with CUDA, from the libucx-cu12 wheel (tests/deps.sh):
+# its new protocols (ep_based fences; no software atomics under error handling) and, with a GPU,
+# GPU pages exported and read straight into GPU memory
+wheel_line=""
+ucx_root=$(.venv/bin/python3 -c "import libucx, os; print(os.path.dirname(libucx.__file__))" \
+  2>/dev/null || true)
+if [ -z "$san" ] && [ -f "$ucx_root/include/ucp/api/ucp.h" ]; then
+  echo "== test_cluster against the libucx-cu12 wheel's UCX ($ucx_root) =="
+  wcuda=OFF   # the kernels take long to build: with CUDA only where a GPU is
+  nvidia-smi -L >/dev/null 2>&1 && wcuda=$cuda
+  wb="$build-ucx-wheel"
+  cmake -S . -B "$wb" -DSKV_WERROR=ON -DSKV_CUDA=$wcuda -DSKV_CLUSTER=ON -DSKV_UCX_ROOT="$ucx_root" \
+    >/dev/null
+  cmake --build "$wb" -j"$(nproc)" --target test_cluster
+  "$wb/tests/test_cluster" -j1 2>&1 | tee "$wb/test_cluster.log" || status=1
+  wheel_line=$(grep -E "Synthesis" "$wb/test_cluster.log" | tail -1 | sed 's/.*Synthesis: //')
+  [ -n "$wheel_line" ] || status=1
+fi
 echo
 python3 tests/summarize.py "$build" "${san:-}" "$py_summary" || status=1
+[ -n "$wheel_line" ] && echo "test_cluster with UCX $(cat "$ucx_root/UCX_WHEEL_VERSION.txt" \
+  2>/dev/null || echo '?') (libucx-cu12): $wheel_line"
 exit $status
