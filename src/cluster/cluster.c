@@ -537,7 +537,8 @@ static int fetch_deliver(void *arg, size_t first, size_t count, const void *byte
   if (f->dst->device >= 0) {
 #ifdef SKV_WITH_CUDA
     SKV_CHECK(skv__kvc_copy_in(f->cl->kv->cuda, f->dst, bytes, f->cl->gpu_direct, f->len, count,
-                               f->block_ids, f->idx + first, f->stream, "skv_cluster_fetch"));
+                               f->block_ids, f->idx + first, f->stream, skv__xfer_progress,
+                               f->cl->x, "skv_cluster_fetch"));
 #else
     return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV, "skv_cluster_fetch: built without CUDA");
 #endif

@@ -84,15 +84,19 @@ bool skv__xfer_cuda(const skv__xfer_t *x);
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
                         size_t n, uint64_t off, uint64_t len, bool to_gpu,
                         skv__xfer_deliver_fn deliver, void *arg, size_t *bad);
-/* Pin pages page[i] of `peer` (src/pool/pool.h, "Remote pins"): one atomic add per page, a
- * flush (the adds landed), one read per page of its state; *held: how many leading pages are READY
- * with gen[i] and stay pinned (the pins of the others are given back). SKV_EPEERDEAD as for a get
- * (no pin is then held: those taken lapse with the owner's lease). */
+/* Pin pages page[i] of `peer` (src/pool/pool.h, "Remote pins"): a message to the peer, whose
+ * serving thread adds to each page's rpins word and answers with the state words read after;
+ * *held: how many leading pages are READY with gen[i] and stay pinned (the pins of the others
+ * are given back). SKV_EPEERDEAD as for a get (no pin is then held: those taken lapse with the
+ * owner's lease). */
 int skv__xfer_pin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
                         size_t n, size_t *held);
-/* Give back pins of pages page[0..n) of `peer` (one atomic add each, then a flush, bounded). */
+/* Give back pins of pages page[0..n) of `peer` (a message, its answer awaited, bounded). */
 int skv__xfer_unpin_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, size_t n);
 uint64_t skv__xfer_page_bytes(const skv__xfer_t *x, uint32_t peer);
+/* Progress the fetching worker once (from a deliver callback, while a copy is awaited: the
+ * later sub-batches keep moving); how many events it handled. `x` is a skv__xfer_t. */
+unsigned skv__xfer_progress(void *x);
 
 /* ---- dir.c: the Redis directory --------------------------------------------------------- */
 

@@ -70,21 +70,21 @@ typedef struct xfer_rec {
   uint64_t magic, nonce;
   uint64_t page_bytes, page_stride, pages, pages_base, meta_base, meta_stride;
   uint32_t addr_len, rk_pages_len, rk_meta_len, rpins_off;
+  uint32_t flags, pad; /* XFER_REC_GPU: the pages are GPU memory */
 } xfer_rec_t;
 
-/* The endpoint of a peer's state words and pins (behind a weak fence: the pages' own). */
-#define PEER_SEP(p) ((p)->ep2 ? (p)->ep2 : (p)->ep)
+#define XFER_REC_GPU 1u
 
 typedef struct xfer_peer {
   char name[SKV__CL_NAME_CAP];
   xfer_rec_t rec;
   void *blob; /* the record, for connecting */
   size_t blob_len;
-  ucp_ep_h ep;  /* the pages' bytes */
-  ucp_ep_h ep2; /* without a weak fence, state words and pins: a connection of their own, so
-                 * that over TCP they do not queue behind megabytes of pages in flight */
-  ucp_rkey_h rk_pages, rk_meta;
-  volatile int failed; /* ucs_status_t of the endpoint's error, 0 while good */
+  ucp_ep_h ep;  /* the pages' bytes, and their state words where a fence orders them */
+  ucp_ep_h ep2; /* pins, and state words read once the bytes landed: a connection of their own,
+                 * so that over TCP they do not queue behind megabytes of pages in flight */
+  ucp_rkey_h rk_pages, rk_meta, rk_meta2; /* rk_meta2: the records', unpacked for ep2 */
+  volatile int failed;                    /* ucs_status_t of the endpoint's error, 0 while good */
 } xfer_peer_t;
 
 typedef struct xfer_staging {
@@ -125,10 +125,17 @@ struct skv__xfer {
   uint64_t *pin_out;
   size_t pin_n;
   int pin_answered; /* 1: answered, -1: an answer that did not parse */
+  /* a pin message's header and pages, kept until its send completed (or is left to it) */
+  xfer_pin_hdr_t *pin_msg;
+  size_t pin_msg_cap;
+  int cur_stg; /* the staging of the get in progress (0 host, 1 GPU), -1 outside one */
 };
 
+/* An answer sent later than its handler returned: the request and the answer go (a request
+ * freed while in flight would get no callback, and the answer would leak). */
 static void ans_sent(void *req, ucs_status_t st, void *user_data) {
-  (void)req, (void)st;
+  (void)st;
+  ucp_request_free(req);
   free(user_data);
 }
 
@@ -204,9 +211,9 @@ static bool fence_setup(ucp_config_t *cfg) {
   if (strcmp(mode, "auto") == 0 && !getenv("UCX_FENCE_MODE") && proto[0] == 'y' &&
       ucp_config_modify(cfg, "FENCE_MODE", "ep_based") == UCS_OK)
     snprintf(mode, sizeof(mode), "ep_based");
-  if (strcmp(mode, "ep_based") == 0) return true;
-  return lanes <= 1 &&
-         (strcmp(mode, "weak") == 0 || (strcmp(mode, "auto") == 0 && proto[0] == 'n'));
+  /* ep_based with several lanes may fence strongly: a flush UCX waits for without a deadline */
+  return lanes <= 1 && (strcmp(mode, "ep_based") == 0 || strcmp(mode, "weak") == 0 ||
+                        (strcmp(mode, "auto") == 0 && proto[0] == 'n'));
 }
 
 int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, skv__xfer_t **out,
@@ -215,6 +222,7 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
   skv__xfer_t *x = calloc(1, sizeof(*x));
   if (!x) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
   x->timeout_ms = timeout_ms;
+  x->cur_stg = -1;
   int rc = 0;
   ucs_status_t st;
   ucp_config_t *cfg = NULL;
@@ -242,12 +250,12 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
   if (ex->pages && ex->pages_gpu && !x->cuda) {
     const char *tls = getenv("UCX_TLS");
     rc = SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
-                  "skv_cluster_join: this cache's pages are in GPU memory, but UCX %s %s: use a "
-                  "UCX built with CUDA (the libucx-cu12 wheel's, docs/cluster.md) with cuda_copy "
-                  "in UCX_TLS, or join with opts.flags = SKV_CLUSTER_NO_EXPORT to read other "
-                  "nodes' pages without exporting these",
-                  ucp_get_version_string(),
-                  tls ? "reads no GPU memory with this UCX_TLS" : "has no CUDA support");
+                  "skv_cluster_join: this cache's pages are in GPU memory, but UCX %s reads no "
+                  "GPU memory (built without CUDA, as Debian's is, or UCX_TLS=%s without "
+                  "cuda_copy): use a UCX built with CUDA (the libucx-cu12 wheel's, "
+                  "docs/cluster.md), or join with opts.flags = SKV_CLUSTER_NO_EXPORT to read "
+                  "other nodes' pages without exporting these",
+                  ucp_get_version_string(), tls ? tls : "(unset)");
     goto fail;
   }
   ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
@@ -314,7 +322,8 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
                   .addr_len = (uint32_t)addr_len,
                   .rk_pages_len = (uint32_t)rkp_len,
                   .rk_meta_len = (uint32_t)rkm_len,
-                  .rpins_off = ex->rpins_off};
+                  .rpins_off = ex->rpins_off,
+                  .flags = ex->pages && ex->pages_gpu ? XFER_REC_GPU : 0};
   x->blob_len = sizeof(r) + addr_len + rkp_len + rkm_len;
   x->blob = malloc(x->blob_len);
   if (!x->blob) {
@@ -336,8 +345,8 @@ int skv__xfer_create(const skv__export_t *ex, uint64_t nonce, int timeout_ms, sk
            "cluster: UCX %s (GPU memory: %s; state words %s), exporting %" PRIu64
            " pages of %" PRIu64 " bytes%s, node record %zu bytes",
            ucp_get_version_string(), x->cuda ? "yes" : "no",
-           x->fence ? "behind a fence" : "read once the bytes landed", ex->pages, ex->page_bytes,
-           ex->pages_gpu ? " in GPU memory" : "", x->blob_len);
+           x->fence ? "behind a fence between host memories" : "read once the bytes landed",
+           ex->pages, ex->page_bytes, ex->pages_gpu ? " in GPU memory" : "", x->blob_len);
 fail:
   if (rkp) ucp_rkey_buffer_release(rkp);
   if (rkm) ucp_rkey_buffer_release(rkm);
@@ -367,11 +376,12 @@ static bool settle(skv__xfer_t *x, void *req, uint64_t deadline_ms) {
  * or the state words, so both are left to it (leaked, never reused; the next call allocates new
  * ones). Its request is freed (UCX releases it once it completes). */
 static void abandon_buffers(skv__xfer_t *x, const char *who) {
+  xfer_staging_t *sg = x->cur_stg >= 0 ? &x->stg[x->cur_stg] : NULL;
   SKV_WARN(SKV_SUBSYS_KV,
            "cluster: %s did not complete within %d ms; leaving the buffers (%zu bytes) to them "
            "and taking new ones",
-           who, x->timeout_ms, x->stg[0].cap + x->stg[1].cap + x->words_cap * sizeof(uint64_t));
-  memset(x->stg, 0, sizeof(x->stg));
+           who, x->timeout_ms, (sg ? sg->cap : 0) + x->words_cap * sizeof(uint64_t));
+  if (sg) memset(sg, 0, sizeof(*sg));
   x->words = NULL;
   x->words_cap = 0;
 }
@@ -402,7 +412,8 @@ static ucs_status_t wait_req(skv__xfer_t *x, void *req, uint64_t deadline_ms, bo
 static void peer_close(skv__xfer_t *x, xfer_peer_t *p) {
   if (p->rk_pages) ucp_rkey_destroy(p->rk_pages);
   if (p->rk_meta) ucp_rkey_destroy(p->rk_meta);
-  p->rk_pages = p->rk_meta = NULL;
+  if (p->rk_meta2) ucp_rkey_destroy(p->rk_meta2);
+  p->rk_pages = p->rk_meta = p->rk_meta2 = NULL;
   ucp_ep_h *eps[2] = {&p->ep, &p->ep2};
   for (int i = 0; i < 2; i++) {
     if (!*eps[i]) continue;
@@ -436,6 +447,7 @@ void skv__xfer_destroy(skv__xfer_t *x) {
   if (x->ctx) ucp_cleanup(x->ctx);
   free(x->reqs);
   free(x->words);
+  free(x->pin_msg);
   free(x->blob);
   free(x);
 }
@@ -509,8 +521,7 @@ static int peer_connect(skv__xfer_t *x, xfer_peer_t *p) {
                         .err_mode = UCP_ERR_HANDLING_MODE_PEER,
                         .err_handler = {.cb = ep_error, .arg = p}};
   ucs_status_t st = ucp_ep_create(x->fetch, &ep, &p->ep);
-  if (st == UCS_OK && !x->fence && (st = ucp_ep_create(x->fetch, &ep, &p->ep2)) != UCS_OK)
-    peer_close(x, p);
+  if (st == UCS_OK && (st = ucp_ep_create(x->fetch, &ep, &p->ep2)) != UCS_OK) peer_close(x, p);
   if (st != UCS_OK) {
     p->ep = p->ep2 = NULL;
     p->failed = (int)st;
@@ -519,7 +530,8 @@ static int peer_connect(skv__xfer_t *x, xfer_peer_t *p) {
   }
   const char *rk = b + sizeof(xfer_rec_t) + p->rec.addr_len;
   if (!p->rec.pages || (st = ucp_ep_rkey_unpack(p->ep, rk, &p->rk_pages)) != UCS_OK ||
-      (st = ucp_ep_rkey_unpack(PEER_SEP(p), rk + p->rec.rk_pages_len, &p->rk_meta)) != UCS_OK) {
+      (st = ucp_ep_rkey_unpack(p->ep, rk + p->rec.rk_pages_len, &p->rk_meta)) != UCS_OK ||
+      (st = ucp_ep_rkey_unpack(p->ep2, rk + p->rec.rk_pages_len, &p->rk_meta2)) != UCS_OK) {
     peer_close(x, p);
     p->failed = -1;
     return SKV_FAIL(SKV_EPROTO, SKV_SUBSYS_KV, "cluster: node '%s' exports no readable pages%s%s",
@@ -586,6 +598,10 @@ void skv__xfer_set_mem_ops(skv__xfer_t *x, const skv__xfer_mem_ops_t *ops) {
 
 bool skv__xfer_cuda(const skv__xfer_t *x) {
   return x->cuda;
+}
+
+unsigned skv__xfer_progress(void *x) {
+  return ucp_worker_progress(((skv__xfer_t *)x)->fetch);
 }
 
 static void staging_free(skv__xfer_t *x, xfer_staging_t *sg, bool gpu) {
@@ -657,15 +673,17 @@ static void issue_sub(xfer_peer_t *p, const uint32_t *page, size_t first, size_t
   }
 }
 
-/* Read the state words of pages [first, first + c) of the call into x->words (posted once their
- * bytes landed: read after them whatever lanes UCX takes): requests into reqs, *k of them. */
-static void issue_states(skv__xfer_t *x, xfer_peer_t *p, const uint32_t *page, size_t first,
-                         size_t c, void **reqs, size_t *k) {
+/* Read the state words of pages [first, first + c) of the call into x->words: on the pages'
+ * endpoint behind a fence (fenced), or on the second one once the bytes landed. Requests into
+ * reqs, *k of them. */
+static void issue_states(skv__xfer_t *x, xfer_peer_t *p, bool fenced, const uint32_t *page,
+                         size_t first, size_t c, void **reqs, size_t *k) {
   ucp_request_param_t rp = {.op_attr_mask = 0};
   *k = 0;
   for (size_t i = first; i < first + c && !p->failed; i++) {
-    void *req = ucp_get_nbx(PEER_SEP(p), &x->words[i], sizeof(uint64_t),
-                            p->rec.meta_base + page[i] * p->rec.meta_stride, p->rk_meta, &rp);
+    void *req = ucp_get_nbx(fenced ? p->ep : p->ep2, &x->words[i], sizeof(uint64_t),
+                            p->rec.meta_base + page[i] * p->rec.meta_stride,
+                            fenced ? p->rk_meta : p->rk_meta2, &rp);
     if (UCS_PTR_IS_ERR(req))
       p->failed = (int)UCS_PTR_STATUS(req);
     else if (req)
@@ -717,6 +735,10 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
   const size_t nsub = (n + sub - 1) / sub, depth = SKV_MIN(nsub, (size_t)XFER_DEPTH);
   SKV_CHECK(staging(x, to_gpu, depth * sub * pb));
   xfer_staging_t *sg = &x->stg[to_gpu];
+  /* a fence orders the state words behind the bytes where both go host memory to host memory
+   * (one lane: fence_setup); GPU memory on either side may take another transport's lane */
+  const bool fenced = x->fence && !to_gpu && !(p->rec.flags & XFER_REC_GPU);
+  x->cur_stg = to_gpu; /* the one abandon_buffers leaves to a stuck transfer */
   if (depth * 2 * sub > x->reqs_cap) {
     void **r = realloc(x->reqs, depth * 2 * sub * sizeof(*r));
     if (!r) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
@@ -734,11 +756,11 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
       const size_t c = SKV_MIN(sub, n - first);
       issue_sub(p, page, first, c, off, len, sg->buf + s * sub * pb, sg->mh, x->reqs + s * 2 * sub,
                 &k[s]);
-      if (x->fence) { /* the state words right behind, in order */
+      if (fenced) { /* the state words right behind, in order */
         ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
         if (st != UCS_OK) p->failed = (int)st;
         size_t ks = 0;
-        issue_states(x, p, page, first, c, x->reqs + s * 2 * sub + k[s], &ks);
+        issue_states(x, p, true, page, first, c, x->reqs + s * 2 * sub + k[s], &ks);
         k[s] += ks;
       }
     }
@@ -750,9 +772,9 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
     const size_t s = tail % depth, first = tail * sub, c = SKV_MIN(sub, n - first);
     tail++;
     if ((rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s])) != 0) break;
-    if (!x->fence) { /* the bytes are here: their state words now (the next sub-batches stay
-                      * on the wire meanwhile) */
-      issue_states(x, p, page, first, c, x->reqs + s * 2 * sub, &k[s]);
+    if (!fenced) { /* the bytes are here: their state words now (the next sub-batches stay on
+                    * the wire meanwhile) */
+      issue_states(x, p, false, page, first, c, x->reqs + s * 2 * sub, &k[s]);
       if ((rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s])) != 0) break;
     }
     for (size_t i = first; i < first + c && stale == n; i++)
@@ -777,6 +799,7 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
       rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s]);
   }
   if (copy_stuck) abandon_buffers(x, "a copy out of the staging buffer");
+  x->cur_stg = -1;
   if (rc) return rc;
   if (stale < n) {
     const uint64_t w = x->words[stale];
@@ -826,11 +849,8 @@ static ucs_status_t pin_am(void *arg, const void *header, size_t hlen, void *dat
                             .user_data = ans};
   void *req = ucp_am_send_nbx(param->reply_ep, XFER_AM_ANSWER, ans, sizeof(uint64_t), ans + 1,
                               h.n * sizeof(uint64_t), &rp);
-  if (req == NULL || UCS_PTR_IS_ERR(req))
-    free(ans); /* sent at once (no callback), or not at all */
-  else
-    ucp_request_free(req); /* ans_sent frees the answer */
-  return UCS_OK;
+  if (req == NULL || UCS_PTR_IS_ERR(req)) free(ans); /* sent at once (no callback), or not */
+  return UCS_OK;                                     /* else ans_sent frees both */
 }
 
 /* The answer to the pin call in flight (fetching worker); a late one (of a call that gave up)
@@ -856,15 +876,20 @@ static ucs_status_t answer_am(void *arg, const void *header, size_t hlen, void *
  * (the endpoint closed) when the peer fails or does not answer in time. */
 static int pin_call(skv__xfer_t *x, xfer_peer_t *p, uint32_t op, const uint32_t *page, size_t n,
                     uint64_t *states) {
+  const size_t cap = sizeof(xfer_pin_hdr_t) + XFER_PIN_BATCH * sizeof(uint32_t);
+  if (!x->pin_msg && !(x->pin_msg = malloc(cap)))
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
   for (size_t done = 0; done < n;) {
     const size_t c = SKV_MIN(n - done, (size_t)XFER_PIN_BATCH);
-    /* h and the pages stay put until the send completed or was cancelled (waited below) */
-    xfer_pin_hdr_t h = {.token = ++x->pin_seq, .op = op, .n = (uint32_t)c};
-    x->pin_token = h.token, x->pin_out = states + done, x->pin_n = c, x->pin_answered = 0;
+    /* the message (header, pages) stays in x->pin_msg until its send completed */
+    xfer_pin_hdr_t *h = x->pin_msg;
+    *h = (xfer_pin_hdr_t){.token = ++x->pin_seq, .op = op, .n = (uint32_t)c};
+    memcpy(h + 1, page + done, c * sizeof(uint32_t));
+    x->pin_token = h->token, x->pin_out = states + done, x->pin_n = c, x->pin_answered = 0;
     ucp_request_param_t rp = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                               .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY};
-    void *req = ucp_am_send_nbx(PEER_SEP(p), XFER_AM_PIN, &h, sizeof(h), page + done,
-                                c * sizeof(uint32_t), &rp);
+    void *req =
+        ucp_am_send_nbx(p->ep2, XFER_AM_PIN, h, sizeof(*h), h + 1, c * sizeof(uint32_t), &rp);
     ucs_status_t st = UCS_PTR_IS_ERR(req) ? UCS_PTR_STATUS(req) : UCS_OK;
     if (UCS_PTR_IS_ERR(req)) req = NULL;
     const uint64_t deadline_ms = skv__now_ms() + (uint64_t)x->timeout_ms;
@@ -885,15 +910,24 @@ static int pin_call(skv__xfer_t *x, xfer_peer_t *p, uint32_t op, const uint32_t 
       done += c;
       continue;
     }
+    const int failed = p->failed;
     if (!p->failed) p->failed = st != UCS_OK ? (int)st : -1;
     peer_close(x, p); /* cancels the send, if it is still in flight */
-    if (req) drain_reqs(x, &req, 1);
-    return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV, "cluster: node '%s' %s a %s of %zu pages%s%s",
-                    p->name, to ? "did not answer" : "failed during", op ? "unpin" : "pin", c,
-                    to ? " within the timeout" : ": ",
-                    to             ? ""
-                    : st != UCS_OK ? ucs_status_string(st)
-                                   : "its answer did not parse");
+    if (req && !settle(x, req, skv__now_ms() + (uint64_t)x->timeout_ms)) {
+      SKV_WARN(SKV_SUBSYS_KV,
+               "cluster: a cancelled pin message did not complete within %d ms; leaving its "
+               "buffer to it",
+               x->timeout_ms);
+      x->pin_msg = NULL; /* the send may still read it */
+    }
+    if (req) ucp_request_free(req);
+    const char *why = to                          ? "no answer within the timeout"
+                      : st != UCS_OK              ? ucs_status_string(st)
+                      : failed > 0 || failed < -1 ? ucs_status_string((ucs_status_t)failed)
+                      : x->pin_answered < 0       ? "its answer did not parse"
+                                                  : "its endpoint failed";
+    return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV, "cluster: node '%s' failed a %s of %zu pages: %s",
+                    p->name, op ? "unpin" : "pin", c, why);
   }
   return 0;
 }

@@ -303,7 +303,7 @@ void skv__kvc_dev_free(void *p) {
 
 int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, bool src_dev,
                      uint64_t stride, size_t n, const uint64_t *block_ids, const size_t *idx,
-                     void *stream, const char *fn) {
+                     void *stream, unsigned (*idle)(void *), void *idle_arg, const char *fn) {
   void *dev = (void *)src;
   cudaError_t e = src_dev ? cudaSuccess : cudaHostGetDevicePointer(&dev, (void *)src, 0);
   struct cudaPointerAttributes pa;
@@ -345,7 +345,7 @@ int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, b
         e = q; /* cudaErrorNotReady: the time ran out */
         break;
       }
-      if (spins > 64) sched_yield();
+      if ((!idle || idle(idle_arg) == 0) && spins > 64) sched_yield();
     }
     if (e == cudaSuccess) {
       skv__kvc_slot_put(kc, s);

@@ -97,16 +97,18 @@ size_t skv__kvc_stage_pages(const skv__kvc_t *kc);
  * timeout). `src` is device memory (src_dev, from skv__kvc_dev_alloc) or host memory registered
  * with skv__kvc_host_register (the kernels then read it over PCIe). No pins, no completion step.
  * SKV_ETIMEDOUT: the copy may still run and read `src` (the caller must not reuse nor free it);
- * its argument slot goes back once it completes. */
+ * its argument slot goes back once it completes. While it waits, idle(idle_arg) is called when
+ * set (the network's progress: what it returns is how much it did; 0 yields the core). */
 int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, bool src_dev,
                      uint64_t stride, size_t n, const uint64_t *block_ids, const size_t *idx,
-                     void *stream, const char *fn);
+                     void *stream, unsigned (*idle)(void *), void *idle_arg, const char *fn);
 /* Register [p, p + len) of host memory with CUDA, mapped for the device (add), or unregister.
  * SKV__KVC_REGISTERED_ELSEWHERE (> 0, no error set): it was registered already (by UCX), and
  * the caller must not unregister it. */
 int skv__kvc_host_register(void *p, size_t len, bool add);
 #define SKV__KVC_REGISTERED_ELSEWHERE 1
-/* Device memory of the current device for staging (cudaMalloc), and its release. */
+/* Device memory of the current device for staging (cudaMalloc; a remote fetch made the PE's
+ * device current first, skv__kvc_begin), and its release. */
 int skv__kvc_dev_alloc(size_t len, void **p);
 void skv__kvc_dev_free(void *p);
 
