@@ -561,6 +561,27 @@ Test(cluster, remote_pins_hold_evictions_until_released_or_lapsed) {
   redis_stop(&r);
 }
 
+#ifdef SKV_WITH_CUDA
+/* Node g of the GPU tests: a cache of 8 pages in GPU memory (a CUDA domain of its own), in the
+ * geometry of the child nodes (4 layers); *g and *pb are its geometry and page size. */
+static skv_kv_t *gpu_cache(skv_geometry_t *g, uint64_t *pb) {
+  *g = (skv_geometry_t)SKV_GEOMETRY_INIT;
+  g->num_layers = 4, g->num_kv_heads = 2, g->head_dim = 32, g->elem_bytes = 2;
+  g->page_tokens = 16;
+  cr_assert_eq(skv_geometry_get_page_bytes(g, pb), 0);
+  char dom[64];
+  snprintf(dom, sizeof dom, "t%d-g", (int)getpid());
+  skv_attach_opts_t ao = SKV_ATTACH_OPTS_INIT;
+  ao.pages_per_pe = 8;
+  ao.max_slots = 2;
+  ao.backend = SKV_BACKEND_CUDA;
+  ao.timeout_ms = 10000;
+  skv_kv_t *kv = NULL;
+  cr_assert_eq(skv_kv_attach(dom, g, &ao, &kv), 0, "%s", skv_last_error());
+  return kv;
+}
+#endif
+
 /* Remote pages into a GPU layout: node c keeps its pages in GPU memory (a CUDA domain, which it
  * cannot export: join says so and names SKV_CLUSTER_NO_EXPORT) and reads a's host pages into
  * engine blocks in GPU memory, all layers and layer 1 alone, every byte checked against the
@@ -576,19 +597,9 @@ Test(cluster, remote_pages_into_a_gpu_layout_byte_exact) {
   child_t a;
   child_start(&a, &aa); /* before this process touches CUDA */
   cr_assert_eq(child_do(&a, "P 0 8 1"), 0);
-  skv_geometry_t g = SKV_GEOMETRY_INIT;
-  g.num_layers = 4, g.num_kv_heads = 2, g.head_dim = 32, g.elem_bytes = 2, g.page_tokens = 16;
+  skv_geometry_t g;
   uint64_t pb = 0;
-  cr_assert_eq(skv_geometry_get_page_bytes(&g, &pb), 0);
-  char dom[64];
-  snprintf(dom, sizeof dom, "t%d-g", (int)getpid());
-  skv_attach_opts_t ao = SKV_ATTACH_OPTS_INIT;
-  ao.pages_per_pe = 8;
-  ao.max_slots = 2;
-  ao.backend = SKV_BACKEND_CUDA;
-  ao.timeout_ms = 10000;
-  skv_kv_t *kv = NULL;
-  cr_assert_eq(skv_kv_attach(dom, &g, &ao, &kv), 0, "%s", skv_last_error());
+  skv_kv_t *kv = gpu_cache(&g, &pb);
   skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
   co.redis_url = r.url, co.node = "g", co.cluster = g_cluster, co.timeout_ms = 10000;
   skv_cluster_t *cl = NULL;
@@ -687,19 +698,9 @@ Test(cluster, gpu_pages_exported_read_into_gpu_and_host_byte_exact) {
   aa.gpu = true;
   child_t a;
   const int arc = child_try(&a, &aa); /* before this process touches CUDA */
-  skv_geometry_t g = SKV_GEOMETRY_INIT;
-  g.num_layers = 4, g.num_kv_heads = 2, g.head_dim = 32, g.elem_bytes = 2, g.page_tokens = 16;
+  skv_geometry_t g;
   uint64_t pb = 0;
-  cr_assert_eq(skv_geometry_get_page_bytes(&g, &pb), 0);
-  char dom[64];
-  snprintf(dom, sizeof dom, "t%d-g", (int)getpid());
-  skv_attach_opts_t ao = SKV_ATTACH_OPTS_INIT;
-  ao.pages_per_pe = 8;
-  ao.max_slots = 2;
-  ao.backend = SKV_BACKEND_CUDA;
-  ao.timeout_ms = 10000;
-  skv_kv_t *kv = NULL;
-  cr_assert_eq(skv_kv_attach(dom, &g, &ao, &kv), 0, "%s", skv_last_error());
+  skv_kv_t *kv = gpu_cache(&g, &pb);
   skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
   co.redis_url = r.url, co.node = "g", co.cluster = g_cluster, co.timeout_ms = 10000;
   skv_cluster_t *cl = NULL;
