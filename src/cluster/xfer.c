@@ -127,7 +127,6 @@ struct skv__xfer {
   int pin_answered; /* 1: answered, -1: an answer that did not parse */
   /* a pin message's header and pages, kept until its send completed (or is left to it) */
   xfer_pin_hdr_t *pin_msg;
-  size_t pin_msg_cap;
   int cur_stg; /* the staging of the get in progress (0 host, 1 GPU), -1 outside one */
 };
 
@@ -639,20 +638,14 @@ static int staging(skv__xfer_t *x, bool gpu, size_t bytes) {
                              .length = bytes,
                              .memory_type = gpu ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST};
   ucs_status_t st = ucp_mem_map(x->ctx, &mp, &sg->mh);
+  if (st != UCS_OK) sg->mh = NULL;
   int rc = st == UCS_OK ? 0 : ucx_fail(st, "ucp_mem_map of the staging buffer");
   if (!rc && !gpu && x->mem.host_register) {
     rc = x->mem.host_register(sg->buf, bytes, true);
     sg->registered = rc == 0;
     if (rc > 0) rc = 0; /* registered already (UCX's cuda_copy does it): UCX undoes it */
   }
-  if (rc) { /* undone here: staging_free would unregister what was not registered */
-    if (st == UCS_OK) ucp_mem_unmap(x->ctx, sg->mh);
-    if (gpu)
-      x->mem.gpu_free(sg->buf);
-    else
-      free(sg->buf);
-    memset(sg, 0, sizeof(*sg));
-  }
+  if (rc) staging_free(x, sg, gpu); /* unregisters only what this registered (none) */
   return rc;
 }
 
