@@ -136,8 +136,9 @@ typedef struct skv__pool {
   pthread_mutex_t mu;
   uint32_t *free_stack;
   uint64_t nfree;
-  skv__lru_ent_t *lru;
+  skv__lru_ent_t *lru; /* a 4-ary min-heap by stamp; lru_mem + LRU_SKEW (pool.c) */
   uint64_t nlru;
+  skv__lru_ent_t *lru_mem;
   /* this PE's pins, under pin_mu */
   pthread_mutex_t pin_mu;
   uint32_t *pins;        /* [npes * pages] */
