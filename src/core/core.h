@@ -81,10 +81,10 @@ void skv__error_trace(int err, const char *file, int line, const char *expr);
  * that one build serves all tiers. A failed invariant aborts: memory may already be wrong. */
 extern int skv__debug_level;
 void skv__assert_fail(const char *expr, const char *file, int line);
-#define SKV_ASSERT(cond)                                \
-  do {                                                  \
-    if (SKV_UNLIKELY(skv__debug_level >= 1) && !(cond)) \
-      skv__assert_fail(#cond, __FILE__, __LINE__);      \
+#define SKV_ASSERT(cond)                                                                    \
+  do {                                                                                      \
+    if (SKV_UNLIKELY(__atomic_load_n(&skv__debug_level, __ATOMIC_RELAXED) >= 1) && !(cond)) \
+      skv__assert_fail(#cond, __FILE__, __LINE__);                                          \
   } while (0)
 
 /* ---- log.c -------------------------------------------------------------------------------- */

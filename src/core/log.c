@@ -106,7 +106,8 @@ static void log_init_once(void) {
     if (fd >= 0) log_fd = fd;
   }
   long long dl = 0;
-  if (skv__env_int(SKV_ENV_DEBUG_LEVEL, 0, 2, 0, &dl) == 0) skv__debug_level = (int)dl;
+  if (skv__env_int(SKV_ENV_DEBUG_LEVEL, 0, 2, 0, &dl) == 0)
+    __atomic_store_n(&skv__debug_level, (int)dl, __ATOMIC_RELAXED);
   __atomic_store_n(&skv__log_level, level, __ATOMIC_RELEASE);
 }
 
