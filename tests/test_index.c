@@ -93,6 +93,58 @@ Test(index, insert_lookup_erase_semantics) {
   cr_assert_eq(skv__index_check(&t->ix), 1);
 }
 
+/* An insert in two halves (a publish claims its keys before its copy, and publishes each once
+ * the copy is complete): a claimed key is a miss to readers, every other inserter or claimer of
+ * it loses until it is published, a release leaves it free for the next one, and a claim of a
+ * PE that died before publishing is cleared by the next inserter. */
+Test(index, claimed_keys_are_misses_win_over_later_inserts_and_publish_or_release) {
+  table_t *t = table_new(2, 64);
+  uint64_t s = skv_test_seed(), v;
+  skv_key_t k = rand_key(&s), k2 = rand_key(&s);
+  skv__index_claim_t c, c2;
+  bool raced = true;
+  cr_assert_eq(skv__index_claim(&t->ix, k, 1, &c, &raced), 0);
+  cr_assert(!raced);
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND, "a claim is not a hit");
+  cr_assert_eq(skv__index_entries(&t->ix), 0);
+  cr_assert_eq(skv__index_check(&t->ix), 0, "PENDING is not VALID");
+  /* later inserters and claimers of the key lose to the claim (it is older) */
+  cr_assert_eq(skv__index_insert(&t->ix, k, skv__val_pack(2, 9, 1), 2), SKV_EEXIST);
+  cr_assert_eq(skv__index_claim(&t->ix, k, 2, &c2, &raced), SKV_EEXIST);
+  cr_assert(raced, "lost to a copy in flight, not to a cached key");
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
+  /* published: found with the value given at publish time */
+  const uint64_t val = skv__val_pack(1, 77, 5);
+  cr_assert_eq(skv__index_publish(&t->ix, &c, val), 0);
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
+  cr_assert_eq(v, val);
+  cr_assert_eq(skv__index_entries(&t->ix), 1);
+  cr_assert_eq(skv__index_claim(&t->ix, k, 2, &c2, &raced), SKV_EEXIST);
+  cr_assert(!raced, "the key is cached");
+  /* a released claim leaves nothing behind: the key is free for the next inserter */
+  cr_assert_eq(skv__index_claim(&t->ix, k2, 1, &c, &raced), 0);
+  skv__index_release(&t->ix, k2, &c);
+  cr_assert_eq(skv__index_lookup(&t->ix, k2, &v), SKV_ENOTFOUND);
+  cr_assert_eq(skv__index_publish(&t->ix, &c, skv__val_pack(1, 78, 1)), SKV_EEXIST,
+               "a released claim cannot be published");
+  cr_assert_eq(skv__index_lookup(&t->ix, k2, &v), SKV_ENOTFOUND);
+  cr_assert_eq(skv__index_insert(&t->ix, k2, skv__val_pack(2, 10, 1), 2), 0);
+  cr_assert_eq(skv__index_lookup(&t->ix, k2, &v), 0);
+  cr_assert_eq(skv__val_pe(v), 2);
+  cr_assert_eq(skv__index_check(&t->ix), 2);
+  /* PE 3 claims a key and dies before publishing: the next inserter clears its claim */
+  skv_key_t k3 = rand_key(&s);
+  cr_assert_eq(skv__index_claim(&t->ix, k3, 3, &c, &raced), 0);
+  cr_assert_eq(skv__index_insert(&t->ix, k3, skv__val_pack(2, 11, 1), 2), SKV_EEXIST);
+  t->dead[3] = true;
+  cr_assert_eq(skv__index_insert(&t->ix, k3, skv__val_pack(2, 11, 1), 2), 0);
+  cr_assert_eq(skv__index_publish(&t->ix, &c, skv__val_pack(3, 12, 1)), SKV_EEXIST,
+               "a cleared claim cannot be published");
+  cr_assert_eq(skv__index_lookup(&t->ix, k3, &v), 0);
+  cr_assert_eq(skv__val_pe(v), 2);
+  cr_assert_eq(skv__index_check(&t->ix), 3);
+}
+
 Test(index, full_window_gives_enospc_and_lookups_still_work) {
   table_t *t = table_new(1, 64);
   uint64_t s = skv_test_seed(), v;

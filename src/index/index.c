@@ -140,7 +140,8 @@ static bool release_slot(skv__index_slot_t *s, unsigned __int128 k, uint64_t pen
   if (!__atomic_compare_exchange_n(&s->val, &pending, erasing(pending), false, __ATOMIC_SEQ_CST,
                                    __ATOMIC_RELAXED))
     return false;
-  __atomic_store_n(&s->ticket, 0, __ATOMIC_SEQ_CST);
+  /* release: the CAS of the key orders it (a reader that sees the tombstone sees no ticket) */
+  __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE);
   cas_key(s, k, K_TOMB);
   return true;
 }
@@ -221,8 +222,33 @@ static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine,
   return 0;
 }
 
-int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
-  SKV_ASSERT(key.hi != 0 && (val & SKV_VAL_VALID));
+/* A number for a new claim, unique in this process: from a random start, so that a claim of
+ * another process at the same PE (an elastic domain's next incarnation of a slot) does not repeat
+ * a dead one's numbers. Each thread takes CLAIM_BLOCK numbers at a time (one atomic add per
+ * block, not per claim). */
+#define CLAIM_BLOCK 1024u
+static uint64_t claim_number(void) {
+  static uint64_t claims;
+  static __thread uint64_t next, left;
+  if (SKV_UNLIKELY(left == 0)) {
+    if (SKV_UNLIKELY(__atomic_load_n(&claims, __ATOMIC_RELAXED) == 0)) {
+      uint64_t r = 0;
+      (void)skv__random_bytes(&r, sizeof r);
+      uint64_t zero = 0;
+      __atomic_compare_exchange_n(&claims, &zero, (r >> 12) | 1, false, __ATOMIC_RELAXED,
+                                  __ATOMIC_RELAXED);
+    }
+    next = __atomic_fetch_add(&claims, CLAIM_BLOCK, __ATOMIC_RELAXED) + 1;
+    left = CLAIM_BLOCK;
+  }
+  left--;
+  return next++;
+}
+
+int skv__index_claim(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c,
+                     bool *raced) {
+  SKV_ASSERT(key.hi != 0);
+  *raced = false;
   int sh = shard_of(ix, key);
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
@@ -251,33 +277,47 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) 
   reach_raise(ix, sh, h, dist); /* before PENDING: readers and rescans then cover our slot */
   /* 2. PENDING with our PE, then a ticket. Nobody else writes the slot now: its val is 0 or
    * ERASING, which no CAS of another PE expects. */
-  static uint64_t claims; /* numbers this process's claims, from a random start: a claim of
-                           * another process at the same PE (an elastic domain's next
-                           * incarnation of a slot) does not repeat a dead one's numbers */
-  if (SKV_UNLIKELY(__atomic_load_n(&claims, __ATOMIC_RELAXED) == 0)) {
-    uint64_t r = 0;
-    (void)skv__random_bytes(&r, sizeof r);
-    uint64_t zero = 0;
-    __atomic_compare_exchange_n(&claims, &zero, (r >> 12) | 1, false, __ATOMIC_RELAXED,
-                                __ATOMIC_RELAXED);
-  }
-  uint64_t pending =
-      skv__val_pending((uint32_t)my_pe, __atomic_add_fetch(&claims, 1, __ATOMIC_RELAXED));
-  __atomic_store_n(&mine->val, pending, __ATOMIC_SEQ_CST);
+  uint64_t pending = skv__val_pending((uint32_t)my_pe, claim_number());
+  /* release is enough: the ticket's add below is a seq_cst read-modify-write, so an inserter
+   * whose ticket comes before ours sees this PENDING value (index.h, Insert step 3) */
+  __atomic_store_n(&mine->val, pending, __ATOMIC_RELEASE);
   uint64_t t = __atomic_add_fetch(&ix->hdr[0]->ticket, 1, __ATOMIC_SEQ_CST);
   __atomic_store_n(&mine->ticket, t, __ATOMIC_SEQ_CST);
   /* 3. any older copy wins. */
   if (scan_copies(ix, key, mine, t)) {
     release_slot(mine, kw, pending);
+    *raced = true;
     return SKV_EEXIST;
   }
+  c->shard = (uint32_t)sh;
+  c->slot = (uint32_t)(mine - slots);
+  c->pending = pending;
+  return 0;
+}
+
+int skv__index_publish(skv__index_t *ix, const skv__index_claim_t *c, uint64_t val) {
+  SKV_ASSERT(val & SKV_VAL_VALID);
+  skv__index_slot_t *s = &ix->slots[c->shard][c->slot];
   /* 4. publish, unless another inserter judged us dead and cleared our claim meanwhile (then
    * it caches the key, and we lose like any other copy). */
-  if (!__atomic_compare_exchange_n(&mine->val, &pending, val, false, __ATOMIC_SEQ_CST,
+  uint64_t pending = c->pending;
+  if (!__atomic_compare_exchange_n(&s->val, &pending, val, false, __ATOMIC_SEQ_CST,
                                    __ATOMIC_RELAXED))
     return SKV_EEXIST;
-  __atomic_add_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&ix->hdr[c->shard]->entries, 1, __ATOMIC_RELAXED);
   return 0;
+}
+
+void skv__index_release(skv__index_t *ix, skv_key_t key, const skv__index_claim_t *c) {
+  (void)release_slot(&ix->slots[c->shard][c->slot], k128(key), c->pending);
+}
+
+int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
+  SKV_ASSERT(val & SKV_VAL_VALID);
+  skv__index_claim_t c;
+  bool raced;
+  const int rc = skv__index_claim(ix, key, my_pe, &c, &raced); /* EEXIST is no error to trace */
+  return rc ? rc : skv__index_publish(ix, &c, val);
 }
 
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
@@ -296,7 +336,7 @@ int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
     if (!__atomic_compare_exchange_n(&s->val, &expect, erasing(val), false, __ATOMIC_SEQ_CST,
                                      __ATOMIC_RELAXED))
       continue;
-    __atomic_store_n(&s->ticket, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE); /* ordered by the CAS, as release_slot's */
     cas_key(s, k128(key), K_TOMB);
     __atomic_sub_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
     return 0;

@@ -187,8 +187,33 @@ static inline void skv__index_prefetch(const skv__index_t *ix, skv_key_t k) {
 void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, size_t n,
                               uint64_t *vals, size_t *nhit);
 /* Insert key -> val (VALID value of the caller's page). 0: inserted; SKV_EEXIST: the key is
- * present or another PE won the race (the caller frees its page); SKV_ENOSPC: window full. */
+ * present or another PE won the race (the caller frees its page); SKV_ENOSPC: window full.
+ * skv__index_claim, then skv__index_publish. */
 int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe);
+
+/* An insert in two halves, for a page whose bytes are still being written (a publish claims
+ * its keys before it copies, and publishes each once its copy is complete):
+ *  - skv__index_claim takes steps 1-3 of Insert: on 0 the key holds a PENDING slot of ours in
+ *    *c, which readers miss and other inserters of the key lose to (first writer wins);
+ *    SKV_EEXIST: the key is VALID (*raced false), or an older copy won (*raced true);
+ *    SKV_ENOSPC: no free slot in its window.
+ *  - skv__index_publish takes step 4, val the VALID value: 0, or SKV_EEXIST when another
+ *    inserter judged us dead and cleared the claim (the key is then cached by that copy);
+ *  - skv__index_release gives a claim up (its copy failed, or no page for it): its slot goes
+ *    back to a tombstone.
+ * Each claim must end in exactly one publish or release; a PE that dies in between leaves
+ * PENDING slots, which inserters of those keys, or skv__index_forget_pe, clear. */
+typedef struct skv__index_claim {
+  uint32_t shard, slot;
+  uint64_t pending; /* our PENDING value in it */
+} skv__index_claim_t;
+int skv__index_claim(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c,
+                     bool *raced);
+static inline void skv__index_claim_prefetch(const skv__index_t *ix, const skv__index_claim_t *c) {
+  __builtin_prefetch(&ix->slots[c->shard][c->slot], 1);
+}
+int skv__index_publish(skv__index_t *ix, const skv__index_claim_t *c, uint64_t val);
+void skv__index_release(skv__index_t *ix, skv_key_t key, const skv__index_claim_t *c);
 /* Erase key if it maps to exactly `val`; SKV_ENOTFOUND otherwise. */
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val);
 /* Remove every entry and claim of PE `pe`, whose pages are gone (an elastic domain's slot whose

@@ -579,33 +579,43 @@ static int release(skv_kv_t *kv, const skv__kv_batch_t *b, size_t from, size_t t
                            b->page + from * b->page_step, b->page_step, to - from, caller ? 2 : 1);
 }
 
-/* The last steps for one of this PE's pages just written with `key`'s data: READY (last used at
- * `now`), index insert, then free it (deduplicated, or no index slot) or return 1: inserted, for
- * the caller to count in published and commit to the LRU. */
-static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key, uint64_t now) {
-  const int me = kv->pool.me;
-  skv__pool_ready_at(&kv->pool, page, key.hi, key.lo, now);
-  uint32_t gen = skv__pool_gen(&kv->pool, (uint32_t)me, page);
-  int r = skv__index_insert(&kv->index, key, skv__val_pack((uint32_t)me, page, gen), me);
-  if (r == 0) return 1; /* the caller counts it in published */
-  skv__pool_release(&kv->pool, page);
-  if (r == SKV_EEXIST) {
-    __atomic_add_fetch(&kv->deduplicated, 1, __ATOMIC_RELAXED);
-  } else if (__atomic_fetch_add(&kv->index_full, 1, __ATOMIC_RELAXED) == 0) {
-    /* A cache may drop entries: counted, and explained once. */
+/* A key this PE could not cache: no free slot near its home. Counted, and explained once. */
+static void note_index_full(skv_kv_t *kv) {
+  if (__atomic_fetch_add(&kv->index_full, 1, __ATOMIC_RELAXED) == 0)
     SKV_WARN(SKV_SUBSYS_KV,
              "skv_kv_publish: a key found no free index slot near its home and was not cached; "
              "if this happens often, create the cache with more index_slots");
-  }
+}
+
+/* The last steps for one of this PE's pages just written with `key`'s data: READY (last used at
+ * `now`), then the key's claim `cl` published (or, without one, the key inserted), then free the
+ * page (deduplicated, or no index slot) or return 1: inserted, for the caller to count in
+ * published and commit to the LRU. */
+static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key, uint64_t now,
+                         const skv__index_claim_t *cl) {
+  const int me = kv->pool.me;
+  skv__pool_ready_at(&kv->pool, page, key.hi, key.lo, now);
+  uint32_t gen = skv__pool_gen(&kv->pool, (uint32_t)me, page);
+  const uint64_t val = skv__val_pack((uint32_t)me, page, gen);
+  int r =
+      cl ? skv__index_publish(&kv->index, cl, val) : skv__index_insert(&kv->index, key, val, me);
+  if (r == 0) return 1; /* the caller counts it in published */
+  skv__pool_release(&kv->pool, page);
+  if (r == SKV_EEXIST)
+    __atomic_add_fetch(&kv->deduplicated, 1, __ATOMIC_RELAXED);
+  else
+    note_index_full(kv);
   return 0;
 }
 
 /* The last steps for pages[i * page_step] (this PE's, just written) with key keys[idx ? idx[i] :
- * i], i < n: publish_index each, and the inserted ones to the LRU 64 at a time (one lock). The
- * pages' records and the keys' index slots are prefetched PUB_AHEAD pages ahead (cold: perf put
- * most of publish_index on their first loads). Returns how many were inserted. */
+ * i], i < n, and that key's index claim cl[i] (NULL: the keys are inserted now): publish_index
+ * each, and the inserted ones to the LRU 64 at a time (one lock). The pages' records and the
+ * keys' index slots are prefetched PUB_AHEAD pages ahead (cold: perf put most of publish_index
+ * on their first loads). Returns how many were inserted. */
 static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step,
-                           const skv_key_t *keys, const size_t *idx, size_t n) {
+                           const skv_key_t *keys, const size_t *idx, const skv__index_claim_t *cl,
+                           size_t n) {
   const skv__page_meta_t *meta = kv->pool.meta[kv->pool.me];
   /* one clock read for the batch (it was one per page): page i last used at now + i ns, so the
    * batch keeps its order in the LRU and no time lies ahead of the clock (a page takes > 1 ns) */
@@ -615,10 +625,14 @@ static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step
   for (size_t i = 0; i < n; i++) {
     if (i + PUB_AHEAD < n) {
       __builtin_prefetch(&meta[pages[(i + PUB_AHEAD) * page_step]], 1);
-      skv__index_prefetch(&kv->index, keys[idx ? idx[i + PUB_AHEAD] : i + PUB_AHEAD]);
+      if (cl)
+        skv__index_claim_prefetch(&kv->index, &cl[i + PUB_AHEAD]);
+      else
+        skv__index_prefetch(&kv->index, keys[idx ? idx[i + PUB_AHEAD] : i + PUB_AHEAD]);
     }
     const uint32_t pg = pages[i * page_step];
-    if (publish_index(kv, pg, keys[idx ? idx[i] : i], now + i)) ins[nins++] = pg;
+    if (publish_index(kv, pg, keys[idx ? idx[i] : i], now + i, cl ? &cl[i] : NULL))
+      ins[nins++] = pg;
     if (nins == SKV_ARRAY_LEN(ins) || (i + 1 == n && nins)) {
       skv__pool_commit_n(&kv->pool, ins, nins);
       inserted += nins;
@@ -627,6 +641,12 @@ static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step
   }
   if (inserted) __atomic_add_fetch(&kv->published, inserted, __ATOMIC_RELAXED);
   return inserted;
+}
+
+/* Give up the claims cl[0..n) of keys keys[idx[i]] (their pages were not written). */
+static void release_claims(skv_kv_t *kv, const skv_key_t *keys, const size_t *idx,
+                           const skv__index_claim_t *cl, size_t n) {
+  for (size_t i = 0; i < n; i++) skv__index_release(&kv->index, keys[idx[i]], &cl[i]);
 }
 
 #ifdef SKV_WITH_CUDA
@@ -645,7 +665,7 @@ static int batch_done(void *arg, const skv__kv_batch_t *b) {
     return 0;
   }
   /* SKV__KV_PUBLISH and SKV__KV_COMMIT: make the pages READY, index them */
-  (void)finish_pages(kv, b->page, b->page_step, b->keys, NULL, b->n);
+  (void)finish_pages(kv, b->page, b->page_step, b->keys, NULL, b->claims, b->n);
   (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return 0;
 }
@@ -806,7 +826,7 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   int path;
   SKV_CHECK(choose_path(kv, dst, &path, fn));
   const bool unpin = (flags & SKV_FETCH_UNPIN) != 0;
-  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &refs[0].pe, 4, &refs[0].page, 4, NULL, unpin};
+  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &refs[0].pe, 4, &refs[0].page, 4, NULL, unpin, NULL};
   SKV_CHECK(map_begin(kv, &b));
   (void)skv__kp_lap(&kv->prof, SKV__KP_CHECK, t0);
   int rc = fetch_mapped(kv, &b, refs, path, flags, dst, block_ids, stream, fn);
@@ -818,9 +838,9 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
 /* Copy the blocks of keys idx[0..k) into this PE's pages[0..k) and finish them (host and staged
  * copies); *inserted counts the keys inserted. */
 static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t *pages,
-                             const size_t *idx, size_t k, int path, bool nt, char *buf,
-                             const skv_layout_t *src, const uint64_t *block_ids, void *stream,
-                             size_t *inserted, const char *fn) {
+                             const size_t *idx, const skv__index_claim_t *cl, size_t k, int path,
+                             bool nt, char *buf, const skv_layout_t *src, const uint64_t *block_ids,
+                             void *stream, size_t *inserted, const char *fn) {
   const uint32_t me = (uint32_t)kv->pool.me, m = src->blocks_per_page;
   const uint64_t pb = kv->page_bytes;
   int rc = 0;
@@ -832,17 +852,19 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   if (nt) skv__copy_stream_fence(); /* the pages must be complete before they are indexed */
 #ifdef SKV_WITH_CUDA
   if (path == PATH_STAGED) {
-    const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &me, 0, pages, 1, NULL, false};
+    const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &me, 0, pages, 1, NULL, false, NULL};
     rc = skv__kvc_write_pages(kv->cuda, &b, 0, pb, buf, stream, fn);
   }
 #else
   SKV_UNUSED(stream), SKV_UNUSED(fn);
 #endif
   t = skv__kp_lap(&kv->prof, SKV__KP_COPY, t);
-  if (rc)
+  if (rc) {
+    release_claims(kv, keys, idx, cl, k);
     for (size_t q = 0; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
-  else
-    *inserted += finish_pages(kv, pages, 1, keys, idx, k);
+  } else {
+    *inserted += finish_pages(kv, pages, 1, keys, idx, cl, k);
+  }
   (void)skv__kp_lap(&kv->prof, SKV__KP_FINISH, t);
   return rc;
 }
@@ -894,32 +916,46 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   uint32_t pages_s[PUB_CHUNK];
   size_t idx_s[PUB_CHUNK];
   skv_key_t pkeys_s[PUB_CHUNK];
+  skv__index_claim_t cl_s[PUB_CHUNK];
   const bool on_stack = chunk <= PUB_CHUNK; /* no allocation per call */
   uint32_t *pages = on_stack ? pages_s : malloc(chunk * sizeof *pages);
   size_t *idx = on_stack ? idx_s : malloc(chunk * sizeof *idx);
+  skv__index_claim_t *cl = on_stack ? cl_s : malloc(chunk * sizeof *cl);
   skv_key_t *pkeys = path != PATH_DEVICE ? NULL
                      : on_stack          ? pkeys_s
                                          : malloc(chunk * sizeof *pkeys);
   char *buf = path == PATH_STAGED ? malloc(chunk * kv->page_bytes) : NULL;
   int rc = 0;
-  if (!pages || !idx || (path == PATH_DEVICE && !pkeys) || (path == PATH_STAGED && !buf))
+  if (!pages || !idx || !cl || (path == PATH_DEVICE && !pkeys) || (path == PATH_STAGED && !buf))
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for %zu pages", fn, chunk);
   const bool nt = path == PATH_HOST && (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
+  const int me = kv->pool.me;
   size_t inserted = 0;
+  uint64_t lost = 0;
   for (size_t i = 0; i < n && rc == 0;) {
     size_t k = 0, got = 0;
     t = skv__kp_now(P);
+    /* each key's index slot claimed (PENDING: readers miss it until the copy is complete, and
+     * another PE's publish of the key loses to it): a key cached already, or whose copy by
+     * another publish is older, is skipped before anything is allocated or copied */
     for (; i < n && k < chunk; i++) {
-      uint64_t val;
-      if (chunk > 1 && i + PUB_AHEAD < n) /* lookups back to back (not one per copied page) */
+      if (chunk > 1 && i + PUB_AHEAD < n) /* claims back to back (not one per copied page) */
         skv__index_prefetch(&kv->index, keys[i + PUB_AHEAD]);
-      if (skv__index_lookup(&kv->index, keys[i], &val) != 0) idx[k++] = i; /* not cached yet */
+      bool raced = false;
+      const int r = skv__index_claim(&kv->index, keys[i], me, &cl[k], &raced);
+      if (r == 0)
+        idx[k++] = i; /* ours to copy */
+      else if (r == SKV_ENOSPC)
+        note_index_full(kv);
+      else if (raced)
+        lost++; /* another PE's copy of the key won (deduplicated) */
     }
     t = skv__kp_lap(P, SKV__KP_LOOKUP, t);
     uint64_t ev = 0;
     rc = skv__pool_alloc_n(&kv->pool, skv__kv_evict_cb, kv, pages, k, &got, &ev);
     /* on a failure, what was allocated is still published */
     t = skv__kp_lap(P, SKV__KP_ALLOC, t);
+    release_claims(kv, keys, idx + got, cl + got, k - got); /* no page for these */
     if (rc && got > 0 && path != PATH_DEVICE) {
       /* A synchronous copy finishes these pages before the next run, which may then evict
        * them: the keys left over go to the next run (as one page at a time did: a publish of
@@ -931,24 +967,27 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     if (k == 0) break;
     int r = 0;
     if (path != PATH_DEVICE) {
-      r = copy_sync_publish(kv, keys, pages, idx, k, path, nt, buf, src, block_ids, stream,
+      r = copy_sync_publish(kv, keys, pages, idx, cl, k, path, nt, buf, src, block_ids, stream,
                             &inserted, fn);
     } else {
 #ifdef SKV_WITH_CUDA
-      const uint32_t me = (uint32_t)kv->pool.me;
+      const uint32_t ume = (uint32_t)me;
       for (size_t q = 0; q < k; q++) pkeys[q] = keys[idx[q]];
-      const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &me, 0, pages, 1, pkeys, false};
+      const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &ume, 0, pages, 1, pkeys, false, cl};
       size_t queued = 0;
       r = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
+      release_claims(kv, keys, idx + queued, cl + queued, k - queued);
       for (size_t q = queued; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
-      inserted += queued; /* queued: the completion inserts them (skv_kv_sync waits for it) */
+      inserted += queued; /* queued: the completion publishes them (skv_kv_sync waits for it) */
 #endif
     }
     if (r) rc = r;
   }
+  if (lost) __atomic_add_fetch(&kv->deduplicated, lost, __ATOMIC_RELAXED);
   if (!on_stack) {
     free(pages);
     free(idx);
+    free(cl);
     free(pkeys);
   }
   free(buf);
@@ -1131,13 +1170,13 @@ int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
       const size_t c = SKV_MIN(per, k - off);
       for (size_t q = 0; q < c; q++)
         skv__copy_blocks_to_page(src, buf + q * lb, block_ids + idx[off + q] * m, false);
-      const skv__kv_batch_t b = {SKV__KV_WRITE, c, &me, 0, pages + off, 1, NULL, false};
+      const skv__kv_batch_t b = {SKV__KV_WRITE, c, &me, 0, pages + off, 1, NULL, false, NULL};
       rc = skv__kvc_write_pages(kv->cuda, &b, src->page_off, lb, buf, stream, fn);
     }
     free(buf);
   }
   if (rc == 0 && k > 0 && path == PATH_DEVICE) {
-    const skv__kv_batch_t b = {SKV__KV_WRITE, k, &me, 0, pages, 1, NULL, false};
+    const skv__kv_batch_t b = {SKV__KV_WRITE, k, &me, 0, pages, 1, NULL, false, NULL};
     size_t queued = 0;
     rc = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
   }
@@ -1179,7 +1218,7 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
         skv__pool_ready(&kv->pool, pages[q], keys ? pk[q].hi : 0, keys ? pk[q].lo : 0);
       const uint32_t me = (uint32_t)kv->pool.me;
       const skv__kv_batch_t b = {
-          keys ? SKV__KV_COMMIT : SKV__KV_ABORT, k, &me, 0, pages, 1, pk, false};
+          keys ? SKV__KV_COMMIT : SKV__KV_ABORT, k, &me, 0, pages, 1, pk, false, NULL};
       size_t queued = 0;
       rc = skv__kvc_mark(kv->cuda, &b, stream, &queued, fn);
       /* pages not queued may still be written by work on the stream: not freed here, but
@@ -1197,7 +1236,7 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
   if (rc == 0 && !done) {
     size_t ins = 0;
     if (keys)
-      ins = finish_pages(kv, pages, 1, pk, NULL, k);
+      ins = finish_pages(kv, pages, 1, pk, NULL, NULL, k);
     else
       for (size_t q = 0; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
     if (ninserted) *ninserted = ins;

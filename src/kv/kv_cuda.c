@@ -33,6 +33,7 @@ static void kc_free(skv__kvc_t *kc) {
   for (int i = 0; i < SKV__KVC_NSLOTS; i++) {
     if (kc->slots[i].done) cudaEventDestroy(kc->slots[i].done);
     free(kc->slots[i].keys);
+    free(kc->slots[i].claims);
   }
   if (kc->pinned) cudaFreeHost(kc->pinned);
   if (kc->mirrors) cudaFree(kc->mirrors);
@@ -84,7 +85,8 @@ int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out) {
       SKV_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming), SKV_SUBSYS_KV,
                           rc, fail);
       s->keys = malloc(SKV__KVC_MAX_PAGES * sizeof *s->keys);
-      if (!s->keys) {
+      s->claims = malloc(SKV__KVC_MAX_PAGES * sizeof *s->claims);
+      if (!s->keys || !s->claims) {
         rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_kv_create: out of memory");
         goto fail;
       }
@@ -160,6 +162,8 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
     t = skv__kp_lap(P, SKV__KP_SLOT, t);
     s->unpin_caller = b->unpin_caller;
     if (b->keys) memcpy(s->keys, b->keys + off, k * sizeof *s->keys);
+    s->has_claims = b->claims != NULL;
+    if (b->claims) memcpy(s->claims, b->claims + off, k * sizeof *s->claims);
     skv__kvc_fill(s, &pl, lay, b, off, k, idx ? block_ids : block_ids + off * m,
                   idx ? idx + off : NULL);
     (void)skv__kp_lap(P, SKV__KP_STAGE, t);
@@ -214,6 +218,7 @@ int skv__kvc_mark(skv__kvc_t *kc, const skv__kv_batch_t *b, void *stream, size_t
       pp[2 * q + 1] = b->page[(off + q) * b->page_step];
     }
     if (b->keys) memcpy(s->keys, b->keys + off, k * sizeof *s->keys);
+    s->has_claims = false; /* a commit inserts its keys */
     s->dir = b->dir;
     s->n = k;
     s->refs_off = 0;
@@ -324,7 +329,7 @@ int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, b
   if (!seq) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory", fn);
   for (size_t i = 0; i < n; i++) seq[i] = (uint32_t)i;
   const uint32_t zero = 0;
-  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &zero, 0, seq, 1, NULL, false};
+  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &zero, 0, seq, 1, NULL, false, NULL};
   int rc = 0;
   for (size_t off = 0; off < n && !rc; off += pl.ppl) {
     const uint32_t k = (uint32_t)SKV_MIN((size_t)pl.ppl, n - off);

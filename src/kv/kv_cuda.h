@@ -1,11 +1,13 @@
 /* The CUDA copy backend of the KV cache (kv_cuda*.c): moves pages between the cache's heap and
  * engine blocks, synchronously (staged through host memory) or stream-ordered with a completion.
- * It knows nothing of pins, keys or the index: kv.c owns that protocol and drives this. */
+ * It knows nothing of pins, keys or the index: kv.c owns that protocol and drives this (a
+ * publish's keys and their index claims only ride along to its completion). */
 #ifndef SKV_KV_CUDA_H
 #define SKV_KV_CUDA_H
 
 #include "bootstrap/ctx.h"
 #include "heap/heap.h"
+#include "index/index.h"
 #include "kv/layout.h"
 
 #include "kernels/kv_copy.h"
@@ -21,8 +23,9 @@ typedef struct skv__kv_batch {
   size_t pe_step;
   const uint32_t *page;
   size_t page_step;
-  const skv_key_t *keys; /* publish: keys[i] is page i's key */
-  bool unpin_caller;     /* fetch: the completion also releases the caller's pins */
+  const skv_key_t *keys;            /* publish: keys[i] is page i's key */
+  bool unpin_caller;                /* fetch: the completion also releases the caller's pins */
+  const skv__index_claim_t *claims; /* publish: claims[i] is keys[i]'s (NULL: insert them) */
 } skv__kv_batch_t;
 
 enum { SKV__KV_FETCH = 0, SKV__KV_PUBLISH = 1 }; /* = SKV_KV_COPY_FETCH, _PUBLISH */

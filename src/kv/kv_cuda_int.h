@@ -27,6 +27,8 @@ typedef struct skv__kvc_slot {
   uint32_t refs_off; /* byte offset of the (pe, page) pairs in args */
   bool unpin_caller; /* SKV_FETCH_UNPIN */
   skv_key_t *keys;   /* publish: the pages' keys (ring slots only) */
+  skv__index_claim_t *claims; /* publish: their index claims (ring slots only) */
+  bool has_claims;
   struct skv__kvc_slot *next; /* in the free ring, or in the pending list */
   uint64_t seq;               /* uses of the slot: a completion names the use it saw */
 } skv__kvc_slot_t;
