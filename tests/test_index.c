@@ -519,8 +519,55 @@ Test(index, keys_beyond_tombstones_are_found_with_no_empty_slot_left) {
 }
 
 /* NPROC processes insert the same keys at once; exactly one wins each. */
-Test(index, racing_processes_agree_on_one_winner_per_key) {
-  enum { NPROC = 4, NKEYS = 20000, ROUNDS = 3 };
+#define NKEYS_RACE 20000
+
+static skv_key_t race_key(uint64_t seed, int round, int i) {
+  uint64_t ks = (seed + (uint64_t)round) ^ ((uint64_t)i * 0x9e3779b97f4a7c15ull);
+  return rand_key(&ks);
+}
+
+/* Process p's part of a race: insert every key (batch 0), or claim them in batches of `batch`
+ * keys (skv__index_claim_n; every eighth batch lists its first key twice) and publish the
+ * batch's claims only after all of it is claimed, as a publish does once its copy completed.
+ * won[i] = 1 for the keys it cached. */
+static int race_child(table_t *t, int p, int round, uint64_t seed, int batch, int *won) {
+  enum { MAXB = 64 };
+  skv_key_t keys[MAXB + 1];
+  int ids[MAXB + 1], rc[MAXB + 1];
+  bool raced[MAXB + 1];
+  skv__index_claim_t c[MAXB + 1];
+  for (int j = 0; j < NKEYS_RACE;) {
+    int n = 0;
+    for (; n < (batch ? batch : 1) && j < NKEYS_RACE; n++, j++) {
+      ids[n] = (p % 2) ? NKEYS_RACE - 1 - j : j; /* every process in a different order */
+      keys[n] = race_key(seed, round, ids[n]);
+    }
+    if (batch && (j / batch) % 8 == 0) ids[n] = ids[0], keys[n] = keys[0], n++;
+    if (!batch) {
+      rc[0] = skv__index_insert(
+          &t->ix, keys[0], skv__val_pack((uint32_t)p, (uint32_t)ids[0], (uint32_t)round + 1), p);
+    } else {
+      skv__index_claim_n(&t->ix, keys, (size_t)n, p, c, rc, raced);
+      for (int q = 0; q < n; q++)
+        if (rc[q] == 0)
+          rc[q] = skv__index_publish(
+              &t->ix, &c[q], skv__val_pack((uint32_t)p, (uint32_t)ids[q], (uint32_t)round + 1));
+    }
+    for (int q = 0; q < n; q++) {
+      if (rc[q] == 0 && won[ids[q]]++) return 4; /* a key cached twice by one process */
+      if (rc[q] != 0 && rc[q] != SKV_EEXIST) {
+        fprintf(stderr, "child %d key %d: %s\n", p, ids[q], skv_err_name(rc[q]));
+        return 3;
+      }
+    }
+  }
+  return 0;
+}
+
+/* NPROC processes cache the same keys at once (each its own value): every key ends up cached
+ * exactly once, with the value of the process that was told it won. */
+static void race(int batch) {
+  enum { NPROC = 4, NKEYS = NKEYS_RACE, ROUNDS = 3 };
   table_t *t = table_new(4, 16384);
   uint64_t seed = skv_test_seed();
   int *won = mmap(NULL, sizeof(int) * NPROC * NKEYS, PROT_READ | PROT_WRITE,
@@ -533,39 +580,23 @@ Test(index, racing_processes_agree_on_one_winner_per_key) {
     for (int p = 0; p < NPROC; p++) {
       pids[p] = fork();
       if (pids[p] == 0) {
-        uint64_t s = seed + (uint64_t)round;
         while (!*go) SKV_CPU_RELAX();
-        /* every process walks the keys in a different order */
-        for (int j = 0; j < NKEYS; j++) {
-          int i = (p % 2) ? NKEYS - 1 - j : j;
-          uint64_t ks = s ^ ((uint64_t)i * 0x9e3779b97f4a7c15ull);
-          skv_key_t k = rand_key(&ks);
-          int rc = skv__index_insert(
-              &t->ix, k, skv__val_pack((uint32_t)p, (uint32_t)i, (uint32_t)round + 1), p);
-          if (rc == 0)
-            won[p * NKEYS + i] = 1;
-          else if (rc != SKV_EEXIST) {
-            fprintf(stderr, "child %d key %d: %s\n", p, i, skv_err_name(rc));
-            _exit(3);
-          }
-        }
-        _exit(0);
+        _exit(race_child(t, p, round, seed, batch, won + p * NKEYS));
       }
     }
     *go = 1;
     for (int p = 0; p < NPROC; p++) {
       int st;
       waitpid(pids[p], &st, 0);
-      cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child %d failed", p);
+      cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child %d failed (%d)", p,
+                WIFEXITED(st) ? WEXITSTATUS(st) : -1);
     }
     for (int i = 0; i < NKEYS; i++) {
       int winners = 0, who = -1;
       for (int p = 0; p < NPROC; p++)
         if (won[p * NKEYS + i]) winners++, who = p;
       LOOP_CHECK(winners == 1, "round %d key %d has %d winners", round, i, winners);
-      uint64_t ks = seed + (uint64_t)round;
-      ks ^= (uint64_t)i * 0x9e3779b97f4a7c15ull;
-      skv_key_t k = rand_key(&ks);
+      skv_key_t k = race_key(seed, round, i);
       uint64_t v;
       LOOP_CHECK(skv__index_lookup(&t->ix, k, &v) == 0, "round %d key %d not indexed", round, i);
       LOOP_CHECK((int)skv__val_pe(v) == who,
@@ -575,4 +606,13 @@ Test(index, racing_processes_agree_on_one_winner_per_key) {
     }
     cr_assert_eq(skv__index_check(&t->ix), 0);
   }
+}
+
+Test(index, racing_processes_agree_on_one_winner_per_key) {
+  race(0);
+}
+
+/* The same race with claims in batches (a publish's), published only once a batch is claimed. */
+Test(index, racing_batched_claims_agree_on_one_winner_per_key) {
+  race(37);
 }

@@ -245,10 +245,10 @@ static uint64_t claim_number(void) {
   return next++;
 }
 
-int skv__index_claim(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c,
-                     bool *raced) {
+/* Step 1 of Insert for one key and the PENDING store of step 2: 0 with *c (ticket not taken
+ * yet), SKV_EEXIST when the key is VALID on the way, SKV_ENOSPC. */
+static int claim_slot(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c) {
   SKV_ASSERT(key.hi != 0);
-  *raced = false;
   int sh = shard_of(ix, key);
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
@@ -275,24 +275,64 @@ int skv__index_claim(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_clai
   }
   if (!mine) return SKV_ENOSPC;
   reach_raise(ix, sh, h, dist); /* before PENDING: readers and rescans then cover our slot */
-  /* 2. PENDING with our PE, then a ticket. Nobody else writes the slot now: its val is 0 or
-   * ERASING, which no CAS of another PE expects. */
-  uint64_t pending = skv__val_pending((uint32_t)my_pe, claim_number());
-  /* release is enough: the ticket's add below is a seq_cst read-modify-write, so an inserter
-   * whose ticket comes before ours sees this PENDING value (index.h, Insert step 3) */
-  __atomic_store_n(&mine->val, pending, __ATOMIC_RELEASE);
-  uint64_t t = __atomic_add_fetch(&ix->hdr[0]->ticket, 1, __ATOMIC_SEQ_CST);
-  __atomic_store_n(&mine->ticket, t, __ATOMIC_SEQ_CST);
-  /* 3. any older copy wins. */
-  if (scan_copies(ix, key, mine, t)) {
-    release_slot(mine, kw, pending);
-    *raced = true;
-    return SKV_EEXIST;
-  }
+  /* 2. PENDING with our PE (the ticket follows). Nobody else writes the slot now: its val is 0
+   * or ERASING, which no CAS of another PE expects. Release is enough: the ticket's add comes
+   * after it and is a seq_cst read-modify-write, so an inserter whose ticket comes before ours
+   * sees this PENDING value (index.h, Insert step 3). */
   c->shard = (uint32_t)sh;
   c->slot = (uint32_t)(mine - slots);
-  c->pending = pending;
+  c->pending = skv__val_pending((uint32_t)my_pe, claim_number());
+  __atomic_store_n(&mine->val, c->pending, __ATOMIC_RELEASE);
   return 0;
+}
+
+/* ThreadSanitizer has no fences: there, each ticket store is sequentially consistent itself. */
+#ifdef __SANITIZE_THREAD__
+#define TICKET_STORE __ATOMIC_SEQ_CST
+#else
+#define TICKET_STORE __ATOMIC_RELEASE
+#endif
+
+void skv__index_claim_n(skv__index_t *ix, const skv_key_t *keys, size_t n, int my_pe,
+                        skv__index_claim_t *c, int *rc, bool *raced) {
+  enum { AHEAD = 8 };
+  size_t m = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (i + AHEAD < n) skv__index_prefetch(ix, keys[i + AHEAD]);
+    raced[i] = false;
+    rc[i] = claim_slot(ix, keys[i], my_pe, &c[i]);
+    m += rc[i] == 0;
+  }
+  if (m == 0) return;
+  /* 2. the batch's tickets, one add (in claim order: of two claims of one key in the batch, the
+   * first is older), each stored, then a full fence: every rescan's reads come after every
+   * ticket store (a claimer reads our val before its ticket only if its ticket is newer) */
+  uint64_t t = __atomic_add_fetch(&ix->hdr[0]->ticket, m, __ATOMIC_SEQ_CST) - m;
+  for (size_t i = 0; i < n; i++) {
+    if (rc[i]) continue;
+    c[i].ticket = ++t;
+    __atomic_store_n(&ix->slots[c[i].shard][c[i].slot].ticket, t, TICKET_STORE);
+  }
+#ifndef __SANITIZE_THREAD__
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+  /* 3. any older copy wins. */
+  for (size_t i = 0; i < n; i++) {
+    if (rc[i]) continue;
+    skv__index_slot_t *mine = &ix->slots[c[i].shard][c[i].slot];
+    if (scan_copies(ix, keys[i], mine, c[i].ticket)) {
+      release_slot(mine, k128(keys[i]), c[i].pending);
+      rc[i] = SKV_EEXIST;
+      raced[i] = true;
+    }
+  }
+}
+
+int skv__index_claim(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c,
+                     bool *raced) {
+  int rc;
+  skv__index_claim_n(ix, &key, 1, my_pe, c, &rc, raced);
+  return rc;
 }
 
 int skv__index_publish(skv__index_t *ix, const skv__index_claim_t *c, uint64_t val) {

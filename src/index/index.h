@@ -206,9 +206,20 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe);
 typedef struct skv__index_claim {
   uint32_t shard, slot;
   uint64_t pending; /* our PENDING value in it */
+  uint64_t ticket;
 } skv__index_claim_t;
 int skv__index_claim(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c,
                      bool *raced);
+/* skv__index_claim of keys[0..n), rc[i] and raced[i] its results (c[i] where rc[i] is 0), in
+ * phases over the batch: every key's slot and PENDING value, then one ticket add for the batch
+ * and the tickets stored, one fence, then every rescan. Per key that is one atomic operation (the
+ * slot's claim) where one at a time took three (and a fence): the ticket's add, and the PENDING
+ * value and the ticket stored sequentially consistent. The protocol's orders hold per key: reach
+ * before PENDING, PENDING before the ticket is taken, the ticket stored before the rescan reads.
+ * A claim of the batch has no ticket until the batch's slots are all claimed; another inserter
+ * of its key waits for it (briefly) as for any claim between PENDING and its ticket. */
+void skv__index_claim_n(skv__index_t *ix, const skv_key_t *keys, size_t n, int my_pe,
+                        skv__index_claim_t *c, int *rc, bool *raced);
 static inline void skv__index_claim_prefetch(const skv__index_t *ix, const skv__index_claim_t *c) {
   __builtin_prefetch(&ix->slots[c->shard][c->slot], 1);
 }

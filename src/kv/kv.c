@@ -917,16 +917,21 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   size_t idx_s[PUB_CHUNK];
   skv_key_t pkeys_s[PUB_CHUNK];
   skv__index_claim_t cl_s[PUB_CHUNK];
+  int crc_s[PUB_CHUNK];
+  bool craced_s[PUB_CHUNK];
   const bool on_stack = chunk <= PUB_CHUNK; /* no allocation per call */
   uint32_t *pages = on_stack ? pages_s : malloc(chunk * sizeof *pages);
   size_t *idx = on_stack ? idx_s : malloc(chunk * sizeof *idx);
   skv__index_claim_t *cl = on_stack ? cl_s : malloc(chunk * sizeof *cl);
+  int *crc = on_stack ? crc_s : malloc(chunk * sizeof *crc);
+  bool *craced = on_stack ? craced_s : malloc(chunk * sizeof *craced);
   skv_key_t *pkeys = path != PATH_DEVICE ? NULL
                      : on_stack          ? pkeys_s
                                          : malloc(chunk * sizeof *pkeys);
   char *buf = path == PATH_STAGED ? malloc(chunk * kv->page_bytes) : NULL;
   int rc = 0;
-  if (!pages || !idx || !cl || (path == PATH_DEVICE && !pkeys) || (path == PATH_STAGED && !buf))
+  if (!pages || !idx || !cl || !crc || !craced || (path == PATH_DEVICE && !pkeys) ||
+      (path == PATH_STAGED && !buf))
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for %zu pages", fn, chunk);
   const bool nt = path == PATH_HOST && (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
   const int me = kv->pool.me;
@@ -938,18 +943,19 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     /* each key's index slot claimed (PENDING: readers miss it until the copy is complete, and
      * another PE's publish of the key loses to it): a key cached already, or whose copy by
      * another publish is older, is skipped before anything is allocated or copied */
-    for (; i < n && k < chunk; i++) {
-      if (chunk > 1 && i + PUB_AHEAD < n) /* claims back to back (not one per copied page) */
-        skv__index_prefetch(&kv->index, keys[i + PUB_AHEAD]);
-      bool raced = false;
-      const int r = skv__index_claim(&kv->index, keys[i], me, &cl[k], &raced);
-      if (r == 0)
-        idx[k++] = i; /* ours to copy */
-      else if (r == SKV_ENOSPC)
+    const size_t w = SKV_MIN(chunk, n - i);
+    skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
+    for (size_t q = 0; q < w; q++) {
+      if (crc[q] == 0) {
+        cl[k] = cl[q];    /* k <= q: the claims packed in place */
+        idx[k++] = i + q; /* ours to copy */
+      } else if (crc[q] == SKV_ENOSPC) {
         note_index_full(kv);
-      else if (raced)
+      } else if (craced[q]) {
         lost++; /* another PE's copy of the key won (deduplicated) */
+      }
     }
+    i += w;
     t = skv__kp_lap(P, SKV__KP_LOOKUP, t);
     uint64_t ev = 0;
     rc = skv__pool_alloc_n(&kv->pool, skv__kv_evict_cb, kv, pages, k, &got, &ev);
@@ -964,7 +970,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
       rc = 0;
     }
     k = got;
-    if (k == 0) break;
+    if (k == 0) continue; /* every key of the window cached (or no page: rc ends the loop) */
     int r = 0;
     if (path != PATH_DEVICE) {
       r = copy_sync_publish(kv, keys, pages, idx, cl, k, path, nt, buf, src, block_ids, stream,
@@ -988,6 +994,8 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     free(pages);
     free(idx);
     free(cl);
+    free(crc);
+    free(craced);
     free(pkeys);
   }
   free(buf);
