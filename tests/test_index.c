@@ -145,6 +145,39 @@ Test(index, claimed_keys_are_misses_win_over_later_inserts_and_publish_or_releas
   cr_assert_eq(skv__index_check(&t->ix), 3);
 }
 
+/* An eviction erases the entry where its publish put it (the page record keeps the claim's
+ * islot): the slot must hold exactly the key and value, else nothing is erased and the caller
+ * walks (skv__index_erase). */
+Test(index, erase_at_the_published_slot_checks_key_and_value) {
+  table_t *t = table_new(2, 64);
+  uint64_t s = skv_test_seed(), v;
+  skv_key_t k = rand_key(&s), k2 = rand_key(&s);
+  skv__index_claim_t c, c2;
+  bool raced;
+  const uint64_t val = skv__val_pack(1, 7, 3), val2 = skv__val_pack(1, 8, 3);
+  cr_assert_eq(skv__index_claim(&t->ix, k, 1, &c, &raced), 0);
+  cr_assert_eq(skv__index_publish(&t->ix, &c, val), 0);
+  cr_assert_eq(skv__index_claim(&t->ix, k2, 1, &c2, &raced), 0);
+  cr_assert_eq(skv__index_publish(&t->ix, &c2, val2), 0);
+  const uint64_t at = skv__index_islot(&c), at2 = skv__index_islot(&c2);
+  cr_assert_neq(at, 0);
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, 0), SKV_ENOTFOUND, "no hint");
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, skv__val_pack(1, 7, 2), at), SKV_ENOTFOUND,
+               "another generation");
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val2, at2), SKV_ENOTFOUND, "another key's slot");
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, at + (1ull << 40)), SKV_ENOTFOUND,
+               "no such shard");
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0, "nothing erased so far");
+  cr_assert_eq(skv__index_lookup(&t->ix, k2, &v), 0);
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, at), 0);
+  cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, at), SKV_ENOTFOUND, "erased once");
+  cr_assert_eq(skv__index_lookup(&t->ix, k2, &v), 0);
+  cr_assert_eq(v, val2);
+  cr_assert_eq(skv__index_entries(&t->ix), 1);
+  cr_assert_eq(skv__index_check(&t->ix), 1);
+}
+
 Test(index, full_window_gives_enospc_and_lookups_still_work) {
   table_t *t = table_new(1, 64);
   uint64_t s = skv_test_seed(), v;

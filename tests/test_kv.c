@@ -659,6 +659,9 @@ static int pe_batched_eviction_is_exact_lru(int rank, int npes, void *arg) {
   for (uint64_t i = 0; i < p->nlru; i++)
     for (int j = 0; j < PAGES; j++)
       if (p->lru[i].page == refs[j].page) p->lru[i].stamp = 1000 + 100 * (uint64_t)j;
+  for (int i = 0; i < PAGES; i++) /* each record says where its index entry is (evictions) */
+    PE_CHECK(__atomic_load_n(&p->meta[p->me][refs[i].page].islot, __ATOMIC_RELAXED) != 0,
+             "page %d: no islot", i);
   skv__pool_touch(p, (uint32_t)p->me, refs[0].page, 1000 + 250); /* between pages 2 and 3 */
   skv__pool_touch(p, (uint32_t)p->me, refs[5].page, skv__now_ns());
   uint32_t pages[5];

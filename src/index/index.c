@@ -360,6 +360,20 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) 
   return rc ? rc : skv__index_publish(ix, &c, val);
 }
 
+/* Erase slot s of shard sh if it holds key with exactly val: VALID -> ERASING by CAS, then the
+ * ticket cleared and the key made a tombstone. */
+static bool erase_slot(skv__index_t *ix, int sh, skv__index_slot_t *s, skv_key_t key,
+                       uint64_t val) {
+  uint64_t expect = val;
+  if (!__atomic_compare_exchange_n(&s->val, &expect, erasing(val), false, __ATOMIC_SEQ_CST,
+                                   __ATOMIC_RELAXED))
+    return false;
+  __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE); /* ordered by the CAS, as release_slot's */
+  cas_key(s, k128(key), K_TOMB);
+  __atomic_sub_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
+  return true;
+}
+
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
   int sh = shard_of(ix, key);
   skv__index_slot_t *slots = ix->slots[sh];
@@ -372,16 +386,18 @@ int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
     int kind = read_key(s, &hi, &lo);
     if (kind == SLOT_EMPTY) break;
     if (kind != SLOT_KEY || hi != key.hi || lo != key.lo) continue;
-    uint64_t expect = val;
-    if (!__atomic_compare_exchange_n(&s->val, &expect, erasing(val), false, __ATOMIC_SEQ_CST,
-                                     __ATOMIC_RELAXED))
-      continue;
-    __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE); /* ordered by the CAS, as release_slot's */
-    cas_key(s, k128(key), K_TOMB);
-    __atomic_sub_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
-    return 0;
+    if (erase_slot(ix, sh, s, key, val)) return 0;
   }
   return SKV_ENOTFOUND;
+}
+
+int skv__index_erase_at(skv__index_t *ix, skv_key_t key, uint64_t val, uint64_t islot) {
+  const uint64_t sh = (islot - 1) >> 32, slot = (uint32_t)(islot - 1);
+  if (islot == 0 || (int)sh != shard_of(ix, key) || slot >= ix->slots_per_shard)
+    return SKV_ENOTFOUND;
+  skv__index_slot_t *s = &ix->slots[sh][slot];
+  if (!same_key(s, key) || !erase_slot(ix, (int)sh, s, key, val)) return SKV_ENOTFOUND;
+  return 0;
 }
 
 uint64_t skv__index_forget_pe(skv__index_t *ix, int pe) {

@@ -220,6 +220,15 @@ int skv__index_claim(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_clai
  * of its key waits for it (briefly) as for any claim between PENDING and its ticket. */
 void skv__index_claim_n(skv__index_t *ix, const skv_key_t *keys, size_t n, int my_pe,
                         skv__index_claim_t *c, int *rc, bool *raced);
+/* Where a claim's slot is, as one word: (shard << 32 | slot) + 1 (0 is "not known"). */
+static inline uint64_t skv__index_islot(const skv__index_claim_t *c) {
+  return (((uint64_t)c->shard << 32) | c->slot) + 1;
+}
+static inline void skv__index_islot_prefetch(const skv__index_t *ix, uint64_t islot) {
+  const uint64_t sh = (islot - 1) >> 32;
+  if (islot && sh < (uint64_t)ix->nshards)
+    __builtin_prefetch(&ix->slots[sh][(uint32_t)(islot - 1) & (ix->slots_per_shard - 1)], 1);
+}
 static inline void skv__index_claim_prefetch(const skv__index_t *ix, const skv__index_claim_t *c) {
   __builtin_prefetch(&ix->slots[c->shard][c->slot], 1);
 }
@@ -227,6 +236,10 @@ int skv__index_publish(skv__index_t *ix, const skv__index_claim_t *c, uint64_t v
 void skv__index_release(skv__index_t *ix, skv_key_t key, const skv__index_claim_t *c);
 /* Erase key if it maps to exactly `val`; SKV_ENOTFOUND otherwise. */
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val);
+/* skv__index_erase of the entry at `islot` (skv__index_islot of the claim it was published
+ * with), without walking from the key's home to it: SKV_ENOTFOUND when that slot does not hold
+ * key with exactly `val` (a hint gone stale: skv__index_erase walks). */
+int skv__index_erase_at(skv__index_t *ix, skv_key_t key, uint64_t val, uint64_t islot);
 /* Remove every entry and claim of PE `pe`, whose pages are gone (an elastic domain's slot whose
  * holder died or left): VALID entries are erased and PENDING claims cleared, each by a CAS from
  * the value seen, and erases it left half done are finished. Scans the whole table. Returns how

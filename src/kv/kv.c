@@ -48,7 +48,9 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   skv_kv_t *kv = arg;
   skv_key_t k = {key_hi, key_lo};
   uint64_t val = skv__val_pack((uint32_t)kv->pool.me, page, gen);
-  if (skv__index_erase(&kv->index, k, val) != 0)
+  const uint64_t islot = __atomic_load_n(&kv->pool.meta[kv->pool.me][page].islot, __ATOMIC_RELAXED);
+  if (skv__index_erase_at(&kv->index, k, val, islot) != 0 &&
+      skv__index_erase(&kv->index, k, val) != 0)
     SKV_WARN_RL(SKV_SUBSYS_KV,
                 "evicting page %u (generation %u): its index entry was not found; please report "
                 "this with the SKV_DEBUG=INFO log",
@@ -56,9 +58,13 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   __atomic_add_fetch(&kv->evicted, 1, __ATOMIC_RELAXED);
 }
 
-/* An eviction pass will erase this key's index entry soon: bring its home slot in. */
-static void kv_evict_hint(void *arg, uint64_t key_hi, uint64_t key_lo) {
-  skv__index_prefetch(&((skv_kv_t *)arg)->index, (skv_key_t){key_hi, key_lo});
+/* An eviction pass will erase this key's index entry soon: bring its slot in (its home slot
+ * where the record does not say where it is). */
+static void kv_evict_hint(void *arg, uint64_t key_hi, uint64_t key_lo, uint64_t islot) {
+  if (islot)
+    skv__index_islot_prefetch(&((skv_kv_t *)arg)->index, islot);
+  else
+    skv__index_prefetch(&((skv_kv_t *)arg)->index, (skv_key_t){key_hi, key_lo});
 }
 
 #ifdef SKV_WITH_CUDA
@@ -597,9 +603,15 @@ static int publish_index(skv_kv_t *kv, uint32_t page, skv_key_t key, uint64_t no
   skv__pool_ready_at(&kv->pool, page, key.hi, key.lo, now);
   uint32_t gen = skv__pool_gen(&kv->pool, (uint32_t)me, page);
   const uint64_t val = skv__val_pack((uint32_t)me, page, gen);
-  int r =
-      cl ? skv__index_publish(&kv->index, cl, val) : skv__index_insert(&kv->index, key, val, me);
-  if (r == 0) return 1; /* the caller counts it in published */
+  skv__index_claim_t own;
+  bool raced;
+  int r = cl ? 0 : skv__index_claim(&kv->index, key, me, &own, &raced);
+  if (r == 0) r = skv__index_publish(&kv->index, cl ? cl : &own, val);
+  if (r == 0) { /* the caller counts it in published; the eviction erases it there */
+    __atomic_store_n(&kv->pool.meta[me][page].islot, skv__index_islot(cl ? cl : &own),
+                     __ATOMIC_RELAXED);
+    return 1;
+  }
   skv__pool_release(&kv->pool, page);
   if (r == SKV_EEXIST)
     __atomic_add_fetch(&kv->deduplicated, 1, __ATOMIC_RELAXED);

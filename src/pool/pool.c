@@ -593,7 +593,8 @@ static void evict_prefetch(skv__pool_t *p, const skv__lru_ent_t *e, void *arg) {
   __builtin_prefetch(m, 1);
   if (p->evict_hint) /* the key's index slot: the record is warm by now (prefetched earlier) */
     p->evict_hint(arg, __atomic_load_n(&m->key_hi, __ATOMIC_RELAXED),
-                  __atomic_load_n(&m->key_lo, __ATOMIC_RELAXED));
+                  __atomic_load_n(&m->key_lo, __ATOMIC_RELAXED),
+                  __atomic_load_n(&m->islot, __ATOMIC_RELAXED));
 }
 
 static uint64_t evict_lru_n(skv__pool_t *p, uint64_t want, skv__pool_evict_cb evict, void *arg) {

@@ -90,7 +90,9 @@ typedef struct skv__page_meta {
   uint64_t last_use;
   uint64_t key_hi, key_lo;
   uint64_t rpins; /* pins of other nodes (src/cluster): count (low half) | pins + unpins (high) */
-  uint64_t pad[2];
+  uint64_t islot; /* the owner's hint: where the page's index entry is, (shard << 32 | slot) + 1
+                   * (0: not known); checked by the erase, which walks when it is wrong */
+  uint64_t pad;
 } skv__page_meta_t;
 _Static_assert(sizeof(skv__page_meta_t) == 64, "a page record is one cache line");
 
@@ -166,7 +168,7 @@ typedef struct skv__pool {
   } * rp_seen;        /* [pages] */
   uint64_t rp_voided; /* remote pins treated as released (no pin or unpin for a lease) */
   /* evictions: told each candidate's key a few pages ahead (the cache prefetches its index slot) */
-  void (*evict_hint)(void *arg, uint64_t key_hi, uint64_t key_lo);
+  void (*evict_hint)(void *arg, uint64_t key_hi, uint64_t key_lo, uint64_t islot);
 } skv__pool_t;
 
 /* skv__pool_init flags (elastic domains). REUSE: the records belong to a slot that was used
@@ -224,10 +226,11 @@ static inline uint32_t skv__pool_gen(const skv__pool_t *p, uint32_t pe, uint32_t
   return skv__st_gen(__atomic_load_n(&p->meta[pe][page].state, __ATOMIC_ACQUIRE));
 }
 
-/* Eviction passes call hint(arg of the evict callback, key) for candidates a few pages before
- * deciding on them (a prefetch of the index slot the eviction will erase); NULL: none. */
-static inline void skv__pool_set_evict_hint(skv__pool_t *p, void (*hint)(void *arg, uint64_t key_hi,
-                                                                         uint64_t key_lo)) {
+/* Eviction passes call hint(arg of the evict callback, key, the record's islot) for candidates
+ * a few pages before deciding on them (a prefetch of the index slot the eviction will erase);
+ * NULL: none. */
+typedef void (*skv__pool_hint_fn)(void *arg, uint64_t key_hi, uint64_t key_lo, uint64_t islot);
+static inline void skv__pool_set_evict_hint(skv__pool_t *p, skv__pool_hint_fn hint) {
   p->evict_hint = hint;
 }
 
