@@ -116,6 +116,8 @@ Test(index, claimed_keys_are_misses_win_over_later_inserts_and_publish_or_releas
   /* published: found with the value given at publish time */
   const uint64_t val = skv__val_pack(1, 77, 5);
   cr_assert_eq(skv__index_publish(&t->ix, &c, val), 0);
+  cr_assert_eq(skv__index_entries(&t->ix), 0, "a batch counts its publishes itself");
+  skv__index_count(&t->ix, 1, 1);
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);
   cr_assert_eq(v, val);
   cr_assert_eq(skv__index_entries(&t->ix), 1);
@@ -123,7 +125,7 @@ Test(index, claimed_keys_are_misses_win_over_later_inserts_and_publish_or_releas
   cr_assert(!raced, "the key is cached");
   /* a released claim leaves nothing behind: the key is free for the next inserter */
   cr_assert_eq(skv__index_claim(&t->ix, k2, 1, &c, &raced), 0);
-  skv__index_release(&t->ix, k2, &c);
+  skv__index_release(&t->ix, &c);
   cr_assert_eq(skv__index_lookup(&t->ix, k2, &v), SKV_ENOTFOUND);
   cr_assert_eq(skv__index_publish(&t->ix, &c, skv__val_pack(1, 78, 1)), SKV_EEXIST,
                "a released claim cannot be published");
@@ -159,6 +161,7 @@ Test(index, erase_at_the_published_slot_checks_key_and_value) {
   cr_assert_eq(skv__index_publish(&t->ix, &c, val), 0);
   cr_assert_eq(skv__index_claim(&t->ix, k2, 1, &c2, &raced), 0);
   cr_assert_eq(skv__index_publish(&t->ix, &c2, val2), 0);
+  skv__index_count(&t->ix, 1, 2);
   const uint64_t at = skv__index_islot(&c), at2 = skv__index_islot(&c2);
   cr_assert_neq(at, 0);
   cr_assert_eq(skv__index_erase_at(&t->ix, k, val, 0), SKV_ENOTFOUND, "no hint");
@@ -176,6 +179,42 @@ Test(index, erase_at_the_published_slot_checks_key_and_value) {
   cr_assert_eq(v, val2);
   cr_assert_eq(skv__index_entries(&t->ix), 1);
   cr_assert_eq(skv__index_check(&t->ix), 1);
+}
+
+/* A PE gone from an elastic domain: skv__index_forget_pe clears what it left, its VALID entries,
+ * its PENDING claims and its erases left half way (val ERASING with the key whole, or with only
+ * the key's low half made a tombstone's), and nothing of another PE. */
+Test(index, forget_pe_clears_entries_claims_and_half_done_erases) {
+  table_t *t = table_new(1, 64);
+  uint64_t s = skv_test_seed(), v;
+  skv_key_t kv5 = rand_key(&s), kp5 = rand_key(&s), ko = rand_key(&s);
+  skv_key_t e1 = rand_key(&s), e2 = rand_key(&s);
+  skv__index_claim_t c;
+  bool raced;
+  cr_assert_eq(skv__index_insert(&t->ix, kv5, skv__val_pack(5, 1, 1), 5), 0);
+  cr_assert_eq(skv__index_insert(&t->ix, ko, skv__val_pack(2, 2, 1), 2), 0);
+  cr_assert_eq(skv__index_claim(&t->ix, kp5, 5, &c, &raced), 0);
+  /* two erases of PE 5 stopped half way, forged where the keys would go */
+  cr_assert_eq(skv__index_insert(&t->ix, e1, skv__val_pack(5, 3, 1), 5), 0);
+  cr_assert_eq(skv__index_insert(&t->ix, e2, skv__val_pack(5, 4, 1), 5), 0);
+  for (unsigned i = 0; i < 64; i++) {
+    skv__index_slot_t *sl = &t->slots[0][i];
+    if (sl->key.p.hi == e1.hi && sl->key.p.lo == e1.lo) sl->val = SKV_VAL_ERASING | (5ull << 56);
+    if (sl->key.p.hi == e2.hi && sl->key.p.lo == e2.lo)
+      sl->val = SKV_VAL_ERASING | (5ull << 56), sl->key.p.lo = 1; /* only lo made a tombstone's */
+  }
+  cr_assert_eq(skv__index_forget_pe(&t->ix, 5), 4, "an entry, a claim and two erases");
+  cr_assert_eq(skv__index_lookup(&t->ix, kv5, &v), SKV_ENOTFOUND);
+  cr_assert_eq(skv__index_lookup(&t->ix, ko, &v), 0, "another PE's entry stays");
+  for (unsigned i = 0; i < 64; i++) {
+    const skv__index_slot_t *sl = &t->slots[0][i];
+    cr_assert(!(sl->key.p.hi != 0 && (sl->val & SKV_VAL_ERASING)), "slot %u still ERASING", i);
+  }
+  /* every key of PE 5 can be cached again */
+  cr_assert_eq(skv__index_insert(&t->ix, kp5, skv__val_pack(2, 5, 1), 2), 0);
+  cr_assert_eq(skv__index_insert(&t->ix, e1, skv__val_pack(2, 6, 1), 2), 0);
+  cr_assert_eq(skv__index_insert(&t->ix, e2, skv__val_pack(2, 7, 1), 2), 0);
+  cr_assert_eq(skv__index_check(&t->ix), 4);
 }
 
 Test(index, full_window_gives_enospc_and_lookups_still_work) {
@@ -583,8 +622,10 @@ static int race_child(table_t *t, int p, int round, uint64_t seed, int batch, in
       skv__index_claim_n(&t->ix, keys, (size_t)n, p, c, rc, raced);
       for (int q = 0; q < n; q++)
         if (rc[q] == 0)
-          rc[q] = skv__index_publish(
-              &t->ix, &c[q], skv__val_pack((uint32_t)p, (uint32_t)ids[q], (uint32_t)round + 1));
+          if ((rc[q] = skv__index_publish(
+                   &t->ix, &c[q],
+                   skv__val_pack((uint32_t)p, (uint32_t)ids[q], (uint32_t)round + 1))) == 0)
+            skv__index_count(&t->ix, p, 1);
     }
     for (int q = 0; q < n; q++) {
       if (rc[q] == 0 && won[ids[q]]++) return 4; /* a key cached twice by one process */

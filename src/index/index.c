@@ -121,6 +121,17 @@ void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, siz
   *nhit = i;
 }
 
+/* Turn the key of a slot whose val we hold ERASING into a tombstone. Nobody else writes the key
+ * of such a slot (a claim CASes only an EMPTY or TOMB key, and ERASING is final), so two release
+ * stores do, where a 16-byte CAS was the dearest step of an eviction on the GPU host's CPU: lo
+ * first, then hi, so that a reader sees the old key, (hi, 1) (a key that is nobody's, whose val
+ * is not VALID: a miss) or the tombstone, never (0, old lo) nor EMPTY. A PE that dies between
+ * the two leaves (hi, 1) under ERASING, which skv__index_forget_pe finishes as any erase. */
+static inline void tomb_key(skv__index_slot_t *s) {
+  __atomic_store_n(&s->key.p.lo, (uint64_t)TOMB_LO, __ATOMIC_RELEASE);
+  __atomic_store_n(&s->key.p.hi, (uint64_t)EMPTY_HI, __ATOMIC_RELEASE);
+}
+
 static inline bool same_key(const skv__index_slot_t *s, skv_key_t key) {
   uint64_t hi, lo;
   return read_key(s, &hi, &lo) == SLOT_KEY && hi == key.hi && lo == key.lo;
@@ -136,13 +147,13 @@ static inline uint64_t erasing(uint64_t v) {
  * `pending`: a decision taken on an earlier read never touches a slot that moved on (released
  * and claimed again, or published). The CAS makes the caller the slot's only writer until the
  * key is a tombstone: nobody claims a slot whose key is set, and ERASING is final. */
-static bool release_slot(skv__index_slot_t *s, unsigned __int128 k, uint64_t pending) {
+static bool release_slot(skv__index_slot_t *s, uint64_t pending) {
   if (!__atomic_compare_exchange_n(&s->val, &pending, erasing(pending), false, __ATOMIC_SEQ_CST,
                                    __ATOMIC_RELAXED))
     return false;
-  /* release: the CAS of the key orders it (a reader that sees the tombstone sees no ticket) */
+  /* release, as the key's stores that follow (a reader that sees the tombstone sees no ticket) */
   __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE);
-  cas_key(s, k, K_TOMB);
+  tomb_key(s);
   return true;
 }
 
@@ -172,7 +183,7 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
     if (t != 0) {
       if (t > my_ticket) return 0;
       if (!ix->alive || ix->alive(ix->alive_arg, owner)) return 1;
-      if (release_slot(s, k128(key), v)) return 0;
+      if (release_slot(s, v)) return 0;
       continue; /* it moved on (published, or cleared by another inserter): look again */
     }
     if (spin < 128) {
@@ -192,8 +203,7 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
       return 1;
     }
     if (now >= next_alive_check) {
-      if (next_alive_check && ix->alive && !ix->alive(ix->alive_arg, owner) &&
-          release_slot(s, k128(key), v))
+      if (next_alive_check && ix->alive && !ix->alive(ix->alive_arg, owner) && release_slot(s, v))
         return 0;
       next_alive_check = now + 10;
     }
@@ -321,7 +331,7 @@ void skv__index_claim_n(skv__index_t *ix, const skv_key_t *keys, size_t n, int m
     if (rc[i]) continue;
     skv__index_slot_t *mine = &ix->slots[c[i].shard][c[i].slot];
     if (scan_copies(ix, keys[i], mine, c[i].ticket)) {
-      release_slot(mine, k128(keys[i]), c[i].pending);
+      release_slot(mine, c[i].pending);
       rc[i] = SKV_EEXIST;
       raced[i] = true;
     }
@@ -344,20 +354,26 @@ int skv__index_publish(skv__index_t *ix, const skv__index_claim_t *c, uint64_t v
   if (!__atomic_compare_exchange_n(&s->val, &pending, val, false, __ATOMIC_SEQ_CST,
                                    __ATOMIC_RELAXED))
     return SKV_EEXIST;
-  __atomic_add_fetch(&ix->hdr[c->shard]->entries, 1, __ATOMIC_RELAXED);
   return 0;
 }
 
-void skv__index_release(skv__index_t *ix, skv_key_t key, const skv__index_claim_t *c) {
-  (void)release_slot(&ix->slots[c->shard][c->slot], k128(key), c->pending);
+void skv__index_count(skv__index_t *ix, int shard, uint64_t n) {
+  __atomic_add_fetch(&ix->hdr[(unsigned)shard % (unsigned)ix->nshards]->entries, n,
+                     __ATOMIC_RELAXED);
+}
+
+void skv__index_release(skv__index_t *ix, const skv__index_claim_t *c) {
+  (void)release_slot(&ix->slots[c->shard][c->slot], c->pending);
 }
 
 int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
   SKV_ASSERT(val & SKV_VAL_VALID);
   skv__index_claim_t c;
   bool raced;
-  const int rc = skv__index_claim(ix, key, my_pe, &c, &raced); /* EEXIST is no error to trace */
-  return rc ? rc : skv__index_publish(ix, &c, val);
+  int rc = skv__index_claim(ix, key, my_pe, &c, &raced); /* EEXIST is no error to trace */
+  if (rc == 0) rc = skv__index_publish(ix, &c, val);
+  if (rc == 0) skv__index_count(ix, my_pe, 1);
+  return rc;
 }
 
 /* Erase slot s of shard sh if it holds key with exactly val: VALID -> ERASING by CAS, then the
@@ -368,8 +384,8 @@ static bool erase_slot(skv__index_t *ix, int sh, skv__index_slot_t *s, skv_key_t
   if (!__atomic_compare_exchange_n(&s->val, &expect, erasing(val), false, __ATOMIC_SEQ_CST,
                                    __ATOMIC_RELAXED))
     return false;
-  __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE); /* ordered by the CAS, as release_slot's */
-  cas_key(s, k128(key), K_TOMB);
+  __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE); /* before the key, as release_slot's */
+  tomb_key(s);
   __atomic_sub_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
   return true;
 }
@@ -414,7 +430,7 @@ uint64_t skv__index_forget_pe(skv__index_t *ix, int pe) {
         continue;
       }
       if (!(v & SKV_VAL_VALID) && !skv__val_is_pending(v)) continue;
-      if (!release_slot(s, k128(k), v)) continue; /* it moved on meanwhile */
+      if (!release_slot(s, v)) continue; /* it moved on meanwhile */
       if (v & SKV_VAL_VALID) __atomic_sub_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
       cleared++;
     }

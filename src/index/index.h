@@ -111,7 +111,8 @@ typedef struct skv__index_slot {
 
 /* Shared per-shard header (one per PE segment, 64 bytes). */
 typedef struct skv__index_shard_hdr {
-  uint64_t entries; /* VALID keys of this shard (approximate under races) */
+  uint64_t entries; /* VALID keys counted here: the sum over shards is the table's (approximate
+                     * under races); inserts count in their PE's shard, erases in the key's */
   uint64_t ticket;  /* node-wide insertion counter (used in shard 0 only) */
   uint64_t pad[6];
 } skv__index_shard_hdr_t;
@@ -233,7 +234,10 @@ static inline void skv__index_claim_prefetch(const skv__index_t *ix, const skv__
   __builtin_prefetch(&ix->slots[c->shard][c->slot], 1);
 }
 int skv__index_publish(skv__index_t *ix, const skv__index_claim_t *c, uint64_t val);
-void skv__index_release(skv__index_t *ix, skv_key_t key, const skv__index_claim_t *c);
+/* Count n keys published (skv__index_publish does not, so that a batch counts with one atomic
+ * add) in the counter of shard `shard` (mod the shards): the counters' sum is the entries. */
+void skv__index_count(skv__index_t *ix, int shard, uint64_t n);
+void skv__index_release(skv__index_t *ix, const skv__index_claim_t *c);
 /* Erase key if it maps to exactly `val`; SKV_ENOTFOUND otherwise. */
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val);
 /* skv__index_erase of the entry at `islot` (skv__index_islot of the claim it was published

@@ -651,14 +651,16 @@ static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step
       nins = 0;
     }
   }
-  if (inserted) __atomic_add_fetch(&kv->published, inserted, __ATOMIC_RELAXED);
+  if (inserted) {
+    skv__index_count(&kv->index, kv->pool.me, inserted);
+    __atomic_add_fetch(&kv->published, inserted, __ATOMIC_RELAXED);
+  }
   return inserted;
 }
 
-/* Give up the claims cl[0..n) of keys keys[idx[i]] (their pages were not written). */
-static void release_claims(skv_kv_t *kv, const skv_key_t *keys, const size_t *idx,
-                           const skv__index_claim_t *cl, size_t n) {
-  for (size_t i = 0; i < n; i++) skv__index_release(&kv->index, keys[idx[i]], &cl[i]);
+/* Give up the claims cl[0..n) (their pages were not written). */
+static void release_claims(skv_kv_t *kv, const skv__index_claim_t *cl, size_t n) {
+  for (size_t i = 0; i < n; i++) skv__index_release(&kv->index, &cl[i]);
 }
 
 #ifdef SKV_WITH_CUDA
@@ -872,7 +874,7 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
 #endif
   t = skv__kp_lap(&kv->prof, SKV__KP_COPY, t);
   if (rc) {
-    release_claims(kv, keys, idx, cl, k);
+    release_claims(kv, cl, k);
     for (size_t q = 0; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
   } else {
     *inserted += finish_pages(kv, pages, 1, keys, idx, cl, k);
@@ -973,7 +975,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     rc = skv__pool_alloc_n(&kv->pool, skv__kv_evict_cb, kv, pages, k, &got, &ev);
     /* on a failure, what was allocated is still published */
     t = skv__kp_lap(P, SKV__KP_ALLOC, t);
-    release_claims(kv, keys, idx + got, cl + got, k - got); /* no page for these */
+    release_claims(kv, cl + got, k - got); /* no page for these */
     if (rc && got > 0 && path != PATH_DEVICE) {
       /* A synchronous copy finishes these pages before the next run, which may then evict
        * them: the keys left over go to the next run (as one page at a time did: a publish of
@@ -994,7 +996,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
       const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &ume, 0, pages, 1, pkeys, false, cl};
       size_t queued = 0;
       r = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
-      release_claims(kv, keys, idx + queued, cl + queued, k - queued);
+      release_claims(kv, cl + queued, k - queued);
       for (size_t q = queued; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
       inserted += queued; /* queued: the completion publishes them (skv_kv_sync waits for it) */
 #endif
