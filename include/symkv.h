@@ -622,13 +622,15 @@ SKV_EXTERN int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
                             const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                             void *stream);
 /* Copy engine blocks into new pages of this PE and insert keys[0..n) once the copy is
- * complete. A key already cached (by any PE) is skipped; one that another PE inserts first
- * is deduplicated and its page freed. Least recently used unpinned pages of this PE are
- * evicted to make room. *ninserted (optional) counts keys this call inserted; for GPU layouts
- * the copy is stream-ordered and the keys are inserted by the completion thread after it, so
- * *ninserted counts the pages queued (skv_kv_sync waits for the inserts; the stats count
- * what was inserted and deduplicated). Refused (SKV_ECAPTURE) while `stream` is being
- * captured: a replay would write into pages that may have been evicted and reused since. */
+ * complete. A key already cached (by any PE) is skipped; one that another publish (any PE)
+ * claimed first is skipped before anything is copied (counted as deduplicated): each key's
+ * index slot is claimed at the call and found by readers only once its copy is complete. Least
+ * recently used unpinned pages of this PE are evicted to make room. *ninserted (optional) counts
+ * keys this call inserted; for GPU layouts the copy is stream-ordered and the keys are inserted by
+ * the completion thread after it, so *ninserted counts the pages queued (skv_kv_sync waits for the
+ * inserts; the stats count what was inserted and deduplicated). Refused (SKV_ECAPTURE) while
+ * `stream` is being captured: a replay would write into pages that may have been evicted and reused
+ * since. */
 SKV_EXTERN int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys,
                               size_t n, const skv_layout_t *src, const uint64_t *block_ids,
                               void *stream, size_t *ninserted);

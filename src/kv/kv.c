@@ -461,12 +461,14 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
  * Fetch. Every reference is pinned first (its generation checked), all or none: a stale one
  * fails with SKV_ESTALE before any byte is written. The pages are then copied, and the pins are
  * released once the copy is complete (with the caller's, for SKV_FETCH_UNPIN).
- * Publish. Batch by batch: a page is allocated for each key not cached yet (WRITING: no one can
- * pin or evict it; the least recently used unpinned page is evicted when none is free; the first
- * failure stops the allocation and what was allocated is still published), the blocks are
- * copied in, and once the copy is complete each page becomes READY and its key is inserted
- * (finish_pages): the page joins the LRU when inserted, and is freed when another PE inserted
- * the key first (deduplicated) or no index slot near its home was free.
+ * Publish. Batch by batch: each key's index slot is claimed (skv__index_claim_n: PENDING, a
+ * miss to readers; a key cached already, or claimed first by another publish, is skipped), a
+ * page is allocated for each key claimed (WRITING: no one can pin or evict it; the least
+ * recently used unpinned page is evicted when none is free; the first failure stops the
+ * allocation, what was allocated is still published and the other claims are released), the
+ * blocks are copied in, and once the copy is complete each page becomes READY and its claim is
+ * published (finish_pages): the page joins the LRU, and its record keeps where its index entry
+ * is (islot: its eviction erases it there). A claim whose copy failed is released.
  * The copy is one of three, by where the pages and the engine's blocks are:
  *  - host: memcpy between host blocks and host pages (host or cuda_host backend), runs of
  *    PUB_CHUNK pages, synchronous;

@@ -128,8 +128,8 @@ int skv__kvc_begin(skv__kvc_t *kc, void *stream, bool *capturing, bool reap) {
   SKV_CHECK(skv__cuda_use(kc->p.ctx));
   *capturing = false;
   SKV_CHECK(skv__cuda_capturing(stream, capturing));
-  /* a publish completes what completed since the last call first: keys inserted now are found
-   * by its dedup lookups, and a deduplicated page freed now is one fewer to evict */
+  /* a publish completes what completed since the last call first: keys published now are
+   * found by its claims (skipped, not claimed again), and pages freed now are fewer to evict */
   if (reap && !*capturing) skv__kvc_reap(kc);
   return 0;
 }

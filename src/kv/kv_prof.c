@@ -6,7 +6,7 @@
 
 static const char *const names[SKV__KP_N] = {
     [SKV__KP_CALL] = "call",       [SKV__KP_CHECK] = "check",       [SKV__KP_BEGIN] = "begin",
-    [SKV__KP_PIN] = "pin",         [SKV__KP_LOOKUP] = "lookup",     [SKV__KP_ALLOC] = "alloc",
+    [SKV__KP_PIN] = "pin",         [SKV__KP_LOOKUP] = "claim",      [SKV__KP_ALLOC] = "alloc",
     [SKV__KP_SLOT] = "slot_wait",  [SKV__KP_STAGE] = "stage_args",  [SKV__KP_LAUNCH] = "launch",
     [SKV__KP_HANDOFF] = "handoff", [SKV__KP_COPY] = "host_copy",    [SKV__KP_RELEASE] = "release",
     [SKV__KP_FINISH] = "finish",   [SKV__KP_COMPLETE] = "complete", [SKV__KP_SYNC] = "sync_wait",

@@ -18,7 +18,7 @@ typedef enum skv__kp_phase {
   SKV__KP_CHECK,    /* argument checks: references, layout, block ids, keys */
   SKV__KP_BEGIN,    /* CUDA: device current, capture check, completing what completed */
   SKV__KP_PIN,      /* fetch: pinning every reference (generations checked) */
-  SKV__KP_LOOKUP,   /* publish: the deduplicating index lookups */
+  SKV__KP_LOOKUP,   /* publish: claiming the keys' index slots (skv__index_claim_n) */
   SKV__KP_ALLOC,    /* publish: page allocation, evictions (and their index erases) included */
   SKV__KP_SLOT,     /* CUDA: taking an argument slot (waits when all are in flight) */
   SKV__KP_STAGE,    /* CUDA: writing a launch's arguments into its pinned slot */
