@@ -655,10 +655,16 @@ static int pe_batched_eviction_is_exact_lru(int rank, int npes, void *arg) {
   for (int i = 0; i < PAGES; i++)
     __atomic_store_n(&p->meta[p->me][refs[i].page].last_use, 1000 + 100 * (uint64_t)i,
                      __ATOMIC_RELAXED);
-  /* the heap's snapshots are the publish times: move them onto the spaced times too */
-  for (uint64_t i = 0; i < p->nlru; i++)
+  /* the LRU's snapshots are the publish times: move them onto the spaced times too (in the
+   * queue, where a publish's entries are, and in the heap) */
+  PE_CHECK(p->q_len + p->nheap == p->nlru, "queue %llu + heap %llu != %llu",
+           (unsigned long long)p->q_len, (unsigned long long)p->nheap, (unsigned long long)p->nlru);
+  for (uint64_t i = 0; i < p->q_len + p->nheap; i++) {
+    skv__lru_ent_t *e =
+        i < p->q_len ? &p->lru_q[(p->q_head + i) % p->pages] : &p->lru[i - p->q_len];
     for (int j = 0; j < PAGES; j++)
-      if (p->lru[i].page == refs[j].page) p->lru[i].stamp = 1000 + 100 * (uint64_t)j;
+      if (e->page == refs[j].page) e->stamp = 1000 + 100 * (uint64_t)j;
+  }
   for (int i = 0; i < PAGES; i++) /* each record says where its index entry is (evictions) */
     PE_CHECK(__atomic_load_n(&p->meta[p->me][refs[i].page].islot, __ATOMIC_RELAXED) != 0,
              "page %d: no islot", i);

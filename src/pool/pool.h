@@ -138,9 +138,13 @@ typedef struct skv__pool {
   pthread_mutex_t mu;
   uint32_t *free_stack;
   uint64_t nfree;
-  skv__lru_ent_t *lru; /* a 4-ary min-heap by stamp; lru_mem + LRU_SKEW (pool.c) */
-  uint64_t nlru;
+  /* the LRU (pool.c): a queue of entries pushed in stamp order (a publish's), and a 4-ary
+   * min-heap of the others (lru, at lru_mem + LRU_SKEW); nlru entries in all */
+  skv__lru_ent_t *lru;
+  uint64_t nlru, nheap;
   skv__lru_ent_t *lru_mem;
+  skv__lru_ent_t *lru_q; /* a ring of `pages` entries: lru_q[q_head .. + q_len) */
+  uint64_t q_head, q_len;
   /* this PE's pins, under pin_mu */
   pthread_mutex_t pin_mu;
   uint32_t *pins;        /* [npes * pages] */
