@@ -164,17 +164,18 @@ Test(index, erase_at_the_published_slot_checks_key_and_value) {
   skv__index_count(&t->ix, 1, 2);
   const uint64_t at = skv__index_islot(&c), at2 = skv__index_islot(&c2);
   cr_assert_neq(at, 0);
-  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, 0), SKV_ENOTFOUND, "no hint");
-  cr_assert_eq(skv__index_erase_at(&t->ix, k, skv__val_pack(1, 7, 2), at), SKV_ENOTFOUND,
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, 0, true), SKV_ENOTFOUND, "no hint");
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, skv__val_pack(1, 7, 2), at, true), SKV_ENOTFOUND,
                "another generation");
-  cr_assert_eq(skv__index_erase_at(&t->ix, k, val2, at2), SKV_ENOTFOUND, "another key's slot");
-  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, at + (1ull << 40)), SKV_ENOTFOUND,
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val2, at2, true), SKV_ENOTFOUND,
+               "another key's slot");
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, at + (1ull << 40), true), SKV_ENOTFOUND,
                "no such shard");
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0, "nothing erased so far");
   cr_assert_eq(skv__index_lookup(&t->ix, k2, &v), 0);
-  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, at), 0);
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, at, true), 0);
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), SKV_ENOTFOUND);
-  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, at), SKV_ENOTFOUND, "erased once");
+  cr_assert_eq(skv__index_erase_at(&t->ix, k, val, at, true), SKV_ENOTFOUND, "erased once");
   cr_assert_eq(skv__index_lookup(&t->ix, k2, &v), 0);
   cr_assert_eq(v, val2);
   cr_assert_eq(skv__index_entries(&t->ix), 1);

@@ -212,13 +212,13 @@ typedef struct skv__index_claim {
 int skv__index_claim(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c,
                      bool *raced);
 /* skv__index_claim of keys[0..n), rc[i] and raced[i] its results (c[i] where rc[i] is 0), in
- * phases over the batch: every key's slot and PENDING value, then one ticket add for the batch
- * and the tickets stored, one fence, then every rescan. Per key that is one atomic operation (the
- * slot's claim) where one at a time took three (and a fence): the ticket's add, and the PENDING
- * value and the ticket stored sequentially consistent. The protocol's orders hold per key: reach
- * before PENDING, PENDING before the ticket is taken, the ticket stored before the rescan reads.
- * A claim of the batch has no ticket until the batch's slots are all claimed; another inserter
- * of its key waits for it (briefly) as for any claim between PENDING and its ticket. */
+ * phases over each group of 32 keys: every key's slot and PENDING value, then one ticket add for
+ * the group and the tickets stored, one fence, then every rescan. Per key that is one atomic
+ * operation (the slot's claim) where one at a time took three (and a fence): the ticket's add, and
+ * the PENDING value and the ticket stored sequentially consistent. The protocol's orders hold per
+ * key: reach before PENDING, PENDING before the ticket is taken, the ticket stored before the
+ * rescan reads. A claim of a group has no ticket until the group's slots are all claimed; another
+ * inserter of its key waits for it (briefly) as for any claim between PENDING and its ticket. */
 void skv__index_claim_n(skv__index_t *ix, const skv_key_t *keys, size_t n, int my_pe,
                         skv__index_claim_t *c, int *rc, bool *raced);
 /* Where a claim's slot is, as one word: (shard << 32 | slot) + 1 (0 is "not known"). */
@@ -235,15 +235,17 @@ static inline void skv__index_claim_prefetch(const skv__index_t *ix, const skv__
 }
 int skv__index_publish(skv__index_t *ix, const skv__index_claim_t *c, uint64_t val);
 /* Count n keys published (skv__index_publish does not, so that a batch counts with one atomic
- * add) in the counter of shard `shard` (mod the shards): the counters' sum is the entries. */
-void skv__index_count(skv__index_t *ix, int shard, uint64_t n);
+ * add), or -n erased, in the counter of shard `shard` (mod the shards): the counters' sum is the
+ * entries. */
+void skv__index_count(skv__index_t *ix, int shard, int64_t n);
 void skv__index_release(skv__index_t *ix, const skv__index_claim_t *c);
 /* Erase key if it maps to exactly `val`; SKV_ENOTFOUND otherwise. */
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val);
 /* skv__index_erase of the entry at `islot` (skv__index_islot of the claim it was published
  * with), without walking from the key's home to it: SKV_ENOTFOUND when that slot does not hold
- * key with exactly `val` (a hint gone stale: skv__index_erase walks). */
-int skv__index_erase_at(skv__index_t *ix, skv_key_t key, uint64_t val, uint64_t islot);
+ * key with exactly `val` (a hint gone stale: skv__index_erase walks). Without `count`, the
+ * caller counts it (skv__index_count with -1 per erase, once for a batch). */
+int skv__index_erase_at(skv__index_t *ix, skv_key_t key, uint64_t val, uint64_t islot, bool count);
 /* Remove every entry and claim of PE `pe`, whose pages are gone (an elastic domain's slot whose
  * holder died or left): VALID entries are erased and PENDING claims cleared, each by a CAS from
  * the value seen, and erases it left half done are finished. Scans the whole table. Returns how

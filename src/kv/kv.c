@@ -49,13 +49,24 @@ void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, u
   skv_key_t k = {key_hi, key_lo};
   uint64_t val = skv__val_pack((uint32_t)kv->pool.me, page, gen);
   const uint64_t islot = __atomic_load_n(&kv->pool.meta[kv->pool.me][page].islot, __ATOMIC_RELAXED);
-  if (skv__index_erase_at(&kv->index, k, val, islot) != 0 &&
-      skv__index_erase(&kv->index, k, val) != 0)
+  /* under the pool's mu (every eviction is): the counts wait for the pass's end (kv_evict_flush),
+   * one atomic add each where there were two per page */
+  if (skv__index_erase_at(&kv->index, k, val, islot, false) == 0)
+    kv->erased_backlog++;
+  else if (skv__index_erase(&kv->index, k, val) != 0)
     SKV_WARN_RL(SKV_SUBSYS_KV,
                 "evicting page %u (generation %u): its index entry was not found; please report "
                 "this with the SKV_DEBUG=INFO log",
                 page, gen);
-  __atomic_add_fetch(&kv->evicted, 1, __ATOMIC_RELAXED);
+  kv->evicted_backlog++;
+}
+
+/* An eviction pass ended (under the pool's mu): count what its callbacks kept back. */
+static void kv_evict_flush(void *arg) {
+  skv_kv_t *kv = arg;
+  if (kv->erased_backlog) skv__index_count(&kv->index, kv->pool.me, -(int64_t)kv->erased_backlog);
+  if (kv->evicted_backlog) __atomic_add_fetch(&kv->evicted, kv->evicted_backlog, __ATOMIC_RELAXED);
+  kv->erased_backlog = kv->evicted_backlog = 0;
 }
 
 /* An eviction pass will erase this key's index entry soon: bring its slot in (its home slot
@@ -148,6 +159,7 @@ int skv_kv_create(skv_ctx_t *ctx, const skv_geometry_t *geom, const skv_kv_opts_
     kv->index.slots = kv->shard_slots;
     skv__index_bind(&kv->index, npes, sps, shard_seg, kv_alive, kv);
     skv__pool_set_evict_hint(&kv->pool, kv_evict_hint);
+    skv__pool_set_evict_flush(&kv->pool, kv_evict_flush);
   }
 #ifdef SKV_WITH_CUDA
   if (rc == 0) rc = backend_init(kv);
@@ -284,6 +296,7 @@ int skv_kv_attach(const char *name, const skv_geometry_t *geom, const skv_attach
   }
   if (rc == 0) {
     skv__pool_set_evict_hint(&kv->pool, kv_evict_hint);
+    skv__pool_set_evict_flush(&kv->pool, kv_evict_flush);
     kv->data = skv__domain_heap(kv->domain);
 #ifdef SKV_WITH_CUDA
     /* a GPU-less reader of GPU pages has no copy backend: it looks pages up */

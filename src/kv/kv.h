@@ -27,6 +27,8 @@ struct skv_kv {
   skv__domain_t *domain; /* an attached cache's domain (skv_kv_attach), else NULL */
   /* this PE's counters */
   uint64_t lookups, lookup_hits, published, deduplicated, evicted, stale, index_full;
+  /* evictions and index erases an eviction pass has not counted yet (under the pool's mu) */
+  uint64_t evicted_backlog, erased_backlog;
   skv__kv_prof_t prof; /* where the data path's time goes (off unless switched on) */
 };
 

@@ -685,6 +685,7 @@ static uint64_t evict_lru_n(skv__pool_t *p, uint64_t want, skv__pool_evict_cb ev
   for (; qn > 0; qn--, qh = (qh + 1) % EVICT_AHEAD) lru_push(p, q[qh].stamp, q[qh].page, q[qh].gen);
   for (uint64_t i = 0; i < nheld; i++) lru_push(p, held[i].stamp, held[i].page, held[i].gen);
   free(held);
+  if (done && p->evict_flush) p->evict_flush(arg);
   return done;
 }
 
@@ -861,6 +862,7 @@ uint64_t skv__pool_drain(skv__pool_t *p, skv__pool_evict_cb evict, void *arg,
     __atomic_store_n(&m->state, skv__st_make(ng, SKV_PAGE_FREE), __ATOMIC_RELEASE);
   }
   p->nfree = p->nlru = p->nheap = p->q_len = p->nretired = 0; /* the pool is done with */
+  if (p->evict_flush) p->evict_flush(arg);
   pthread_mutex_unlock(&p->mu);
   return still;
 }

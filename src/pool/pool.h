@@ -173,6 +173,7 @@ typedef struct skv__pool {
   uint64_t rp_voided; /* remote pins treated as released (no pin or unpin for a lease) */
   /* evictions: told each candidate's key a few pages ahead (the cache prefetches its index slot) */
   void (*evict_hint)(void *arg, uint64_t key_hi, uint64_t key_lo, uint64_t islot);
+  void (*evict_flush)(void *arg);
 } skv__pool_t;
 
 /* skv__pool_init flags (elastic domains). REUSE: the records belong to a slot that was used
@@ -236,6 +237,11 @@ static inline uint32_t skv__pool_gen(const skv__pool_t *p, uint32_t pe, uint32_t
 typedef void (*skv__pool_hint_fn)(void *arg, uint64_t key_hi, uint64_t key_lo, uint64_t islot);
 static inline void skv__pool_set_evict_hint(skv__pool_t *p, skv__pool_hint_fn hint) {
   p->evict_hint = hint;
+}
+/* Every eviction pass (and skv__pool_drain) ends with flush(arg of the evict callback), under
+ * mu: what the callbacks of the pass kept back (counts) goes out once. NULL: none. */
+static inline void skv__pool_set_evict_flush(skv__pool_t *p, void (*flush)(void *arg)) {
+  p->evict_flush = flush;
 }
 
 /* Owner: take a page (evicting the LRU unpinned page if none is free; `evict` erases its index
