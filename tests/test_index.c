@@ -218,6 +218,34 @@ Test(index, forget_pe_clears_entries_claims_and_half_done_erases) {
   cr_assert_eq(skv__index_check(&t->ix), 4);
 }
 
+/* The shard of a key is (hi >> 32) mod the shards, computed without a divide: the same shard as
+ * the divide (the table's layout in shared memory depends on it), for every count of shards. */
+Test(index, shard_by_multiply_matches_the_remainder) {
+  uint64_t s = skv_test_seed();
+  static const int counts[] = {1, 2, 3, 5, 7, 8, 13, 31, 32, 33, 63, 64, 1000};
+  const uint64_t sps = SKV_INDEX_WINDOW, sb = SKV_ALIGN_UP(skv__index_shard_bytes(sps), 64);
+  for (size_t c = 0; c < SKV_ARRAY_LEN(counts); c++) {
+    const int n = counts[c];
+    char *mem = aligned_alloc(64, sb * (uint64_t)n);
+    void **seg = malloc((size_t)n * sizeof *seg);
+    skv__index_t ix;
+    ix.hdr = malloc((size_t)n * sizeof *ix.hdr);
+    ix.slots = malloc((size_t)n * sizeof *ix.slots);
+    cr_assert(mem && seg && ix.hdr && ix.slots);
+    memset(mem, 0, sb * (uint64_t)n);
+    for (int i = 0; i < n; i++) seg[i] = mem + sb * (uint64_t)i;
+    skv__index_bind(&ix, n, sps, seg, NULL, NULL);
+    for (int i = 0; i < 100000; i++) {
+      skv_key_t k = rand_key(&s);
+      if (i < 3) k.hi = (uint64_t)(i == 0 ? 1u : i == 1 ? UINT32_MAX : UINT32_MAX - 1u) << 32 | 1u;
+      LOOP_CHECK(skv__index_shard(&ix, k) == (int)((k.hi >> 32) % (uint64_t)n),
+                 "%d shards, hi %016llx: %d", n, (unsigned long long)k.hi,
+                 skv__index_shard(&ix, k));
+    }
+    free(ix.hdr), free(ix.slots), free(seg), free(mem);
+  }
+}
+
 Test(index, full_window_gives_enospc_and_lookups_still_work) {
   table_t *t = table_new(1, 64);
   uint64_t s = skv_test_seed(), v;

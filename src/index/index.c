@@ -35,6 +35,7 @@ uint64_t skv__index_shard_bytes(uint64_t slots_per_shard) {
 void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard,
                      void *const *shard_mem, skv__index_alive_fn alive, void *alive_arg) {
   ix->nshards = nshards;
+  ix->shard_m = UINT64_MAX / (uint64_t)nshards + 1; /* 0 for one shard: shard 0 */
   ix->slots_per_shard = slots_per_shard;
   ix->alive = alive;
   ix->alive_arg = alive_arg;
@@ -46,7 +47,7 @@ void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard,
 
 /* The shard comes from the high bits of hi, the home slot from lo: independent bits. */
 static inline int shard_of(const skv__index_t *ix, skv_key_t k) {
-  return (int)((k.hi >> 32) % (uint64_t)ix->nshards);
+  return skv__index_shard(ix, k);
 }
 
 /* The reach of home slot h (index.h): slots beyond h + reach never held a key of home h. */
@@ -285,11 +286,6 @@ static int claim_slot(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_cla
   }
   if (!mine) return SKV_ENOSPC;
   reach_raise(ix, sh, h, dist); /* before PENDING: readers and rescans then cover our slot */
-  /* the rescan (step 3, after the batch's tickets) walks to the home's reach: bring in the
-   * lines past ours now (perf on the GPU host: its loads were a quarter of the rescan) */
-  const unsigned reach = SKV_MIN((unsigned)SKV_INDEX_WINDOW - 1, reach_of(ix, sh, h));
-  for (unsigned d = dist + 1; d <= reach; d++) /* two slots a line: a line may come twice */
-    __builtin_prefetch(&slots[(h + d) & mask]);
   /* 2. PENDING with our PE (the ticket follows). Nobody else writes the slot now: its val is 0
    * or ERASING, which no CAS of another PE expects. Release is enough: the ticket's add comes
    * after it and is a seq_cst read-modify-write, so an inserter whose ticket comes before ours

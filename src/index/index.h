@@ -122,6 +122,7 @@ typedef bool (*skv__index_alive_fn)(void *arg, int pe);
 
 typedef struct skv__index {
   int nshards;
+  uint64_t shard_m; /* UINT64_MAX / nshards + 1: skv__index_shard's remainder without a divide */
   uint64_t slots_per_shard;     /* power of two, >= SKV_INDEX_WINDOW */
   skv__index_shard_hdr_t **hdr; /* [nshards] */
   skv__index_slot_t **slots;    /* [nshards] */
@@ -178,8 +179,15 @@ int skv__index_lookup(const skv__index_t *ix, skv_key_t key, uint64_t *val);
 static inline uint8_t *skv__index_reach(const skv__index_t *ix, int shard) {
   return (uint8_t *)(ix->slots[shard] + ix->slots_per_shard);
 }
+/* The shard of key k: the high half of hi, mod the shards, as a multiply (Lemire's direct
+ * remainder, exact for 32-bit operands; perf put a divide per key's claim, rescan and prefetch
+ * in a publish). */
+static inline int skv__index_shard(const skv__index_t *ix, skv_key_t k) {
+  const uint64_t low = ix->shard_m * (uint32_t)(k.hi >> 32);
+  return (int)(((unsigned __int128)low * (uint32_t)ix->nshards) >> 64);
+}
 static inline void skv__index_prefetch(const skv__index_t *ix, skv_key_t k) {
-  const int sh = (int)((k.hi >> 32) % (uint64_t)ix->nshards);
+  const int sh = skv__index_shard(ix, k);
   const uint64_t h = k.lo & (ix->slots_per_shard - 1);
   __builtin_prefetch(&ix->slots[sh][h]);
   __builtin_prefetch(&skv__index_reach(ix, sh)[h]); /* a miss reads it */
