@@ -92,6 +92,10 @@ BLOCKS = {
         "NOT RUN: the JSON format, abridged ('...'); test_workload reads the JSON the bench writes",
     ("docs/workloads.md", "symkv-run -n 4 --prefix others -- symkv-bench trace bench/data/mooncake_synthetic_trace.jsonl --model tiny"):
         "test_workloads_commands",
+    ("docs/benchmarks.md", "build/symkv-run -n 1 -- build/bench/symkv-publish-probe 3000 3072"):
+        "test_publish_probe_command",
+    ("docs/benchmarks.md", "perf record -g -- build/symkv-run -n 1 -- build/bench/symkv-publish-probe 3000 8192 && perf report --no-children"):
+        "NOT RUN: needs perf and perf_event access; test_publish_probe_command runs the same program",
 }
 
 
@@ -436,6 +440,19 @@ def test_workloads_commands(tmp_path):
         if " trace " in cmd:  # the sample output of docs/workloads.md, but for its timings
             table = lambda t: [l.split()[:4] for l in t.splitlines() if "hit rate" in l]
             assert table(r.stdout) == table(_workloads_sample()), r.stdout
+
+
+def test_publish_probe_command():
+    need_build()
+    body, _ = block("docs/benchmarks.md", "build/symkv-run -n 1 -- build/bench/symkv-publish-probe 3000 3072")
+    r = sh(body, REPO)
+    assert r.returncode == 0, r
+    m = re.search(r"publish_probe: 1024 fresh keys of 512 B pages per call into a full pool of 3072 "
+                  r"pages, 3000 calls: median ([0-9.]+) us, p10 ([0-9.]+) us, mean ([0-9.]+) us",
+                  r.stdout)
+    assert m, r.stdout
+    med, p10, mean = map(float, m.groups())
+    assert 0 < p10 <= med and mean > 0, r.stdout
 
 
 def _workloads_sample():
