@@ -122,12 +122,13 @@ void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, siz
   *nhit = i;
 }
 
-/* Turn the key of a slot whose val we hold ERASING into a tombstone. Nobody else writes the key
- * of such a slot (a claim CASes only an EMPTY or TOMB key, and ERASING is final), so two release
- * stores do, where a 16-byte CAS was the dearest step of an eviction on the GPU host's CPU: lo
- * first, then hi, so that a reader sees the old key, (hi, 1) (a key that is nobody's, whose val
- * is not VALID: a miss) or the tombstone, never (0, old lo) nor EMPTY. A PE that dies between
- * the two leaves (hi, 1) under ERASING, which skv__index_forget_pe finishes as any erase. */
+/* Turn the key of our own entry, whose val we made ERASING, into a tombstone. Nobody else writes
+ * the key of such a slot (a claim CASes only an EMPTY or TOMB key, ERASING is final, and
+ * skv__index_forget_pe of our PE runs only once we are dead), so two release stores do, where a
+ * 16-byte CAS was the dearest step of an eviction on the GPU host's CPU: lo first, then hi, so that
+ * a reader sees the old key, (hi, 1) (a key that is nobody's, whose val is not VALID: a miss) or
+ * the tombstone, never (0, old lo) nor EMPTY. A PE that dies between the two leaves (hi, 1) under
+ * ERASING, which skv__index_forget_pe finishes as any erase. */
 static inline void tomb_key(skv__index_slot_t *s) {
   __atomic_store_n(&s->key.p.lo, (uint64_t)TOMB_LO, __ATOMIC_RELEASE);
   __atomic_store_n(&s->key.p.hi, (uint64_t)EMPTY_HI, __ATOMIC_RELEASE);
@@ -148,13 +149,15 @@ static inline uint64_t erasing(uint64_t v) {
  * `pending`: a decision taken on an earlier read never touches a slot that moved on (released
  * and claimed again, or published). The CAS makes the caller the slot's only writer until the
  * key is a tombstone: nobody claims a slot whose key is set, and ERASING is final. */
-static bool release_slot(skv__index_slot_t *s, uint64_t pending) {
+static bool release_slot(skv__index_slot_t *s, unsigned __int128 k, uint64_t pending) {
   if (!__atomic_compare_exchange_n(&s->val, &pending, erasing(pending), false, __ATOMIC_SEQ_CST,
                                    __ATOMIC_RELAXED))
     return false;
-  /* release, as the key's stores that follow (a reader that sees the tombstone sees no ticket) */
-  __atomic_store_n(&s->ticket, 0, __ATOMIC_RELEASE);
-  tomb_key(s);
+  /* a CAS, not tomb_key's stores: clearing a dead PE's claim, skv__index_forget_pe may finish
+   * the same ERASING slot at once (both see that PE in it), and the slot may be claimed again
+   * between its CAS and our stores (a release is rare: a lost race, a failed copy) */
+  __atomic_store_n(&s->ticket, 0, __ATOMIC_SEQ_CST);
+  cas_key(s, k, K_TOMB);
   return true;
 }
 
@@ -184,7 +187,7 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
     if (t != 0) {
       if (t > my_ticket) return 0;
       if (!ix->alive || ix->alive(ix->alive_arg, owner)) return 1;
-      if (release_slot(s, v)) return 0;
+      if (release_slot(s, k128(key), v)) return 0;
       continue; /* it moved on (published, or cleared by another inserter): look again */
     }
     if (spin < 128) {
@@ -204,7 +207,8 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
       return 1;
     }
     if (now >= next_alive_check) {
-      if (next_alive_check && ix->alive && !ix->alive(ix->alive_arg, owner) && release_slot(s, v))
+      if (next_alive_check && ix->alive && !ix->alive(ix->alive_arg, owner) &&
+          release_slot(s, k128(key), v))
         return 0;
       next_alive_check = now + 10;
     }
@@ -265,26 +269,33 @@ static int claim_slot(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_cla
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
   unsigned __int128 kw = k128(key);
-  /* 1. claim the first free slot, unless the key is already VALID on the way. */
+  /* 1. claim the first free slot, unless the key is VALID where it may lie: up to the home's
+   * reach (or an EMPTY slot), as a lookup walks, so that a key cached past a tombstone costs a
+   * read, not a claim that its rescan then gives up */
   skv__index_slot_t *mine = NULL;
   unsigned dist = 0;
-  for (unsigned i = 0; i < SKV_INDEX_WINDOW && !mine; i++) {
-    skv__index_slot_t *s = &slots[(h + i) & mask];
-    uint64_t hi, lo;
-    int kind = read_key(s, &hi, &lo);
-    if (kind == SLOT_KEY && hi == key.hi && lo == key.lo) {
-      uint64_t v = ld_acq(&s->val);
-      if (v & SKV_VAL_VALID) return SKV_EEXIST;
-      continue;
+  while (!mine) {
+    unsigned lim = SKV_INDEX_WINDOW, free_at = SKV_INDEX_WINDOW;
+    int free_kind = SLOT_EMPTY;
+    for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
+      if (i == 1) lim = SKV_MIN((unsigned)SKV_INDEX_WINDOW, reach_of(ix, sh, h) + 1);
+      if (i >= lim && free_at < SKV_INDEX_WINDOW) break;
+      skv__index_slot_t *s = &slots[(h + i) & mask];
+      uint64_t hi, lo;
+      int kind = read_key(s, &hi, &lo);
+      if (kind == SLOT_KEY && hi == key.hi && lo == key.lo) {
+        if (ld_acq(&s->val) & SKV_VAL_VALID) return SKV_EEXIST;
+        continue;
+      }
+      if ((kind == SLOT_EMPTY || kind == SLOT_TOMB) && free_at == SKV_INDEX_WINDOW)
+        free_at = i, free_kind = kind;
+      if (kind == SLOT_EMPTY) break; /* nothing lies past an EMPTY slot */
     }
-    if (kind == SLOT_KEY || kind == SLOT_CLAIMING) continue;
-    unsigned __int128 old = kind == SLOT_TOMB ? K_TOMB : K_EMPTY;
-    if (cas_key(s, old, kw))
-      mine = s, dist = i;
-    else
-      i--; /* the slot changed: look at it again */
+    if (free_at == SKV_INDEX_WINDOW) return SKV_ENOSPC;
+    skv__index_slot_t *s = &slots[(h + free_at) & mask];
+    if (cas_key(s, free_kind == SLOT_TOMB ? K_TOMB : K_EMPTY, kw))
+      mine = s, dist = free_at; /* else it was taken meanwhile: walk again */
   }
-  if (!mine) return SKV_ENOSPC;
   reach_raise(ix, sh, h, dist); /* before PENDING: readers and rescans then cover our slot */
   /* 2. PENDING with our PE (the ticket follows). Nobody else writes the slot now: its val is 0
    * or ERASING, which no CAS of another PE expects. Release is enough: the ticket's add comes
@@ -334,7 +345,7 @@ static void claim_group(skv__index_t *ix, const skv_key_t *keys, size_t from, si
     if (rc[i]) continue;
     skv__index_slot_t *mine = &ix->slots[c[i].shard][c[i].slot];
     if (scan_copies(ix, keys[i], mine, c[i].ticket)) {
-      release_slot(mine, c[i].pending);
+      release_slot(mine, k128(keys[i]), c[i].pending);
       rc[i] = SKV_EEXIST;
       raced[i] = true;
     }
@@ -376,8 +387,8 @@ void skv__index_count(skv__index_t *ix, int shard, int64_t n) {
                      __ATOMIC_RELAXED);
 }
 
-void skv__index_release(skv__index_t *ix, const skv__index_claim_t *c) {
-  (void)release_slot(&ix->slots[c->shard][c->slot], c->pending);
+void skv__index_release(skv__index_t *ix, skv_key_t key, const skv__index_claim_t *c) {
+  (void)release_slot(&ix->slots[c->shard][c->slot], k128(key), c->pending);
 }
 
 int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe) {
@@ -444,7 +455,7 @@ uint64_t skv__index_forget_pe(skv__index_t *ix, int pe) {
         continue;
       }
       if (!(v & SKV_VAL_VALID) && !skv__val_is_pending(v)) continue;
-      if (!release_slot(s, v)) continue; /* it moved on meanwhile */
+      if (!release_slot(s, k128(k), v)) continue; /* it moved on meanwhile */
       if (v & SKV_VAL_VALID) __atomic_sub_fetch(&ix->hdr[sh]->entries, 1, __ATOMIC_RELAXED);
       cleared++;
     }

@@ -211,7 +211,9 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe);
  *  - skv__index_release gives a claim up (its copy failed, or no page for it): its slot goes
  *    back to a tombstone.
  * Each claim must end in exactly one publish or release; a PE that dies in between leaves
- * PENDING slots, which inserters of those keys, or skv__index_forget_pe, clear. */
+ * PENDING slots, which inserters of those keys, or skv__index_forget_pe, clear. A claim released
+ * after other inserters of its key lost to it (its copy failed) leaves the key uncached: they
+ * skipped it, and it is cached again by its next publish. */
 typedef struct skv__index_claim {
   uint32_t shard, slot;
   uint64_t pending; /* our PENDING value in it */
@@ -246,7 +248,7 @@ int skv__index_publish(skv__index_t *ix, const skv__index_claim_t *c, uint64_t v
  * add), or -n erased, in the counter of shard `shard` (mod the shards): the counters' sum is the
  * entries. */
 void skv__index_count(skv__index_t *ix, int shard, int64_t n);
-void skv__index_release(skv__index_t *ix, const skv__index_claim_t *c);
+void skv__index_release(skv__index_t *ix, skv_key_t key, const skv__index_claim_t *c);
 /* Erase key if it maps to exactly `val`; SKV_ENOTFOUND otherwise. */
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val);
 /* skv__index_erase of the entry at `islot` (skv__index_islot of the claim it was published

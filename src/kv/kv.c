@@ -481,7 +481,9 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
  * allocation, what was allocated is still published and the other claims are released), the
  * blocks are copied in, and once the copy is complete each page becomes READY and its claim is
  * published (finish_pages): the page joins the LRU, and its record keeps where its index entry
- * is (islot: its eviction erases it there). A claim whose copy failed is released.
+ * is (islot: its eviction erases it there). A claim whose page was not allocated, whose copy
+ * was not queued, or whose synchronous copy failed is released; a queued copy is published
+ * once its launch completes (a CUDA error there is reported by skv__kvc_sync, as before).
  * The copy is one of three, by where the pages and the engine's blocks are:
  *  - host: memcpy between host blocks and host pages (host or cuda_host backend), runs of
  *    PUB_CHUNK pages, synchronous;
@@ -673,9 +675,10 @@ static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step
   return inserted;
 }
 
-/* Give up the claims cl[0..n) (their pages were not written). */
-static void release_claims(skv_kv_t *kv, const skv__index_claim_t *cl, size_t n) {
-  for (size_t i = 0; i < n; i++) skv__index_release(&kv->index, &cl[i]);
+/* Give up the claims cl[0..n) of keys keys[idx[i]] (their pages were not written). */
+static void release_claims(skv_kv_t *kv, const skv_key_t *keys, const size_t *idx,
+                           const skv__index_claim_t *cl, size_t n) {
+  for (size_t i = 0; i < n; i++) skv__index_release(&kv->index, keys[idx[i]], &cl[i]);
 }
 
 #ifdef SKV_WITH_CUDA
@@ -889,7 +892,7 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
 #endif
   t = skv__kp_lap(&kv->prof, SKV__KP_COPY, t);
   if (rc) {
-    release_claims(kv, cl, k);
+    release_claims(kv, keys, idx, cl, k);
     for (size_t q = 0; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
   } else {
     *inserted += finish_pages(kv, pages, 1, keys, idx, cl, k);
@@ -972,16 +975,12 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     /* each key's index slot claimed (PENDING: readers miss it until the copy is complete, and
      * another PE's publish of the key loses to it): a key cached already, or whose copy by
      * another publish is older, is skipped before anything is allocated or copied */
-    const size_t w = SKV_MIN(chunk, n - i);
+    const size_t w = SKV_MIN(chunk, n - i), i0 = i;
     skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
     for (size_t q = 0; q < w; q++) {
       if (crc[q] == 0) {
         cl[k] = cl[q];    /* k <= q: the claims packed in place */
         idx[k++] = i + q; /* ours to copy */
-      } else if (crc[q] == SKV_ENOSPC) {
-        note_index_full(kv);
-      } else if (craced[q]) {
-        lost++; /* another PE's copy of the key won (deduplicated) */
       }
     }
     i += w;
@@ -990,13 +989,19 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     rc = skv__pool_alloc_n(&kv->pool, skv__kv_evict_cb, kv, pages, k, &got, &ev);
     /* on a failure, what was allocated is still published */
     t = skv__kp_lap(P, SKV__KP_ALLOC, t);
-    release_claims(kv, cl + got, k - got); /* no page for these */
+    release_claims(kv, keys, idx + got, cl + got, k - got); /* no page for these */
     if (rc && got > 0 && path != PATH_DEVICE) {
       /* A synchronous copy finishes these pages before the next run, which may then evict
        * them: the keys left over go to the next run (as one page at a time did: a publish of
        * more keys than the pool has unpinned pages keeps the last ones). */
       i = idx[got];
       rc = 0;
+    }
+    for (size_t q = 0; q < i - i0 && q < w; q++) { /* the keys of the window decided on */
+      if (crc[q] == SKV_ENOSPC)
+        note_index_full(kv);
+      else if (crc[q] != 0 && craced[q])
+        lost++; /* another publish's copy of the key won (deduplicated) */
     }
     k = got;
     if (k == 0) continue; /* every key of the window cached (or no page: rc ends the loop) */
@@ -1011,7 +1016,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
       const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &ume, 0, pages, 1, pkeys, false, cl};
       size_t queued = 0;
       r = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
-      release_claims(kv, cl + queued, k - queued);
+      release_claims(kv, keys, idx + queued, cl + queued, k - queued);
       for (size_t q = queued; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
       inserted += queued; /* queued: the completion publishes them (skv_kv_sync waits for it) */
 #endif
