@@ -167,8 +167,9 @@ static bool release_slot(skv__index_slot_t *s, unsigned __int128 k, uint64_t pen
  * caller does not cache its page, and the key is cached by the copy once its owner runs. */
 #define COPY_TICKET_WAIT_MS 100
 
-/* Does another inserter's copy of `key` in slot s win over ours (ticket my_ticket)? 1: it is
- * VALID, or PENDING with a smaller ticket and a live owner, or its ticket did not come in time.
+/* Does another inserter's copy of `key` in slot s win over ours (ticket my_ticket)? 2: it is
+ * VALID (the key is cached); 1: it is PENDING with a smaller ticket and a live owner, or its
+ * ticket did not come in time.
  * 0: it is gone, being erased, newer than us, or a dead owner's claim (cleared here). A claim
  * that has not stored its PENDING value yet (val still 0 or ERASING from before the claim) is
  * newer: we stored our ticket before reading its val, it takes its ticket after storing PENDING,
@@ -181,7 +182,7 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
     uint64_t t = __atomic_load_n(&s->ticket, __ATOMIC_SEQ_CST);
     uint64_t v = __atomic_load_n(&s->val, __ATOMIC_SEQ_CST);
     if (!same_key(s, key)) return 0;
-    if (v & SKV_VAL_VALID) return 1;
+    if (v & SKV_VAL_VALID) return 2;
     if (!skv__val_is_pending(v)) return 0;
     int owner = (int)skv__val_pe(v);
     if (t != 0) {
@@ -216,8 +217,8 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
   }
 }
 
-/* Scan the window for copies of `key` other than our slot `mine` (ticket my_ticket). Returns 1
- * when one wins over ours (copy_wins), else 0. */
+/* Scan the window for copies of `key` other than our slot `mine` (ticket my_ticket). Returns
+ * copy_wins's answer for the first copy that wins over ours (2 VALID, 1 older), else 0. */
 static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine,
                        uint64_t my_ticket) {
   int sh = shard_of(ix, key);
@@ -232,7 +233,8 @@ static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine,
     int kind = read_key(s, &hi, &lo);
     if (kind == SLOT_EMPTY) break;
     if (kind != SLOT_KEY || s == mine || hi != key.hi || lo != key.lo) continue;
-    if (copy_wins(ix, s, key, my_ticket)) return 1;
+    const int w = copy_wins(ix, s, key, my_ticket);
+    if (w) return w;
   }
   return 0;
 }
@@ -269,33 +271,27 @@ static int claim_slot(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_cla
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
   unsigned __int128 kw = k128(key);
-  /* 1. claim the first free slot, unless the key is VALID where it may lie: up to the home's
-   * reach (or an EMPTY slot), as a lookup walks, so that a key cached past a tombstone costs a
-   * read, not a claim that its rescan then gives up */
+  /* 1. claim the first free slot, unless the key is already VALID on the way (a copy cached
+   * further on is found by the rescan: the claim is given up, the key counted as cached) */
   skv__index_slot_t *mine = NULL;
   unsigned dist = 0;
-  while (!mine) {
-    unsigned lim = SKV_INDEX_WINDOW, free_at = SKV_INDEX_WINDOW;
-    int free_kind = SLOT_EMPTY;
-    for (unsigned i = 0; i < SKV_INDEX_WINDOW; i++) {
-      if (i == 1) lim = SKV_MIN((unsigned)SKV_INDEX_WINDOW, reach_of(ix, sh, h) + 1);
-      if (i >= lim && free_at < SKV_INDEX_WINDOW) break;
-      skv__index_slot_t *s = &slots[(h + i) & mask];
-      uint64_t hi, lo;
-      int kind = read_key(s, &hi, &lo);
-      if (kind == SLOT_KEY && hi == key.hi && lo == key.lo) {
-        if (ld_acq(&s->val) & SKV_VAL_VALID) return SKV_EEXIST;
-        continue;
-      }
-      if ((kind == SLOT_EMPTY || kind == SLOT_TOMB) && free_at == SKV_INDEX_WINDOW)
-        free_at = i, free_kind = kind;
-      if (kind == SLOT_EMPTY) break; /* nothing lies past an EMPTY slot */
+  for (unsigned i = 0; i < SKV_INDEX_WINDOW && !mine; i++) {
+    skv__index_slot_t *s = &slots[(h + i) & mask];
+    uint64_t hi, lo;
+    int kind = read_key(s, &hi, &lo);
+    if (kind == SLOT_KEY && hi == key.hi && lo == key.lo) {
+      uint64_t v = ld_acq(&s->val);
+      if (v & SKV_VAL_VALID) return SKV_EEXIST;
+      continue;
     }
-    if (free_at == SKV_INDEX_WINDOW) return SKV_ENOSPC;
-    skv__index_slot_t *s = &slots[(h + free_at) & mask];
-    if (cas_key(s, free_kind == SLOT_TOMB ? K_TOMB : K_EMPTY, kw))
-      mine = s, dist = free_at; /* else it was taken meanwhile: walk again */
+    if (kind == SLOT_KEY || kind == SLOT_CLAIMING) continue;
+    unsigned __int128 old = kind == SLOT_TOMB ? K_TOMB : K_EMPTY;
+    if (cas_key(s, old, kw))
+      mine = s, dist = i;
+    else
+      i--; /* the slot changed: look at it again */
   }
+  if (!mine) return SKV_ENOSPC;
   reach_raise(ix, sh, h, dist); /* before PENDING: readers and rescans then cover our slot */
   /* 2. PENDING with our PE (the ticket follows). Nobody else writes the slot now: its val is 0
    * or ERASING, which no CAS of another PE expects. Release is enough: the ticket's add comes
@@ -344,10 +340,11 @@ static void claim_group(skv__index_t *ix, const skv_key_t *keys, size_t from, si
   for (size_t i = from; i < to; i++) {
     if (rc[i]) continue;
     skv__index_slot_t *mine = &ix->slots[c[i].shard][c[i].slot];
-    if (scan_copies(ix, keys[i], mine, c[i].ticket)) {
+    const int w = scan_copies(ix, keys[i], mine, c[i].ticket);
+    if (w) {
       release_slot(mine, k128(keys[i]), c[i].pending);
       rc[i] = SKV_EEXIST;
-      raced[i] = true;
+      raced[i] = w == 1; /* 2: the key is cached (VALID), maybe past our slot */
     }
   }
 }
