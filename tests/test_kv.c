@@ -525,6 +525,81 @@ Test(kv, batched_pool_steps_keep_the_protocol) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* PEs 0-7 pin with a byte of the page record each, PEs from 8 with a bit (pool.h). 10 PEs pin
+ * PE 0's pages: each pins a batch [1, 2, 1, 3 stale, 2, 4] as a lookup does (the prefix before
+ * the stale page: 1 twice and 2 stay pinned, 3 and 4 are given back), and the owner's eviction
+ * takes only what no PE pins, whichever way each pins. */
+static int pe_pins_by_bytes_and_bits(int rank, int npes, void *arg) {
+  (void)arg;
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 64, 60000) == 0, "fixture: %s", skv_last_error());
+  skv__pool_t *p = &f.kv->pool;
+  size_t ins, nhit;
+  if (rank == 0) {
+    uint64_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    PE_CHECK(publish_ids(&f, ids, 8, &ins) == 0 && ins == 8, "fill");
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  skv_key_t keys[4];
+  skv_page_ref_t refs[4];
+  for (int i = 0; i < 4; i++) keys[i] = key_of(&f, 1 + (uint64_t)i);
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 4, 0, refs, &nhit) == 0 && nhit == 4, "lookup");
+  const int order[6] = {0, 1, 0, 2, 1, 3};
+  uint32_t pe[6], page[6], gen[6];
+  for (int i = 0; i < 6; i++) {
+    pe[i] = refs[order[i]].pe, page[i] = refs[order[i]].page, gen[i] = refs[order[i]].gen;
+    if (order[i] == 2) gen[i]++; /* a reference to key 3's page before its last reuse */
+  }
+  if (rank > 0) {
+    PE_CHECK(skv__pool_pin_prefix(p, pe, page, gen, 6) == 3, "the prefix before the stale page");
+    const int held[4] = {0, 0, SKV_ENOTFOUND, SKV_ENOTFOUND};
+    for (int i = 0; i < 4; i++) {
+      const int r = skv__pool_held(p, refs[i].pe, refs[i].page, refs[i].gen);
+      PE_CHECK(r == held[i], "key %d: held %s", i + 1, skv_err_name(r));
+      skv__page_meta_t *m = &p->meta[refs[i].pe][refs[i].page];
+      PE_CHECK(skv__page_pinned_by(m, rank) == (held[i] == 0), "key %d: pin of PE %d", i + 1, rank);
+    }
+    PE_CHECK(skv__pool_pinned_own(p) == 0 && p->pinned_pages == 2, "pinned pages: %llu",
+             (unsigned long long)p->pinned_pages);
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  uint64_t n = 0;
+  if (rank == 0) {
+    skv__page_meta_t *m = &p->meta[0][refs[0].page];
+    PE_CHECK(skv__page_pins(m) == ((1ull << npes) - 2), "key 1 pinned by PEs 1-%d: %#llx", npes - 1,
+             (unsigned long long)skv__page_pins(m));
+    PE_CHECK(__atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST) == ((1ull << npes) - 256) &&
+                 __atomic_load_n(&m->pinbytes, __ATOMIC_SEQ_CST) == 0x0101010101010100ull,
+             "bytes for PEs 1-7, bits from 8");
+    PE_CHECK(skv_kv_evict(f.kv, 100, &n) == 0 && n == 6, "evicted %llu, expected 6 (1, 2 pinned)",
+             (unsigned long long)n);
+  }
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  /* every PE but the last gives its pins back (key 1 twice, key 2 once) */
+  skv_page_ref_t mine[3] = {refs[0], refs[0], refs[1]};
+  if (rank > 0 && rank < npes - 1)
+    PE_CHECK(skv_kv_unpin(f.kv, mine, 3) == 0, "unpin: %s", skv_last_error());
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 0)
+    PE_CHECK(skv_kv_evict(f.kv, 100, &n) == 0 && n == 0, "PE %d's bits keep 1 and 2: %llu went",
+             npes - 1, (unsigned long long)n);
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == npes - 1) PE_CHECK(skv_kv_unpin(f.kv, mine, 3) == 0, "unpin: %s", skv_last_error());
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  if (rank == 0)
+    PE_CHECK(skv_kv_evict(f.kv, 100, &n) == 0 && n == 2, "1 and 2 go once unpinned: %llu",
+             (unsigned long long)n);
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, pins_by_bytes_and_bits_hold_and_a_stale_page_gives_back_the_rest, .timeout = 120) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 10, pe_pins_by_bytes_and_bits, NULL, 100000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 /* One publish of more keys than the pool has unpinned pages: the host path works in runs of
  * pages, and a run that finds too few pages publishes what it got and goes on (the next run
  * evicts this call's own earlier pages), as one page at a time did: every key is inserted, the
@@ -978,18 +1053,19 @@ Test(kv, pins_hold_while_the_owner_cannot_read_proc) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
-/* A pin that meets the evictor between its CAS and its pinmask read (EVICTING, same generation)
+/* A pin that meets the evictor between its CAS and its pins read (EVICTING, same generation)
  * waits for the verdict instead of reporting the page stale: here the "evictor" reads the
- * pinmask, finds the pin and puts the page back to READY, as try_evict does. One that never
+ * pins, finds the pin and puts the page back to READY, as try_evict does. One that never
  * resolves is stale. */
 typedef struct evicting_arg {
-  uint64_t *state, *pinmask, ready, bit;
+  skv__page_meta_t *m;
+  uint64_t ready, bit;
 } evicting_arg_t;
 
 static void *restore_ready(void *a) {
   evicting_arg_t *e = a;
-  while (!(__atomic_load_n(e->pinmask, __ATOMIC_SEQ_CST) & e->bit)) sched_yield();
-  __atomic_store_n(e->state, e->ready, __ATOMIC_SEQ_CST);
+  while (!(skv__page_pins(e->m) & e->bit)) sched_yield();
+  __atomic_store_n(&e->m->state, e->ready, __ATOMIC_SEQ_CST);
   return NULL;
 }
 
@@ -1007,7 +1083,7 @@ static int pe_pin_meets_evicting(int rank, int npes, void *arg) {
   uint64_t ready = skv__st_make(ref.gen, SKV_PAGE_READY),
            evicting = skv__st_make(ref.gen, SKV_PAGE_EVICTING);
   PE_CHECK(__atomic_load_n(&m->state, __ATOMIC_SEQ_CST) == ready, "page READY");
-  evicting_arg_t e = {&m->state, &m->pinmask, ready, 1ull << rank};
+  evicting_arg_t e = {m, ready, 1ull << rank};
   __atomic_store_n(&m->state, evicting, __ATOMIC_SEQ_CST);
   pthread_t t;
   PE_CHECK(pthread_create(&t, NULL, restore_ready, &e) == 0, "thread");
@@ -1022,8 +1098,7 @@ static int pe_pin_meets_evicting(int rank, int npes, void *arg) {
            "stuck EVICTING is stale");
   PE_CHECK(skv__now_ms() - t0 < 1000, "the pin waited %llu ms",
            (unsigned long long)(skv__now_ms() - t0));
-  PE_CHECK((__atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST) & 1ull << ref.pe) == 0,
-           "pin bit cleared");
+  PE_CHECK(skv__page_pins(m) == 0, "pin cleared");
   __atomic_store_n(&m->state, ready, __ATOMIC_SEQ_CST);
   fix_fini(&f);
   return 0;

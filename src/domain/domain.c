@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #define DOM_MAGIC        0x316d6f64766b7973ull /* "symkvdom1" */
-#define DOM_VERSION      2                     /* 2: the index shards have reach bytes (index.h) */
+#define DOM_VERSION      3 /* 2: the index shards' reach bytes (index.h); 3: pin bytes (pool.h) */
 #define DEFAULT_PAGES    1024
 #define ALIVE_RECHECK_MS 10
 #define ATTACH_RETRIES   8
@@ -195,8 +195,7 @@ static void reclaim(skv__domain_t *d, int r) {
   for (uint32_t s = 0; s < h->max_slots; s++) {
     skv__page_meta_t *m = (skv__page_meta_t *)((char *)pool_seg(d, (int)s) + sizeof(skv__pe_hdr_t));
     for (uint64_t i = 0; i < h->pages_per_slot; i++)
-      if (__atomic_load_n(&m[i].pinmask, __ATOMIC_RELAXED) & bit)
-        __atomic_fetch_and(&m[i].pinmask, ~bit, __ATOMIC_SEQ_CST);
+      if (skv__page_pinned_by(&m[i], r)) skv__page_pin_clear(&m[i], r);
     __atomic_fetch_and(&d->slots[s].mapped_by, ~bit, __ATOMIC_SEQ_CST);
   }
   /* Nothing may point at its pages any more: entries and claims out of the index, pages FREE

@@ -103,7 +103,7 @@ int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const
   for (uint64_t i = 0; i < pages && !(flags & SKV__POOL_NO_PAGES); i++) {
     skv__page_meta_t *m = &p->meta[me][i];
     uint64_t st = __atomic_load_n(&m->state, __ATOMIC_ACQUIRE);
-    uint64_t pins = (flags & SKV__POOL_REUSE) ? __atomic_load_n(&m->pinmask, __ATOMIC_ACQUIRE) : 0;
+    uint64_t pins = (flags & SKV__POOL_REUSE) ? skv__page_pins(m) & ~(1ull << me) : 0;
     uint32_t gen = 1;
     if (flags & SKV__POOL_REUSE) {
       gen = skv__st_gen(st) ? skv__st_gen(st) : 1;
@@ -112,9 +112,14 @@ int skv__pool_init(skv__pool_t *p, int npes, int me, uint64_t pages, void *const
     m->last_use = m->key_hi = m->key_lo = 0;
     /* remote pins of an earlier incarnation went with its UCX registration */
     __atomic_store_n(&m->rpins, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&m->pinmask, pins & ~(1ull << me), __ATOMIC_RELAXED);
+    if (flags & SKV__POOL_REUSE) {
+      skv__page_pin_clear(m, me); /* other PEs' pins stay: they may still be reading */
+    } else {
+      __atomic_store_n(&m->pinmask, 0, __ATOMIC_RELAXED);
+      __atomic_store_n(&m->pinbytes, 0, __ATOMIC_RELAXED);
+    }
     __atomic_store_n(&m->state, skv__st_make(gen, SKV_PAGE_FREE), __ATOMIC_RELEASE);
-    if (pins & ~(1ull << me))
+    if (pins)
       p->retired[p->nretired++] = (uint32_t)i;
     else
       p->free_stack[p->nfree++] = (uint32_t)i;
@@ -147,13 +152,12 @@ void skv__pool_set_alive(skv__pool_t *p, bool (*fn)(void *arg, int pe), void *ar
 }
 
 void skv__pool_forget_pe(skv__pool_t *p, int pe) {
-  const uint64_t bit = 1ull << p->me;
   pthread_mutex_lock(&p->pin_mu);
   for (uint64_t i = 0; i < p->pages; i++) {
     uint32_t *c = &p->pins[(uint64_t)pe * p->pages + i];
     if (*c == 0) continue;
     *c = 0;
-    __atomic_fetch_and(&p->meta[pe][i].pinmask, ~bit, __ATOMIC_RELEASE);
+    skv__page_pin_clear(&p->meta[pe][i], p->me);
     p->pinned_pages--;
   }
   p->forgot[pe] = 1;
@@ -249,8 +253,7 @@ bool skv__pool_renew(skv__pool_t *p) {
     uint64_t n = 0;
     for (uint64_t i = 0; i < (uint64_t)p->npes * p->pages; i++) {
       if (!p->pins[i]) continue;
-      __atomic_fetch_and(&p->meta[i / p->pages][i % p->pages].pinmask, ~(1ull << p->me),
-                         __ATOMIC_SEQ_CST);
+      skv__page_pin_clear(&p->meta[i / p->pages][i % p->pages], p->me);
       p->pins[i] = 0;
       n++;
     }
@@ -284,16 +287,16 @@ static bool lease_expired(skv__pool_t *p, int pe) {
  * (their leases ended with them) and bits of live PEs whose lease ran out are revoked (counter
  * first, then the bit). Our own bit is left to the caller. */
 static uint64_t live_pins(skv__pool_t *p, skv__page_meta_t *m, uint32_t page) {
-  uint64_t pins = __atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST);
+  uint64_t pins = skv__page_pins(m);
   for (int pe = 0; pins && pe < p->npes; pe++) {
     uint64_t bit = 1ull << pe;
     if (!(pins & bit) || pe == p->me) continue;
     if (!skv__pool_alive(p, pe)) {
-      __atomic_fetch_and(&m->pinmask, ~bit, __ATOMIC_SEQ_CST);
+      skv__page_pin_clear(m, pe);
       pins &= ~bit;
     } else if (lease_expired(p, pe)) {
       __atomic_fetch_add(&p->hdr[pe]->revoked, 1, __ATOMIC_SEQ_CST);
-      __atomic_fetch_and(&m->pinmask, ~bit, __ATOMIC_SEQ_CST);
+      skv__page_pin_clear(m, pe);
       pins &= ~bit;
       SKV_WARN_RL(SKV_SUBSYS_POOL,
                   "PE %d holds a pin on page %u but made no call for longer than its lease: "
@@ -326,49 +329,55 @@ static bool remote_pins(skv__pool_t *p, skv__page_meta_t *m, uint32_t page) {
   return false;
 }
 
+/* Our pin on page `page` of PE pe (record m) is set, and the fence after it passed: does it
+ * hold? 0, or SKV_ESTALE with the pin cleared again. pin_mu held. */
+static int pin_check(skv__pool_t *p, skv__page_meta_t *m, uint32_t pe, uint32_t page,
+                     uint32_t gen) {
+  uint64_t st = __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
+  /* The owner's evictor is between its CAS and its pins read: it either saw our pin and
+   * puts the page back to READY, or evicts it (FREE, next generation). Wait for which. */
+  uint64_t until = 0;
+  for (unsigned spin = 0; st == skv__st_make(gen, SKV_PAGE_EVICTING); spin++) {
+    if (spin < 256) {
+      SKV_CPU_RELAX();
+    } else { /* the evictor was descheduled in its window: let it run, if it lives */
+      uint64_t now = skv__now_ms();
+      if (!until) {
+        if (!skv__pool_alive(p, (int)pe)) {
+          st = undo_dead_eviction(m, gen, pe, page);
+          break;
+        }
+        until = now + PIN_EVICTING_WAIT_MS;
+      }
+      if (now > until) break; /* it stopped there: stale for us */
+      sched_yield();
+    }
+    st = __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
+  }
+  if (skv__st_state(st) != SKV_PAGE_READY || skv__st_gen(st) != gen) {
+    skv__page_pin_clear(m, p->me);
+    return SKV_ESTALE;
+  }
+  return 0;
+}
+
 /* Pin one page, pin_mu held. */
 static inline __attribute__((always_inline)) int pin_locked(skv__pool_t *p, uint32_t pe,
                                                             uint32_t page, uint32_t gen) {
   skv__page_meta_t *m = &p->meta[pe][page];
-  uint64_t bit = 1ull << p->me;
-  int rc = 0;
   uint32_t *c = &p->pins[(uint64_t)pe * p->pages + page];
   if (*c > 0) {
     /* Our pin keeps the page from changing: its current generation is the pinned one. */
-    if (skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_ACQUIRE)) != gen)
-      rc = SKV_ESTALE;
-    else
-      (*c)++;
-  } else {
-    __atomic_fetch_or(&m->pinmask, bit, __ATOMIC_SEQ_CST);
-    uint64_t st = __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
-    /* The owner's evictor is between its CAS and its pinmask read: it either saw our bit and
-     * puts the page back to READY, or evicts it (FREE, next generation). Wait for which. */
-    uint64_t until = 0;
-    for (unsigned spin = 0; st == skv__st_make(gen, SKV_PAGE_EVICTING); spin++) {
-      if (spin < 256) {
-        SKV_CPU_RELAX();
-      } else { /* the evictor was descheduled in its window: let it run, if it lives */
-        uint64_t now = skv__now_ms();
-        if (!until) {
-          if (!skv__pool_alive(p, (int)pe)) {
-            st = undo_dead_eviction(m, gen, pe, page);
-            break;
-          }
-          until = now + PIN_EVICTING_WAIT_MS;
-        }
-        if (now > until) break; /* it stopped there: stale for us */
-        sched_yield();
-      }
-      st = __atomic_load_n(&m->state, __ATOMIC_SEQ_CST);
-    }
-    if (skv__st_state(st) != SKV_PAGE_READY || skv__st_gen(st) != gen) {
-      __atomic_fetch_and(&m->pinmask, ~bit, __ATOMIC_SEQ_CST);
-      rc = SKV_ESTALE;
-    } else {
-      *c = 1;
-      p->pinned_pages++;
-    }
+    if (skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_ACQUIRE)) != gen) return SKV_ESTALE;
+    (*c)++;
+    return 0;
+  }
+  skv__page_pin_set(m, p->me);
+  if (p->me < SKV_PIN_BYTE_PES) skv__pin_fence(); /* a bit's OR is one */
+  int rc = pin_check(p, m, pe, page, gen);
+  if (rc == 0) {
+    *c = 1;
+    p->pinned_pages++;
   }
   return rc;
 }
@@ -388,7 +397,7 @@ static inline __attribute__((always_inline)) int unpin_locked(skv__pool_t *p, ui
     return 0; /* dropped with its incarnation, or with a lease that ran out: nothing to release */
   if (*c == 0) return SKV_EINVAL;
   if (--*c == 0) {
-    __atomic_fetch_and(&p->meta[pe][page].pinmask, ~(1ull << p->me), __ATOMIC_RELEASE);
+    skv__page_pin_clear(&p->meta[pe][page], p->me);
     p->pinned_pages--;
   }
   return 0;
@@ -421,6 +430,51 @@ static inline void pin_prefetch(const skv__pool_t *p, uint32_t pe, uint32_t page
   __builtin_prefetch(&p->pins[(uint64_t)pe * p->pages + page], 1);
 }
 
+/* Pages [i, end) of a batch with pin bytes (PE < SKV_PIN_BYTE_PES), pin_mu held: every page's
+ * count taken and, where it was 0, its byte stored; one fence; then, in order, each page
+ * checked (the Dekker read of a new pin, the generation of one held already). A page that
+ * fails gives its rc in *rc, and it and the pages after it are given back: returns the index
+ * of the first page not pinned (end when all were). */
+static size_t pin_bytes_run(skv__pool_t *p, const uint32_t *pe, size_t pe_step,
+                            const uint32_t *page, size_t page_step, const uint32_t *gen,
+                            size_t gen_step, size_t i, size_t end, size_t n, int *rc) {
+  _Static_assert(PIN_RUN <= 64, "a run's new pins are a 64-bit mask");
+  uint64_t fresh = 0; /* bit j - i: page j's pin is new in this run (its count was 0) */
+  for (size_t j = i; j < end; j++) {
+    if (j + PIN_AHEAD < n)
+      pin_prefetch(p, pe[(j + PIN_AHEAD) * pe_step], page[(j + PIN_AHEAD) * page_step]);
+    const uint32_t e = pe[j * pe_step], pg = page[j * page_step];
+    uint32_t *c = &p->pins[(uint64_t)e * p->pages + pg];
+    if ((*c)++ == 0) {
+      skv__page_pin_set(&p->meta[e][pg], p->me);
+      fresh |= 1ull << (j - i);
+    }
+  }
+  skv__pin_fence();
+  size_t j = i;
+  *rc = 0;
+  for (; j < end && *rc == 0; j++) {
+    const uint32_t e = pe[j * pe_step], pg = page[j * page_step], g = gen[j * gen_step];
+    skv__page_meta_t *m = &p->meta[e][pg];
+    if (fresh >> (j - i) & 1) {
+      *rc = pin_check(p, m, e, pg, g);
+      if (*rc == 0) p->pinned_pages++;
+    } else if (skv__st_gen(__atomic_load_n(&m->state, __ATOMIC_ACQUIRE)) != g) {
+      /* held already (earlier in this run or before it): the page cannot have changed */
+      *rc = SKV_ESTALE;
+    }
+  }
+  if (*rc == 0) return end;
+  /* The failed page and those after it: counts back, and pins that only they held cleared
+   * (none of them was counted in pinned_pages). */
+  const size_t bad = j - 1;
+  for (size_t k = end; k-- > bad;) {
+    const uint32_t e = pe[k * pe_step], pg = page[k * page_step];
+    if (--p->pins[(uint64_t)e * p->pages + pg] == 0) skv__page_pin_clear(&p->meta[e][pg], p->me);
+  }
+  return bad;
+}
+
 /* Pin the leading pages of a batch, in runs, up to the first that fails (its rc in *rc): how
  * many were pinned. */
 static size_t pin_run(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const uint32_t *page,
@@ -430,11 +484,15 @@ static size_t pin_run(skv__pool_t *p, const uint32_t *pe, size_t pe_step, const 
   while (i < n && *rc == 0) {
     const size_t end = SKV_MIN(n, i + PIN_RUN);
     pthread_mutex_lock(&p->pin_mu);
-    for (; i < end; i++) {
-      if (i + PIN_AHEAD < n)
-        pin_prefetch(p, pe[(i + PIN_AHEAD) * pe_step], page[(i + PIN_AHEAD) * page_step]);
-      *rc = pin_locked(p, pe[i * pe_step], page[i * page_step], gen[i * gen_step]);
-      if (*rc) break;
+    if (p->me < SKV_PIN_BYTE_PES) {
+      i = pin_bytes_run(p, pe, pe_step, page, page_step, gen, gen_step, i, end, n, rc);
+    } else {
+      for (; i < end; i++) {
+        if (i + PIN_AHEAD < n)
+          pin_prefetch(p, pe[(i + PIN_AHEAD) * pe_step], page[(i + PIN_AHEAD) * page_step]);
+        *rc = pin_locked(p, pe[i * pe_step], page[i * page_step], gen[i * gen_step]);
+        if (*rc) break;
+      }
     }
     pthread_mutex_unlock(&p->pin_mu);
   }
@@ -877,6 +935,6 @@ uint64_t skv__pool_used(skv__pool_t *p) {
 uint64_t skv__pool_pinned_own(skv__pool_t *p) {
   uint64_t n = 0;
   for (uint64_t i = 0; i < p->pages; i++)
-    if (__atomic_load_n(&p->meta[p->me][i].pinmask, __ATOMIC_RELAXED)) n++;
+    if (skv__page_pins(&p->meta[p->me][i])) n++;
   return n;
 }

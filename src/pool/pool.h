@@ -11,18 +11,22 @@
  * ------------
  * Every page has a 64-byte metadata record in its owner's node-shared segment:
  *   state    (generation << 32) | state, state FREE, WRITING, READY or EVICTING;
- *   pinmask  one bit per local PE that holds at least one pin on the page;
+ *   pins     which local PEs hold at least one pin on the page: PEs 0-7 a byte each of
+ *            pinbytes (0 or 1, plain stores), PEs 8-63 a bit each of pinmask (atomic OR/AND);
  *   last_use monotonic nanoseconds of the last lookup hit or publish (the LRU position);
  *   key      the page's index key while READY (for erasing it on eviction).
- * A PE counts its own pins per page in private memory and keeps its bit set while the count
+ * A PE counts its own pins per page in private memory and keeps its pin set while the count
  * is non-zero.
  *
- * Pin (any PE r, reference (pe, page, gen)): set bit r in pinmask, then read state (both
- * sequentially consistent); the pin holds if the state is READY with generation gen, else the
- * bit is cleared again and the reference is stale.
- * Evict (owner only): CAS state READY(g) -> EVICTING(g), then read pinmask (sequentially
- * consistent). Pinner and evictor each write, then read the other's word (Dekker): at least
- * one of them sees the other, so a page is never evicted under a pin that succeeded. With
+ * Pin (any PE r, reference (pe, page, gen)): set r's pin (its byte, or its bit), then read state
+ * (sequentially consistent); the pin holds if the state is READY with generation gen, else the
+ * pin is cleared again and the reference is stale. A batch of PE r < 8 stores the bytes of a
+ * run of pages, then one sequentially consistent fence, then reads their states: one fence per
+ * run where a bit costs a locked OR per page (a locked OR and a locked AND per page were half of
+ * a fetch's host time on the GPU host's Xeon).
+ * Evict (owner only): CAS state READY(g) -> EVICTING(g), then read pinbytes and pinmask
+ * (sequentially consistent). Pinner and evictor each write, then read the other's word (Dekker):
+ * at least one of them sees the other, so a page is never evicted under a pin that succeeded. With
  * pins of live PEs the page goes back to READY; otherwise the index entry is erased and the
  * state becomes FREE(g + 1), so every earlier reference is stale.
  * LRU: the owner keeps a private min-heap of (last_use snapshot, page); a popped page whose
@@ -38,7 +42,7 @@
  *   A PE is dead only on evidence (no such pid, a zombie, another start time); a /proc read
  *   that fails otherwise (EMFILE...) says nothing, and a PE in another PID namespace (another
  *   container sharing the host's network) is never judged: its pins stay until it unpins.
- * - A pin that meets the evictor between its CAS and its pinmask read (EVICTING, same
+ * - A pin that meets the evictor between its CAS and its pins read (EVICTING, same
  *   generation) waits for the verdict (bounded, PIN_EVICTING_WAIT_MS): READY again when the
  *   evictor saw the pin, else FREE(g + 1) and the reference is stale.
  * - The owner dies inside its own eviction (EVICTING, before or after erasing the index entry):
@@ -53,8 +57,8 @@
  * -----------
  * Other nodes pin a page through UCX (src/cluster/xfer.c): an atomic add to its record's
  * rpins word (SKV_RPIN_ADD: one more pin, one more event), then, after a fence, a read of its
- * state: the Dekker pair of a local pin, with rpins in place of pinmask. An unpin adds
- * SKV_RPIN_SUB. The evictor reads rpins after its CAS to EVICTING, as it reads pinmask. A node
+ * state: the Dekker pair of a local pin, with rpins in place of the pins. An unpin adds
+ * SKV_RPIN_SUB. The evictor reads rpins after its CAS to EVICTING, as it reads the pins. A node
  * that dies or hangs holding pins cannot be told apart from one that holds them long, so remote
  * pins are leased as a whole per page: a page whose rpins word showed pins and did not change
  * for lease_ms (no pin, no unpin by anyone) is evicted as if unpinned (a warning says so). The
@@ -86,15 +90,57 @@ enum { SKV_PAGE_FREE = 0, SKV_PAGE_WRITING = 1, SKV_PAGE_READY = 2, SKV_PAGE_EVI
 
 typedef struct skv__page_meta {
   uint64_t state;   /* (gen << 32) | state */
-  uint64_t pinmask; /* bit per local PE */
+  uint64_t pinmask; /* bit per local PE from SKV_PIN_BYTE_PES on (the bits below are unused) */
   uint64_t last_use;
   uint64_t key_hi, key_lo;
   uint64_t rpins; /* pins of other nodes (src/cluster): count (low half) | pins + unpins (high) */
   uint64_t islot; /* the owner's hint: where the page's index entry is, (shard << 32 | slot) + 1
                    * (0: not known); checked by the erase, which walks when it is wrong */
-  uint64_t pad;
+  uint64_t pinbytes; /* byte per local PE below SKV_PIN_BYTE_PES: 1 while it holds pins */
 } skv__page_meta_t;
 _Static_assert(sizeof(skv__page_meta_t) == 64, "a page record is one cache line");
+
+/* PEs below this pin with a plain store to their byte of pinbytes, the others with an atomic OR
+ * to their bit of pinmask. */
+#define SKV_PIN_BYTE_PES 8
+
+/* The local PEs that pin the page, a bit each (sequentially consistent loads). */
+static inline uint64_t skv__page_pins(skv__page_meta_t *m) {
+  const uint64_t b = __atomic_load_n(&m->pinbytes, __ATOMIC_SEQ_CST) & 0x0101010101010101ull;
+  return ((b * 0x0102040810204080ull) >> 56) | __atomic_load_n(&m->pinmask, __ATOMIC_SEQ_CST);
+}
+
+/* A pin byte's store and the fence that orders it before the state read (skv__pin_fence).
+ * ThreadSanitizer has no fences: there, the store is sequentially consistent itself. */
+#ifdef __SANITIZE_THREAD__
+#define SKV__PIN_STORE   __ATOMIC_SEQ_CST
+#define skv__pin_fence() ((void)0)
+#else
+#define SKV__PIN_STORE   __ATOMIC_RELAXED
+#define skv__pin_fence() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#endif
+
+/* Set PE pe's pin on the page (for a byte, skv__pin_fence must follow before the state read). */
+static inline void skv__page_pin_set(skv__page_meta_t *m, int pe) {
+  if (pe < SKV_PIN_BYTE_PES)
+    __atomic_store_n((uint8_t *)&m->pinbytes + pe, 1, SKV__PIN_STORE);
+  else
+    __atomic_fetch_or(&m->pinmask, 1ull << pe, __ATOMIC_SEQ_CST);
+}
+
+/* Clear PE pe's pin on the page (release: the PE's reads of the page come before). */
+static inline void skv__page_pin_clear(skv__page_meta_t *m, int pe) {
+  if (pe < SKV_PIN_BYTE_PES)
+    __atomic_store_n((uint8_t *)&m->pinbytes + pe, 0, __ATOMIC_RELEASE);
+  else
+    __atomic_fetch_and(&m->pinmask, ~(1ull << pe), __ATOMIC_RELEASE);
+}
+
+static inline bool skv__page_pinned_by(skv__page_meta_t *m, int pe) {
+  return pe < SKV_PIN_BYTE_PES
+             ? __atomic_load_n((uint8_t *)&m->pinbytes + pe, __ATOMIC_RELAXED) != 0
+             : (__atomic_load_n(&m->pinmask, __ATOMIC_RELAXED) >> pe & 1) != 0;
+}
 
 /* Remote pins (src/cluster/xfer.c) are atomic adds of other nodes' fetching workers, through
  * UCX, to a page's rpins word: a pin adds SKV_RPIN_ADD, an unpin SKV_RPIN_SUB (the count goes
