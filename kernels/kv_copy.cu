@@ -72,7 +72,7 @@ __device__ __forceinline__ uint32_t fdiv(uint32_t n, const fdiv_t &f) {
   return f.d == 1 ? n : (__umulhi(n, f.mul) >> f.shr);
 }
 
-struct kp_t {
+template <uint32_t INL> struct kp_t {
   char *heap;
   uint64_t pe_stride, page_stride;
   const uint8_t *args; /* argument block, unless inline */
@@ -81,11 +81,16 @@ struct kp_t {
   uint32_t *err;
   uint32_t npes, pages, m, slab, items, bid64, refs_off, bids_off, ninl, l2_256;
   fdiv_t cpu, nt, row, heads, bt, run;
-  alignas(16) uint8_t inl[SKV_KV_COPY_INLINE_BYTES];
+  alignas(16) uint8_t inl[INL];
 };
-static_assert(sizeof(kp_t) <= 4096, "kernel parameters over 4 KiB");
+/* Two sizes of parameters: what every launch copies, and what a launch of a large batch copies
+ * where the driver takes more than 4 KiB (CUDA 12.1 on): kernels of each. */
+typedef kp_t<SKV_KV_COPY_INLINE_BYTES> kps_t;
+typedef kp_t<SKV_KV_COPY_INLINE_BIG> kpb_t;
+static_assert(sizeof(kps_t) <= 4096, "kernel parameters over 4 KiB");
+static_assert(sizeof(kpb_t) <= 16384, "large kernel parameters over 16 KiB");
 
-__device__ __forceinline__ const uint8_t *args_of(const kp_t &p) {
+template <class P> __device__ __forceinline__ const uint8_t *args_of(const P &p) {
   return p.ninl ? p.inl : p.args;
 }
 
@@ -155,7 +160,8 @@ __device__ __forceinline__ void st_global(uint8_t *p, uint8_t v) {
   asm volatile("st.global.u8 [%0], %1;" ::"l"(p), "h"((uint16_t)v) : "memory");
 }
 
-__device__ __forceinline__ uint64_t ld_bid(const kp_t &p, const uint8_t *a, uint64_t idx) {
+template <class P>
+__device__ __forceinline__ uint64_t ld_bid(const P &p, const uint8_t *a, uint64_t idx) {
   return p.bid64 ? reinterpret_cast<const uint64_t *>(a + p.bids_off)[idx]
                  : reinterpret_cast<const uint32_t *>(a + p.bids_off)[idx];
 }
@@ -175,7 +181,7 @@ __device__ __noinline__ void report(uint32_t *err, uint32_t code, uint32_t a, ui
 
 /* Engine byte offset (without the block) of slab offset o: token % bt, head, byte in the row;
  * j = the page's block index. */
-__device__ __forceinline__ int64_t eng_off(const kp_t &p, uint32_t o, uint32_t *j) {
+template <class P> __device__ __forceinline__ int64_t eng_off(const P &p, uint32_t o, uint32_t *j) {
   const uint32_t r = fdiv(o, p.row), c = o - r * p.row.d;
   const uint32_t tok = fdiv(r, p.heads), h = r - tok * p.heads.d;
   const uint32_t jj = fdiv(tok, p.bt), tt = tok - jj * p.bt.d;
@@ -183,7 +189,7 @@ __device__ __forceinline__ int64_t eng_off(const kp_t &p, uint32_t o, uint32_t *
   return (int64_t)tt * p.st + (int64_t)h * p.sh + (int64_t)c;
 }
 
-template <int W, int U, int DIR> __device__ __forceinline__ void copy_vec(const kp_t &p) {
+template <int W, int U, int DIR, class P> __device__ __forceinline__ void copy_vec(const P &p) {
   typedef typename vec<W>::T T;
   constexpr uint32_t CH = 32u * U * W;
   const uint8_t *a = args_of(p);
@@ -276,8 +282,9 @@ __device__ __forceinline__ void bulk_store(void *dst, const void *src, uint32_t 
 }
 
 /* Lane 0: start loading item `it` into stage s (nothing for a refused reference). */
-__device__ __forceinline__ void bulk_issue(const kp_t &p, const uint8_t *a, uint32_t it,
-                                           uint8_t *buf, uint64_t *bar) {
+template <class P>
+__device__ __forceinline__ void bulk_issue(const P &p, const uint8_t *a, uint32_t it, uint8_t *buf,
+                                           uint64_t *bar) {
   const uint32_t u = fdiv(it, p.cpu), ch = it - u * p.cpu.d;
   const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
   const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[i];
@@ -288,7 +295,8 @@ __device__ __forceinline__ void bulk_issue(const kp_t &p, const uint8_t *a, uint
   bulk_load(buf, src, len, bar);
 }
 
-__device__ __forceinline__ void fetch_bulk(const kp_t &p, uint8_t *smem, uint64_t *bars) {
+template <class P>
+__device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *bars) {
   const uint8_t *a = args_of(p);
   const uint32_t lane = threadIdx.x & 31u, wid = threadIdx.x >> 5;
   const uint32_t nw = gridDim.x * BK_WARPS, gw = blockIdx.x * BK_WARPS + wid;
@@ -348,17 +356,18 @@ __device__ __forceinline__ void fetch_bulk(const kp_t &p, uint8_t *smem, uint64_
 
 } // namespace
 
-template <int W, int U>
-__global__ void __launch_bounds__(512) skv_k_fetch_vec(const __grid_constant__ kp_t p) {
+template <int W, int U, class P>
+__global__ void __launch_bounds__(512) skv_k_fetch_vec(const __grid_constant__ P p) {
   copy_vec<W, U, SKV_KV_COPY_FETCH>(p);
 }
 
-template <int W, int U>
-__global__ void __launch_bounds__(512) skv_k_publish_vec(const __grid_constant__ kp_t p) {
+template <int W, int U, class P>
+__global__ void __launch_bounds__(512) skv_k_publish_vec(const __grid_constant__ P p) {
   copy_vec<W, U, SKV_KV_COPY_PUBLISH>(p);
 }
 
-__global__ void __launch_bounds__(BK_WARPS * 32) skv_k_fetch_bulk(const __grid_constant__ kp_t p) {
+template <class P>
+__global__ void __launch_bounds__(BK_WARPS * 32) skv_k_fetch_bulk(const __grid_constant__ P p) {
   extern __shared__ __align__(128) uint8_t skv_bulk_smem[];
   __shared__ uint64_t bars[BK_WARPS * BK_STAGES];
   fetch_bulk(p, skv_bulk_smem, bars);
@@ -376,21 +385,26 @@ __global__ void skv_k_stream_gate(const volatile uint32_t *flag, uint64_t min_ns
 
 namespace {
 
-typedef void (*kfn_t)(kp_t);
-
-template <int U> kfn_t pick(int dir, uint32_t w) {
+/* The VEC kernel of a direction, width and unroll; with large parameters (P = kpb_t) only the
+ * 16-byte one exists (NULL for the others: big_ok keeps their arguments out of the parameters). */
+template <int U, class P> const void *pick(int dir, uint32_t w) {
   const bool f = dir == SKV_KV_COPY_FETCH;
+  if (sizeof(P) > sizeof(kps_t) && w != 16) return nullptr;
   switch (w) {
   case 16:
-    return f ? skv_k_fetch_vec<16, U> : skv_k_publish_vec<16, U>;
+    return f ? (const void *)skv_k_fetch_vec<16, U, P> : (const void *)skv_k_publish_vec<16, U, P>;
   case 8:
-    return f ? skv_k_fetch_vec<8, U> : skv_k_publish_vec<8, U>;
+    return f ? (const void *)skv_k_fetch_vec<8, U, kps_t>
+             : (const void *)skv_k_publish_vec<8, U, kps_t>;
   case 4:
-    return f ? skv_k_fetch_vec<4, U> : skv_k_publish_vec<4, U>;
+    return f ? (const void *)skv_k_fetch_vec<4, U, kps_t>
+             : (const void *)skv_k_publish_vec<4, U, kps_t>;
   case 2:
-    return f ? skv_k_fetch_vec<2, U> : skv_k_publish_vec<2, U>;
+    return f ? (const void *)skv_k_fetch_vec<2, U, kps_t>
+             : (const void *)skv_k_publish_vec<2, U, kps_t>;
   case 1:
-    return f ? skv_k_fetch_vec<1, U> : skv_k_publish_vec<1, U>;
+    return f ? (const void *)skv_k_fetch_vec<1, U, kps_t>
+             : (const void *)skv_k_publish_vec<1, U, kps_t>;
   default:
     return nullptr;
   }
@@ -398,19 +412,17 @@ template <int U> kfn_t pick(int dir, uint32_t w) {
 
 /* CTAs of `threads` that fit one multiprocessor (a persistent grid larger than what is resident
  * would leave its last CTAs to run alone at the end). Cached: the same for every device here. */
-int resident_ctas(kfn_t fn, int slot, int threads, size_t smem) {
-  static int cache[64];
-  int *c = &cache[slot & 63];
+int resident_ctas(const void *fn, int slot, int threads, size_t smem) {
+  static int cache[128];
+  int *c = &cache[slot & 127];
   int v = __atomic_load_n(c, __ATOMIC_RELAXED);
   if (v > 0) return v;
-  if (smem > 48 * 1024 &&
-      cudaFuncSetAttribute((const void *)fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           (int)smem) != cudaSuccess) {
+  if (smem > 48 * 1024 && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, (const void *)fn, threads, smem) !=
-          cudaSuccess ||
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, fn, threads, smem) != cudaSuccess ||
       v < 1) {
     (void)cudaGetLastError();
     return 0;
@@ -425,10 +437,14 @@ int wi_of(uint32_t w) {
 int ti_of(int threads) {
   return threads == 128 ? 0 : threads == 256 ? 1 : 2;
 }
-int vec_slot(int dir, int unroll, uint32_t w, int threads) {
-  return ((dir == SKV_KV_COPY_PUBLISH) * 2 + (unroll == 8)) * 15 + wi_of(w) * 3 + ti_of(threads);
+/* resident_ctas' cache: slots 0-59 the VEC kernels, 60 BULK; 64 on with large parameters */
+int vec_slot(int dir, int unroll, uint32_t w, int threads, bool big) {
+  return big * 64 + ((dir == SKV_KV_COPY_PUBLISH) * 2 + (unroll == 8)) * 15 + wi_of(w) * 3 +
+         ti_of(threads);
 }
-const int BULK_SLOT = 60;
+int bulk_slot(bool big) {
+  return big * 64 + 60;
+}
 
 bool valid_cfg(const skv__kv_copy_cfg_t *c) {
   return c->kernel >= SKV_KV_KERNEL_VEC && c->kernel <= SKV_KV_KERNEL_CE &&
@@ -450,11 +466,36 @@ uint64_t chunk_bytes(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg
   return use_bulk(d, cfg) ? BK_CHUNK : 32ull * (uint64_t)cfg->unroll * (d->width ? d->width : 1);
 }
 
+/* Does the driver take kernel parameters over 4 KiB (CUDA 12.1 on)? Asked once. */
+bool big_params() {
+  static int ok = -1;
+  int v = __atomic_load_n(&ok, __ATOMIC_RELAXED);
+  if (v < 0) {
+    int drv = 0;
+    v = cudaDriverGetVersion(&drv) == cudaSuccess && drv >= 12010;
+    __atomic_store_n(&ok, v, __ATOMIC_RELAXED);
+  }
+  return v != 0;
+}
+
+/* Can this batch's arguments go in large parameters? A kernel with them exists for BULK and the
+ * 16-byte VEC kernels (the others keep small ones). */
+bool big_ok(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
+  return (use_bulk(d, cfg) || d->width == 16) && big_params();
+}
+
+/* Where the arguments go: 0 args_dev, 1 the small parameters, 2 the large ones. */
+int inline_kind(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
+  if (cfg->args != SKV_KV_ARGS_AUTO || !d->args_host) return 0;
+  if (d->args_bytes <= SKV_KV_COPY_INLINE_BYTES) return 1;
+  return d->args_bytes <= SKV_KV_COPY_INLINE_BIG && big_ok(d, cfg) ? 2 : 0;
+}
+
 } // namespace
 
 extern "C" int skv__kv_copy_args_inline(const skv__kv_copy_desc_t *d,
                                         const skv__kv_copy_cfg_t *cfg) {
-  return cfg->args == SKV_KV_ARGS_AUTO && d->args_host && d->args_bytes <= SKV_KV_COPY_INLINE_BYTES;
+  return inline_kind(d, cfg) != 0;
 }
 
 extern "C" uint64_t skv__kv_copy_max_pages(const skv__kv_copy_desc_t *d,
@@ -466,28 +507,17 @@ extern "C" uint64_t skv__kv_copy_max_pages(const skv__kv_copy_desc_t *d,
   return ((1ull << 31) - 1) / per_page;
 }
 
-extern "C" int skv__kv_copy_launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg,
-                                   void *stream) {
-  if (!d || !cfg || !valid_cfg(cfg)) return (int)cudaErrorInvalidValue;
-  if (d->n == 0) return 0;
-  const uint32_t w = d->width;
-  if (w != 16 && w != 8 && w != 4 && w != 2 && w != 1) return (int)cudaErrorInvalidValue;
-  if (d->row_bytes == 0 || d->row_bytes % w || d->heads == 0 || d->block_tokens == 0 ||
-      d->page_tokens % d->block_tokens || d->blocks_per_page != d->page_tokens / d->block_tokens ||
-      d->run_bytes == 0 || d->run_bytes % d->row_bytes || d->heap % w || d->pe_stride % w ||
-      d->page_stride % w || d->stride_block % w || d->stride_token % w || d->stride_head % w ||
-      !d->err || (d->refs_off & 7) || (d->bids_off & 7) || d->refs_off < 8ull * d->ntensors ||
-      d->bids_off < d->refs_off + 8ull * d->n)
-    return (int)cudaErrorInvalidValue;
-  const bool inl = skv__kv_copy_args_inline(d, cfg) != 0;
-  if (!inl && !d->args_dev) return (int)cudaErrorInvalidValue;
-  const uint64_t maxp = skv__kv_copy_max_pages(d, cfg);
-  if (maxp == 0 || d->n > maxp) return (int)cudaErrorInvalidValue;
+namespace {
+
+/* Fill the parameters of P and launch (skv__kv_copy_launch, once the descriptor is checked). */
+template <class P>
+int launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg, bool inl, void *stream) {
+  const bool big = sizeof(P) > sizeof(kps_t);
   const bool bulk = use_bulk(d, cfg);
   const uint64_t slab = slab_bytes(d);
   const uint32_t chunk = (uint32_t)chunk_bytes(d, cfg);
   const uint32_t cpu = (uint32_t)((slab + chunk - 1) / chunk);
-  kp_t p; /* 4 KiB of parameters, copied by the launch */
+  static thread_local P p; /* up to 16 KiB: not on the stack; copied by the launch */
   p.heap = reinterpret_cast<char *>(d->heap);
   p.pe_stride = d->pe_stride;
   p.page_stride = d->page_stride;
@@ -514,31 +544,52 @@ extern "C" int skv__kv_copy_launch(const skv__kv_copy_desc_t *d, const skv__kv_c
   p.heads = fdiv_make(d->heads);
   p.bt = fdiv_make(d->block_tokens);
   p.run = fdiv_make(d->run_bytes);
-  kfn_t fn;
+  const void *fn;
   int threads, per_sm;
   size_t smem = 0;
   if (bulk) {
-    fn = skv_k_fetch_bulk;
+    fn = (const void *)skv_k_fetch_bulk<P>;
     threads = BK_WARPS * 32;
     smem = BK_SMEM;
-    per_sm = resident_ctas(fn, BULK_SLOT, threads, smem);
+    per_sm = resident_ctas(fn, bulk_slot(big), threads, smem);
   } else {
-    fn = cfg->unroll == 8 ? pick<8>(d->dir, w) : pick<4>(d->dir, w);
+    fn = cfg->unroll == 8 ? pick<8, P>(d->dir, d->width) : pick<4, P>(d->dir, d->width);
     threads = cfg->threads;
-    per_sm = resident_ctas(fn, vec_slot(d->dir, cfg->unroll, w, threads), threads, 0);
+    per_sm =
+        fn ? resident_ctas(fn, vec_slot(d->dir, cfg->unroll, d->width, threads, big), threads, 0)
+           : 0;
   }
-  int rc = (int)cudaErrorInvalidValue;
-  if (fn && per_sm > 0) {
-    const uint32_t wpc = (uint32_t)threads / 32u;
-    uint64_t grid = ((uint64_t)p.items + wpc - 1) / wpc;
-    const uint64_t cap =
-        (uint64_t)cfg->sms * (uint64_t)(cfg->ctas_per_sm < per_sm ? cfg->ctas_per_sm : per_sm);
-    if (grid > cap) grid = cap;
-    void *args[] = {&p};
-    rc = (int)cudaLaunchKernel((const void *)fn, dim3((unsigned)grid), dim3((unsigned)threads),
-                               args, smem, (cudaStream_t)stream);
-  }
-  return rc;
+  if (!fn || per_sm <= 0) return (int)cudaErrorInvalidValue;
+  const uint32_t wpc = (uint32_t)threads / 32u;
+  uint64_t grid = ((uint64_t)p.items + wpc - 1) / wpc;
+  const uint64_t cap =
+      (uint64_t)cfg->sms * (uint64_t)(cfg->ctas_per_sm < per_sm ? cfg->ctas_per_sm : per_sm);
+  if (grid > cap) grid = cap;
+  void *args[] = {&p};
+  return (int)cudaLaunchKernel(fn, dim3((unsigned)grid), dim3((unsigned)threads), args, smem,
+                               (cudaStream_t)stream);
+}
+
+} // namespace
+
+extern "C" int skv__kv_copy_launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg,
+                                   void *stream) {
+  if (!d || !cfg || !valid_cfg(cfg)) return (int)cudaErrorInvalidValue;
+  if (d->n == 0) return 0;
+  const uint32_t w = d->width;
+  if (w != 16 && w != 8 && w != 4 && w != 2 && w != 1) return (int)cudaErrorInvalidValue;
+  if (d->row_bytes == 0 || d->row_bytes % w || d->heads == 0 || d->block_tokens == 0 ||
+      d->page_tokens % d->block_tokens || d->blocks_per_page != d->page_tokens / d->block_tokens ||
+      d->run_bytes == 0 || d->run_bytes % d->row_bytes || d->heap % w || d->pe_stride % w ||
+      d->page_stride % w || d->stride_block % w || d->stride_token % w || d->stride_head % w ||
+      !d->err || (d->refs_off & 7) || (d->bids_off & 7) || d->refs_off < 8ull * d->ntensors ||
+      d->bids_off < d->refs_off + 8ull * d->n)
+    return (int)cudaErrorInvalidValue;
+  const int kind = inline_kind(d, cfg);
+  if (!kind && !d->args_dev) return (int)cudaErrorInvalidValue;
+  const uint64_t maxp = skv__kv_copy_max_pages(d, cfg);
+  if (maxp == 0 || d->n > maxp) return (int)cudaErrorInvalidValue;
+  return kind == 2 ? launch<kpb_t>(d, cfg, true, stream) : launch<kps_t>(d, cfg, kind == 1, stream);
 }
 
 extern "C" int skv__kv_copy_preload(void) {
@@ -548,11 +599,19 @@ extern "C" int skv__kv_copy_preload(void) {
     for (int u = 4; u <= 8; u += 4)
       for (uint32_t w : widths)
         for (int t : threads) {
-          kfn_t fn = u == 8 ? pick<8>(dir, w) : pick<4>(dir, w);
-          if (resident_ctas(fn, vec_slot(dir, u, w, t), t, 0) < 1)
+          const void *fn = u == 8 ? pick<8, kps_t>(dir, w) : pick<4, kps_t>(dir, w);
+          if (resident_ctas(fn, vec_slot(dir, u, w, t, false), t, 0) < 1)
             return (int)cudaErrorInvalidValue;
+          if (w == 16 && big_params()) {
+            fn = u == 8 ? pick<8, kpb_t>(dir, w) : pick<4, kpb_t>(dir, w);
+            if (resident_ctas(fn, vec_slot(dir, u, w, t, true), t, 0) < 1)
+              return (int)cudaErrorInvalidValue;
+          }
         }
-  if (resident_ctas(skv_k_fetch_bulk, BULK_SLOT, BK_WARPS * 32, BK_SMEM) < 1)
+  if (resident_ctas((const void *)skv_k_fetch_bulk<kps_t>, bulk_slot(false), BK_WARPS * 32,
+                    BK_SMEM) < 1 ||
+      (big_params() && resident_ctas((const void *)skv_k_fetch_bulk<kpb_t>, bulk_slot(true),
+                                     BK_WARPS * 32, BK_SMEM) < 1))
     return (int)cudaErrorInvalidValue;
   cudaFuncAttributes fa;
   return (int)cudaFuncGetAttributes(&fa, (const void *)skv_k_stream_gate);
@@ -569,7 +628,12 @@ extern "C" const char *skv__kv_copy_kernel_name(const skv__kv_copy_desc_t *d,
         "skv_k_publish_vec2<u4>", "skv_k_publish_vec1<u4>"},
        {"skv_k_publish_vec16<u8>", "skv_k_publish_vec8<u8>", "skv_k_publish_vec4<u8>",
         "skv_k_publish_vec2<u8>", "skv_k_publish_vec1<u8>"}}};
-  if (use_bulk(d, cfg)) return "skv_k_fetch_bulk";
+  static const char *const big_names[2][2] = {
+      {"skv_k_fetch_vec16<u4, 16 KiB parameters>", "skv_k_fetch_vec16<u8, 16 KiB parameters>"},
+      {"skv_k_publish_vec16<u4, 16 KiB parameters>", "skv_k_publish_vec16<u8, 16 KiB parameters>"}};
+  const bool big = inline_kind(d, cfg) == 2;
+  if (use_bulk(d, cfg)) return big ? "skv_k_fetch_bulk<16 KiB parameters>" : "skv_k_fetch_bulk";
+  if (big) return big_names[d->dir == SKV_KV_COPY_PUBLISH][cfg->unroll == 8];
   return names[d->dir == SKV_KV_COPY_PUBLISH][cfg->unroll == 8][wi_of(d->width)];
 }
 

@@ -17,8 +17,14 @@ enum { SKV_KV_COPY_FETCH = 0, SKV_KV_COPY_PUBLISH = 1 };
  * these only fire for corrupted arguments, and then nothing outside the heap is touched. */
 enum { SKV_KV_DEVERR_PE = 1, SKV_KV_DEVERR_PAGE = 2, SKV_KV_DEVERR_BLOCK = 3 };
 
-/* Argument bytes a launch can carry inside its kernel parameters. */
+/* Argument bytes a launch can carry inside its kernel parameters: every kernel takes this many,
+ * and BULK and the 16-byte VEC kernels also the larger amount where the driver takes kernel
+ * parameters over 4 KiB (CUDA 12.1 on): 1024 pages of one block each need 12 KiB. A batch's
+ * argument block copied to the GPU before its kernel cost 6-7 us of GPU time at 64 MiB on an
+ * H100 (bench/gpu/page_probe.cu: 0.80x the copy engine against 0.90x with them in the
+ * parameters). */
 #define SKV_KV_COPY_INLINE_BYTES 3456u
+#define SKV_KV_COPY_INLINE_BIG   16128u
 
 /* One batch: pages (pe, page) of the heap <-> engine blocks, m = blocks_per_page per page.
  * A page holds ntensors slabs of page_tokens x heads rows of row_bytes, contiguous; row (token

@@ -727,13 +727,13 @@ Test(gpu_kv, bad_references_are_refused_on_the_host, .timeout = 120) {
 
 /* ---- the device-side checks, through the kernel wrapper with bad descriptors ---- */
 
-enum { DC_PAGES = 4, DC_BLOCKS = 8, DC_GUARD = 65536 };
+enum { DC_PAGES = 4, DC_BLOCKS = 8, DC_GUARD = 65536, DC_BIG_REFS = 4096 };
 
 typedef struct dcheck {
-  uint8_t *heap, *eng; /* device: [pages | guard], [blocks | guard] */
-  uint8_t *args;       /* device: the argument block (bases, one ref, two block ids) */
-  uint8_t host[32];    /* its host copy */
-  uint32_t *err;       /* host-mapped */
+  uint8_t *heap, *eng;            /* device: [pages | guard], [blocks | guard] */
+  uint8_t *args;                  /* device: the argument block (bases, one ref, two block ids) */
+  uint8_t host[DC_BIG_REFS + 16]; /* its host copy (the ref at 16, or at DC_BIG_REFS) */
+  uint32_t *err;                  /* host-mapped */
   size_t heap_bytes, eng_bytes;
   skv__kv_copy_desc_t d;
   skv__kv_copy_cfg_t cfg;
@@ -789,12 +789,19 @@ static int dc_setup(dcheck_t *c) {
 }
 
 /* Run one batch of one page: ref (pe, page), block ids (b0, b1), direction, with the arguments
- * read from device memory (mode 0), from the kernel parameters (1), or the bulk kernel (2);
- * buffers are reset to known bytes first (heap 0x11 + guard 0x22, engine 0x33 + guard 0x44). */
+ * read from device memory (mode 0), from the kernel parameters (1), or the bulk kernel (2), and
+ * modes 1 and 2 again with an argument block over SKV_KV_COPY_INLINE_BYTES (3 and 4: the ref at
+ * DC_BIG_REFS, the kernels with large parameters); buffers are reset to known bytes first (heap
+ * 0x11 + guard 0x22, engine 0x33 + guard 0x44). */
 static int dc_run(dcheck_t *c, int mode, int dir, uint32_t pe, uint32_t page, uint32_t b0,
                   uint32_t b1, uint32_t *err) {
   uint32_t a[4] = {pe, page, b0, b1};
-  memcpy(c->host + 16, a, sizeof a);
+  const uint32_t refs = mode >= 3 ? DC_BIG_REFS : 16;
+  memset(c->host + 16, 0xee, sizeof c->host - 16);
+  memcpy(c->host + refs, a, sizeof a);
+  c->d.refs_off = refs;
+  c->d.bids_off = refs + 8;
+  c->d.args_bytes = refs + 16;
   memset(c->err, 0, 16);
   if (cudaMemcpy(c->args, c->host, sizeof c->host, cudaMemcpyHostToDevice) ||
       cudaMemset(c->heap, 0x11, c->heap_bytes - DC_GUARD) ||
@@ -805,7 +812,11 @@ static int dc_run(dcheck_t *c, int mode, int dir, uint32_t pe, uint32_t page, ui
   c->d.dir = dir;
   c->d.args_host = mode ? c->host : NULL;
   c->cfg.args = mode ? SKV_KV_ARGS_AUTO : SKV_KV_ARGS_DEVICE;
-  c->cfg.kernel = mode == 2 ? SKV_KV_KERNEL_BULK : SKV_KV_KERNEL_VEC;
+  c->cfg.kernel = mode == 2 || mode == 4 ? SKV_KV_KERNEL_BULK : SKV_KV_KERNEL_VEC;
+  const char *kn = skv__kv_copy_kernel_name(&c->d, &c->cfg);
+  if ((mode >= 3) != (strstr(kn, "16 KiB parameters") != NULL) ||
+      (mode == 2 || mode == 4) != (strstr(kn, "bulk") != NULL))
+    return -3; /* not the kernel this mode is about */
   if (skv__kv_copy_launch(&c->d, &c->cfg, NULL) != 0 || cudaDeviceSynchronize() != cudaSuccess)
     return -2;
   memcpy(err, c->err, 16);
@@ -833,7 +844,7 @@ static int pe_device_checks(int rank, int npes, void *arg) {
   PE_CHECK(dc_setup(&c) == 0, "setup");
   const size_t pages = c.heap_bytes - DC_GUARD, blocks = c.eng_bytes - DC_GUARD;
   uint32_t err[4];
-  for (int mode = 0; mode < 3; mode++) {
+  for (int mode = 0; mode < 5; mode++) {
     /* a valid batch: the reference run, so that the checks below prove something */
     PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_FETCH, 0, 1, 2, 5, err) == 0 && err[0] == 0,
              "mode %d: valid fetch: err %u", mode, err[0]);
@@ -861,7 +872,7 @@ static int pe_device_checks(int rank, int npes, void *arg) {
              "mode %d: engine guard touched by a bad block id", mode);
     PE_CHECK(dc_count_not(c.eng, blocks, 0x33) == 256,
              "mode %d: the good block of the page is still copied", mode);
-    if (mode == 2) break; /* the bulk kernel only fetches */
+    if (mode == 2 || mode == 4) continue; /* the bulk kernel only fetches */
     /* publish into a page beyond the heap: the heap guard stays */
     PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_PUBLISH, 0, DC_PAGES, 2, 5, err) == 0, "run");
     PE_CHECK(err[0] == SKV_KV_DEVERR_PAGE, "mode %d: publish page check: err %u", mode, err[0]);

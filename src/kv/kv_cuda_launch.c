@@ -12,13 +12,15 @@
  * A launch's arguments (the engine's tensor bases, the (pe, page) pairs and the block ids) are
  * written into an argument slot of pinned, device-mapped host memory: nothing to allocate per
  * call. Small batches (up to SKV_KV_COPY_INLINE_BYTES of arguments, e.g. 300 pages of one
- * block) travel in the kernel's parameters. Larger ones of a batch that reads a peer's pages are
- * read by the kernels from the slot over PCIe, a few bytes per 8 KiB chunk, which the NVLink
- * transfer hides; a batch that stays in this GPU (publish; a fetch of this PE's own pages, or of
- * pages of PEs sharing this GPU) would wait on those reads instead, so its arguments are first
- * copied to the slot's device mirror, one DMA on the caller's stream (docs/gpu.md has the
- * measurements behind both choices). Batches larger than a slot (beyond SKV__KVC_MAX_PAGES pages,
- * or fewer when pages have many blocks) are split into several launches by the caller.
+ * block) travel in the kernel's parameters, and up to SKV_KV_COPY_INLINE_BIG (1300 pages) in the
+ * larger parameters of the bulk and 16-byte vec kernels where the driver has them. Larger ones of a
+ * batch that reads a peer's pages are read by the kernels from the slot over PCIe, a few bytes per
+ * 8 KiB chunk, which the NVLink transfer hides; a batch that stays in this GPU (publish; a fetch of
+ * this PE's own pages, or of pages of PEs sharing this GPU) would wait on those reads instead, so
+ * its arguments are first copied to the slot's device mirror, one DMA on the caller's stream
+ * (docs/gpu.md has the measurements behind both choices). Batches larger than a slot (beyond
+ * SKV__KVC_MAX_PAGES pages, or fewer when pages have many blocks) are split into several launches
+ * by the caller.
  *
  * The copy is the process-wide variant's (kv_cuda_variant.c): "bulk" (default), the TMA
  * kernel for 16-byte aligned runs of 128 bytes and more, else the vec kernel; "vec"; or "ce",
