@@ -10,7 +10,9 @@
 /* How it works
  * ------------
  * VEC kernels. Work is split into items of one warp each: (page i, tensor t, chunk c), a chunk
- * being 32 x U vectors of W bytes of the tensor's slab in the page (contiguous there). Lane l
+ * being 32 x U vectors of W bytes of the tensor's slab in the page (contiguous there). A chunk
+ * inside one run (bytes contiguous in the page and in a block, e.g. NHD's whole block parts)
+ * takes one engine address for the warp; otherwise each vector finds its own, as follows. Lane l
  * takes vectors c*32U + k*32 + l for k < U, so every warp-wide load reads 32 x W contiguous bytes
  * of the page and each lane has U loads in flight before its first store. A vector's slab offset
  * o gives its row r = o / row_bytes, token r / heads, head r % heads, engine block
@@ -220,6 +222,32 @@ template <int W, int U, int DIR, class P> __device__ __forceinline__ void copy_v
     }
     char *page = p.heap + ref.x * p.pe_stride + ref.y * p.page_stride + (uint64_t)t * p.slab;
     T v[U];
+    if (fdiv(o0, p.run) == fdiv(olast, p.run)) { /* warp-uniform */
+      /* The chunk lies in one run (bytes contiguous in the page and in one block: NHD layouts'
+       * runs are whole block parts): one engine address for the warp, none per vector. */
+      uint32_t j;
+      const int64_t eo = eng_off(p, o0, &j);
+      const uint64_t bid = __shfl_sync(FULL, mybid, 0); /* span is 1: lane 0 loaded it */
+      if (bid >= p.num_blocks) {
+        if (lane == 0) report(p.err, SKV_KV_DEVERR_BLOCK, i, t, bid);
+        continue;
+      }
+      char *eng = (char *)tb + (int64_t)bid * p.sb + eo;
+      const char *src = DIR == SKV_KV_COPY_FETCH ? page + o0 : eng;
+      char *dst = DIR == SKV_KV_COPY_FETCH ? eng : page + o0;
+      const uint32_t len = olast - o0 + 1u;
+#pragma unroll
+      for (int k = 0; k < U; k++) {
+        const uint32_t o = (uint32_t)(k * 32 + lane) * W;
+        if (o < len) v[k] = ld_page(reinterpret_cast<const T *>(src + o), p.l2_256 != 0);
+      }
+#pragma unroll
+      for (int k = 0; k < U; k++) {
+        const uint32_t o = (uint32_t)(k * 32 + lane) * W;
+        if (o < len) st_global(reinterpret_cast<T *>(dst + o), v[k]);
+      }
+      continue;
+    }
     char *dp[U];
     uint64_t badbid = ~0ull;
 #pragma unroll

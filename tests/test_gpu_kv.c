@@ -739,10 +739,11 @@ typedef struct dcheck {
   skv__kv_copy_cfg_t cfg;
 } dcheck_t;
 
-/* Pages of 2 tensors x 4 tokens x 1 head x 64 bytes, blocks of 2 tokens (CONTIGUOUS-like:
- * runs of 128 bytes, so the bulk kernel takes them). */
-static int dc_setup(dcheck_t *c) {
-  const uint32_t row = 64, pt = 4, bt = 2, nt = 2;
+/* Pages of 2 tensors x 4 tokens x 1 head x 64 bytes, blocks of bt tokens (CONTIGUOUS-like:
+ * runs of bt x 64 bytes, so the bulk kernel takes them; with bt = 4 a run is a whole slab, and
+ * the vec kernels take a chunk's one engine address). */
+static int dc_setup(dcheck_t *c, uint32_t bt) {
+  const uint32_t row = 64, pt = 4, nt = 2;
   const uint64_t page = (uint64_t)nt * pt * row, block = (uint64_t)nt * bt * row;
   c->heap_bytes = DC_PAGES * page + DC_GUARD;
   c->eng_bytes = DC_BLOCKS * block + DC_GUARD;
@@ -841,7 +842,7 @@ static int pe_device_checks(int rank, int npes, void *arg) {
   PE_CHECK(skv_ctx_get_device(ctx) >= 0, "device");
   dcheck_t c;
   memset(&c, 0, sizeof c);
-  PE_CHECK(dc_setup(&c) == 0, "setup");
+  PE_CHECK(dc_setup(&c, 2) == 0, "setup");
   const size_t pages = c.heap_bytes - DC_GUARD, blocks = c.eng_bytes - DC_GUARD;
   uint32_t err[4];
   for (int mode = 0; mode < 5; mode++) {
@@ -887,6 +888,35 @@ static int pe_device_checks(int rank, int npes, void *arg) {
              "mode %d: only the good block's half of the page is written", mode);
     PE_CHECK(dc_count_not(c.heap + pages, DC_GUARD, 0x22) == 0, "mode %d: heap guard touched",
              mode);
+  }
+  cudaFree(c.heap);
+  cudaFree(c.eng);
+  cudaFree(c.args);
+  cudaFreeHost(c.err);
+
+  /* one block per page (a run is the whole slab): the vec kernels' path for a chunk inside one
+   * run refuses a bad block as the per-vector path does, with all of the page's bytes skipped */
+  memset(&c, 0, sizeof c);
+  PE_CHECK(dc_setup(&c, 4) == 0, "setup, one block per page");
+  for (int mode = 0; mode < 4; mode += mode == 1 ? 2 : 1) { /* 0, 1, 3: the vec kernels */
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_FETCH, 0, 1, 2, 0, err) == 0 && err[0] == 0,
+             "one run, mode %d: valid fetch: err %u", mode, err[0]);
+    PE_CHECK(dc_count_not(c.eng, c.eng_bytes - DC_GUARD, 0x33) == 2 * 256,
+             "one run, mode %d: a valid fetch writes the block's 2 x 256 bytes", mode);
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_FETCH, 0, 1, DC_BLOCKS, 0, err) == 0, "run");
+    PE_CHECK(err[0] == SKV_KV_DEVERR_BLOCK && err[3] == DC_BLOCKS,
+             "one run, mode %d: block check: err %u/%u", mode, err[0], err[3]);
+    PE_CHECK(dc_count_not(c.eng, c.eng_bytes, 0x33) == DC_GUARD,
+             "one run, mode %d: a bad block id wrote something", mode);
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_PUBLISH, 0, 2, 3, 0, err) == 0 && err[0] == 0,
+             "one run, mode %d: valid publish: err %u", mode, err[0]);
+    PE_CHECK(dc_count_not(c.heap, c.heap_bytes - DC_GUARD, 0x11) == 2 * 256,
+             "one run, mode %d: a valid publish writes the page's 2 x 256 bytes", mode);
+    PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_PUBLISH, 0, 2, DC_BLOCKS + 7, 0, err) == 0, "run");
+    PE_CHECK(err[0] == SKV_KV_DEVERR_BLOCK && err[3] == DC_BLOCKS + 7,
+             "one run, mode %d: publish block check: err %u/%u", mode, err[0], err[3]);
+    PE_CHECK(dc_count_not(c.heap, c.heap_bytes, 0x11) == DC_GUARD,
+             "one run, mode %d: a refused publish wrote something", mode);
   }
   cudaFree(c.heap);
   cudaFree(c.eng);
