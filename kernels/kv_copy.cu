@@ -475,7 +475,7 @@ int bulk_slot(bool big) {
 }
 
 bool valid_cfg(const skv__kv_copy_cfg_t *c) {
-  return c->kernel >= SKV_KV_KERNEL_VEC && c->kernel <= SKV_KV_KERNEL_CE &&
+  return c->kernel >= SKV_KV_KERNEL_VEC && c->kernel <= SKV_KV_KERNEL_AUTO &&
          (c->unroll == 4 || c->unroll == 8) && c->ctas_per_sm >= 1 && c->ctas_per_sm <= 32 &&
          (c->threads == 128 || c->threads == 256 || c->threads == 512) && c->args >= 0 &&
          c->args <= 2 && c->sms >= 1;
@@ -486,8 +486,12 @@ uint64_t slab_bytes(const skv__kv_copy_desc_t *d) {
 }
 
 bool use_bulk(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
-  return cfg->kernel == SKV_KV_KERNEL_BULK && d->dir == SKV_KV_COPY_FETCH && d->width == 16 &&
-         d->run_bytes >= 128 && d->run_bytes % d->row_bytes == 0;
+  if (cfg->kernel == SKV_KV_KERNEL_AUTO &&
+      (uint64_t)d->n * d->ntensors * slab_bytes(d) < SKV_KV_BULK_MIN_BYTES)
+    return false;
+  return (cfg->kernel == SKV_KV_KERNEL_BULK || cfg->kernel == SKV_KV_KERNEL_AUTO) &&
+         d->dir == SKV_KV_COPY_FETCH && d->width == 16 && d->run_bytes >= 128 &&
+         d->run_bytes % d->row_bytes == 0;
 }
 
 uint64_t chunk_bytes(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {

@@ -71,13 +71,25 @@ enum {
   SKV_KV_ARGS_DEVICE = 2, /* read args_dev, a device copy the caller made */
 };
 /* SKV_KV_KERNEL_CE is carried out by the caller (src/kv/kv_cuda_launch.c: the copy engines, through
- * cudaMemcpyBatchAsync, for dense runs); the kernels treat it as VEC. */
-enum { SKV_KV_KERNEL_VEC = 0, SKV_KV_KERNEL_BULK = 1, SKV_KV_KERNEL_CE = 2 };
+ * cudaMemcpyBatchAsync, for dense runs); the kernels treat it as VEC. SKV_KV_KERNEL_AUTO runs
+ * BULK for fetches of SKV_KV_BULK_MIN_BYTES and more, VEC for smaller ones: a smaller batch has
+ * few of BULK's 8 KiB chunks to spread over the warps, where VEC's are 2 KiB (one H100 under MPS,
+ * alternated: VEC 0.81-0.83x the copy engine against BULK's 0.75-0.79x at 64 KiB x1 and x16, even
+ * at 4 MiB, BULK 0.73x against 0.68-0.70x at 16 MiB;
+ * bench/results/e2e21_params_nvidia-h100-x1.txt). */
+enum {
+  SKV_KV_KERNEL_VEC = 0,
+  SKV_KV_KERNEL_BULK = 1,
+  SKV_KV_KERNEL_CE = 2,
+  SKV_KV_KERNEL_AUTO = 3
+};
+#define SKV_KV_BULK_MIN_BYTES (8ull << 20)
 
 /* Kernel variant and grid shape. */
 typedef struct skv__kv_copy_cfg {
   int32_t kernel;      /* SKV_KV_KERNEL_*: BULK fetches 16-byte aligned runs of 128 bytes and more
-                          through TMA bulk copies; other batches, and CE, run VEC */
+                          through TMA bulk copies (AUTO: batches of SKV_KV_BULK_MIN_BYTES and more);
+                          other batches, and CE, run VEC */
   int32_t unroll;      /* VEC: 16-byte loads in flight per thread, 4 or 8 */
   int32_t ctas_per_sm; /* persistent grid: at most this many CTAs per multiprocessor, 1..32 */
   int32_t threads;     /* VEC: threads per CTA, 128, 256 or 512 (BULK: 4 warps) */

@@ -123,8 +123,8 @@ uint32_t *skv__kvc_err_word(skv__kvc_t *kc);
 
 /* ---- kv_cuda_variant.c: the copy kernels' process-wide variant ------------------------------ */
 
-/* Kernel SKV_KV_KERNEL_VEC, _BULK or _CE, 16-byte loads in flight per thread (VEC: 4 or 8), CTAs
- * per multiprocessor (1..32, fewer when the kernel's occupancy allows fewer), threads per CTA
+/* Kernel SKV_KV_KERNEL_AUTO, _VEC, _BULK or _CE, 16-byte loads in flight per thread (VEC: 4 or 8),
+ * CTAs per multiprocessor (1..32, fewer when the kernel's occupancy allows fewer), threads per CTA
  * (VEC: 128, 256 or 512), where the arguments travel (SKV_KV_ARGS_*) and the L2 hint. Read once
  * from SKV_FETCH_KERNEL, _UNROLL, _CTAS and _THREADS; set here to compare variants in one run. */
 typedef struct skv__kv_variant {
@@ -132,7 +132,8 @@ typedef struct skv__kv_variant {
 } skv__kv_variant_t;
 int skv__kv_variant_set(const skv__kv_variant_t *v);
 void skv__kv_variant_get(skv__kv_variant_t *v);
-/* "vec_u8_c4_t256_auto", "bulk_c1_auto": `v`, or the variant in use when NULL. */
+/* "vec_u8_c4_t256_auto", "bulk_c1_auto", "auto_u4_c4_t256_auto": `v`, or the variant in use
+ * when NULL. */
 const char *skv__kv_variant_name(const skv__kv_variant_t *v, char *buf, size_t cap);
 /* The launch configuration of the variant in use, for a device of `sms` multiprocessors. */
 skv__kv_copy_cfg_t skv__kv_variant_cfg(int sms);

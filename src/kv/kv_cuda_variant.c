@@ -8,7 +8,7 @@
 #include <string.h>
 
 static pthread_once_t var_once = PTHREAD_ONCE_INIT;
-static skv__kv_variant_t var = {SKV_KV_KERNEL_BULK, 4, 4, 256, SKV_KV_ARGS_AUTO, 0};
+static skv__kv_variant_t var = {SKV_KV_KERNEL_AUTO, 4, 4, 256, SKV_KV_ARGS_AUTO, 0};
 static pthread_mutex_t var_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void var_load(void) {
@@ -27,19 +27,20 @@ static void var_load(void) {
   else
     SKV_WARN(SKV_SUBSYS_KV, "SKV_FETCH_THREADS must be 128, 256 or 512; using %d", var.threads);
   const char *k = skv__env(SKV_ENV_FETCH_KERNEL);
-  static const char *const kinds[] = {"vec", "bulk", "ce"};
-  for (int i = 0; k && i < 3; i++)
+  static const char *const kinds[] = {"vec", "bulk", "ce", "auto"};
+  for (int i = 0; k && i < 4; i++)
     if (strcmp(k, kinds[i]) == 0) var.kernel = i, k = NULL;
   if (k)
-    SKV_WARN(SKV_SUBSYS_KV, "SKV_FETCH_KERNEL=%s is not vec, bulk or ce; using %s", k,
+    SKV_WARN(SKV_SUBSYS_KV, "SKV_FETCH_KERNEL=%s is not auto, vec, bulk or ce; using %s", k,
              kinds[var.kernel]);
 }
 
 int skv__kv_variant_set(const skv__kv_variant_t *v) {
   pthread_once(&var_once, var_load);
   SKV_ARG_CHECK(v, SKV_SUBSYS_KV, "kernel variant: NULL");
-  SKV_ARG_CHECK(v->kernel >= SKV_KV_KERNEL_VEC && v->kernel <= SKV_KV_KERNEL_CE, SKV_SUBSYS_KV,
-                "kernel variant: kernel %d is not vec (0), bulk (1) or ce (2)", v->kernel);
+  SKV_ARG_CHECK(v->kernel >= SKV_KV_KERNEL_VEC && v->kernel <= SKV_KV_KERNEL_AUTO, SKV_SUBSYS_KV,
+                "kernel variant: kernel %d is not vec (0), bulk (1), ce (2) or auto (3)",
+                v->kernel);
   SKV_ARG_CHECK(v->unroll == 4 || v->unroll == 8, SKV_SUBSYS_KV,
                 "kernel variant: unroll %d is not 4 or 8", v->unroll);
   SKV_ARG_CHECK(v->ctas_per_sm >= 1 && v->ctas_per_sm <= 32, SKV_SUBSYS_KV,
@@ -74,6 +75,8 @@ const char *skv__kv_variant_name(const skv__kv_variant_t *v, char *buf, size_t c
              args[v->args]);
   else if (v->kernel == SKV_KV_KERNEL_BULK)
     snprintf(buf, cap, "bulk_c%d_%s", v->ctas_per_sm, args[v->args]);
+  else if (v->kernel == SKV_KV_KERNEL_AUTO)
+    snprintf(buf, cap, "auto_u%d_c%d_t%d_%s", v->unroll, v->ctas_per_sm, v->threads, args[v->args]);
   else
     snprintf(buf, cap, "vec_u%d_c%d_t%d_%s%s", v->unroll, v->ctas_per_sm, v->threads, args[v->args],
              v->l2_256 ? "_p256" : "");
