@@ -89,8 +89,14 @@ template <uint32_t INL> struct kp_t {
  * where the driver takes more than 4 KiB (CUDA 12.1 on): kernels of each. */
 typedef kp_t<SKV_KV_COPY_INLINE_BYTES> kps_t;
 typedef kp_t<SKV_KV_COPY_INLINE_BIG> kpb_t;
+typedef kp_t<SKV_KV_COPY_INLINE_TINY> kpt_t; /* a few pages: a launch copies less */
 static_assert(sizeof(kps_t) <= 4096, "kernel parameters over 4 KiB");
 static_assert(sizeof(kpb_t) <= 16384, "large kernel parameters over 16 KiB");
+/* The three sizes of parameters: small (every kernel), big (BULK and the 16-byte VEC kernels),
+ * tiny (the 16-byte VEC kernels); the tier indexes resident_ctas' cache. */
+template <class P> constexpr int tier_of() {
+  return sizeof(P) == sizeof(kps_t) ? 0 : sizeof(P) == sizeof(kpb_t) ? 1 : 2;
+}
 
 template <class P> __device__ __forceinline__ const uint8_t *args_of(const P &p) {
   return p.ninl ? p.inl : p.args;
@@ -413,11 +419,11 @@ __global__ void skv_k_stream_gate(const volatile uint32_t *flag, uint64_t min_ns
 
 namespace {
 
-/* The VEC kernel of a direction, width and unroll; with large parameters (P = kpb_t) only the
- * 16-byte one exists (NULL for the others: big_ok keeps their arguments out of the parameters). */
+/* The VEC kernel of a direction, width and unroll; with big or tiny parameters only the 16-byte
+ * one exists (NULL for the others: inline_kind keeps their arguments in the small ones). */
 template <int U, class P> const void *pick(int dir, uint32_t w) {
   const bool f = dir == SKV_KV_COPY_FETCH;
-  if (sizeof(P) > sizeof(kps_t) && w != 16) return nullptr;
+  if (tier_of<P>() != 0 && w != 16) return nullptr;
   switch (w) {
   case 16:
     return f ? (const void *)skv_k_fetch_vec<16, U, P> : (const void *)skv_k_publish_vec<16, U, P>;
@@ -441,8 +447,8 @@ template <int U, class P> const void *pick(int dir, uint32_t w) {
 /* CTAs of `threads` that fit one multiprocessor (a persistent grid larger than what is resident
  * would leave its last CTAs to run alone at the end). Cached: the same for every device here. */
 int resident_ctas(const void *fn, int slot, int threads, size_t smem) {
-  static int cache[128];
-  int *c = &cache[slot & 127];
+  static int cache[192];
+  int *c = &cache[slot % 192];
   int v = __atomic_load_n(c, __ATOMIC_RELAXED);
   if (v > 0) return v;
   if (smem > 48 * 1024 && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -465,13 +471,13 @@ int wi_of(uint32_t w) {
 int ti_of(int threads) {
   return threads == 128 ? 0 : threads == 256 ? 1 : 2;
 }
-/* resident_ctas' cache: slots 0-59 the VEC kernels, 60 BULK; 64 on with large parameters */
-int vec_slot(int dir, int unroll, uint32_t w, int threads, bool big) {
-  return big * 64 + ((dir == SKV_KV_COPY_PUBLISH) * 2 + (unroll == 8)) * 15 + wi_of(w) * 3 +
+/* resident_ctas' cache: slots 0-59 the VEC kernels, 60 BULK; 64 more per tier of parameters */
+int vec_slot(int dir, int unroll, uint32_t w, int threads, int tier) {
+  return tier * 64 + ((dir == SKV_KV_COPY_PUBLISH) * 2 + (unroll == 8)) * 15 + wi_of(w) * 3 +
          ti_of(threads);
 }
-int bulk_slot(bool big) {
-  return big * 64 + 60;
+int bulk_slot(int tier) {
+  return tier * 64 + 60;
 }
 
 bool valid_cfg(const skv__kv_copy_cfg_t *c) {
@@ -516,9 +522,11 @@ bool big_ok(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
   return (use_bulk(d, cfg) || d->width == 16) && big_params();
 }
 
-/* Where the arguments go: 0 args_dev, 1 the small parameters, 2 the large ones. */
+/* Where the arguments go: 0 args_dev, 1 the small parameters, 2 the big ones, 3 the tiny ones
+ * (a few pages for the 16-byte VEC kernels: a launch then copies 512 bytes, not 3.7 KiB). */
 int inline_kind(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
   if (cfg->args != SKV_KV_ARGS_AUTO || !d->args_host) return 0;
+  if (d->args_bytes <= SKV_KV_COPY_INLINE_TINY && d->width == 16 && !use_bulk(d, cfg)) return 3;
   if (d->args_bytes <= SKV_KV_COPY_INLINE_BYTES) return 1;
   return d->args_bytes <= SKV_KV_COPY_INLINE_BIG && big_ok(d, cfg) ? 2 : 0;
 }
@@ -544,7 +552,7 @@ namespace {
 /* Fill the parameters of P and launch (skv__kv_copy_launch, once the descriptor is checked). */
 template <class P>
 int launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg, bool inl, void *stream) {
-  const bool big = sizeof(P) > sizeof(kps_t);
+  const int tier = tier_of<P>();
   const bool bulk = use_bulk(d, cfg);
   const uint64_t slab = slab_bytes(d);
   const uint32_t chunk = (uint32_t)chunk_bytes(d, cfg);
@@ -583,12 +591,12 @@ int launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg, bool inl
     fn = (const void *)skv_k_fetch_bulk<P>;
     threads = BK_WARPS * 32;
     smem = BK_SMEM;
-    per_sm = resident_ctas(fn, bulk_slot(big), threads, smem);
+    per_sm = resident_ctas(fn, bulk_slot(tier), threads, smem);
   } else {
     fn = cfg->unroll == 8 ? pick<8, P>(d->dir, d->width) : pick<4, P>(d->dir, d->width);
     threads = cfg->threads;
     per_sm =
-        fn ? resident_ctas(fn, vec_slot(d->dir, cfg->unroll, d->width, threads, big), threads, 0)
+        fn ? resident_ctas(fn, vec_slot(d->dir, cfg->unroll, d->width, threads, tier), threads, 0)
            : 0;
   }
   if (!fn || per_sm <= 0) return (int)cudaErrorInvalidValue;
@@ -621,7 +629,9 @@ extern "C" int skv__kv_copy_launch(const skv__kv_copy_desc_t *d, const skv__kv_c
   if (!kind && !d->args_dev) return (int)cudaErrorInvalidValue;
   const uint64_t maxp = skv__kv_copy_max_pages(d, cfg);
   if (maxp == 0 || d->n > maxp) return (int)cudaErrorInvalidValue;
-  return kind == 2 ? launch<kpb_t>(d, cfg, true, stream) : launch<kps_t>(d, cfg, kind == 1, stream);
+  if (kind == 2) return launch<kpb_t>(d, cfg, true, stream);
+  if (kind == 3) return launch<kpt_t>(d, cfg, true, stream);
+  return launch<kps_t>(d, cfg, kind == 1, stream);
 }
 
 extern "C" int skv__kv_copy_preload(void) {
@@ -632,17 +642,21 @@ extern "C" int skv__kv_copy_preload(void) {
       for (uint32_t w : widths)
         for (int t : threads) {
           const void *fn = u == 8 ? pick<8, kps_t>(dir, w) : pick<4, kps_t>(dir, w);
-          if (resident_ctas(fn, vec_slot(dir, u, w, t, false), t, 0) < 1)
+          if (resident_ctas(fn, vec_slot(dir, u, w, t, 0), t, 0) < 1)
             return (int)cudaErrorInvalidValue;
-          if (w == 16 && big_params()) {
+          if (w != 16) continue;
+          fn = u == 8 ? pick<8, kpt_t>(dir, w) : pick<4, kpt_t>(dir, w);
+          if (resident_ctas(fn, vec_slot(dir, u, w, t, 2), t, 0) < 1)
+            return (int)cudaErrorInvalidValue;
+          if (big_params()) {
             fn = u == 8 ? pick<8, kpb_t>(dir, w) : pick<4, kpb_t>(dir, w);
-            if (resident_ctas(fn, vec_slot(dir, u, w, t, true), t, 0) < 1)
+            if (resident_ctas(fn, vec_slot(dir, u, w, t, 1), t, 0) < 1)
               return (int)cudaErrorInvalidValue;
           }
         }
-  if (resident_ctas((const void *)skv_k_fetch_bulk<kps_t>, bulk_slot(false), BK_WARPS * 32,
-                    BK_SMEM) < 1 ||
-      (big_params() && resident_ctas((const void *)skv_k_fetch_bulk<kpb_t>, bulk_slot(true),
+  if (resident_ctas((const void *)skv_k_fetch_bulk<kps_t>, bulk_slot(0), BK_WARPS * 32, BK_SMEM) <
+          1 ||
+      (big_params() && resident_ctas((const void *)skv_k_fetch_bulk<kpb_t>, bulk_slot(1),
                                      BK_WARPS * 32, BK_SMEM) < 1))
     return (int)cudaErrorInvalidValue;
   cudaFuncAttributes fa;
@@ -660,12 +674,16 @@ extern "C" const char *skv__kv_copy_kernel_name(const skv__kv_copy_desc_t *d,
         "skv_k_publish_vec2<u4>", "skv_k_publish_vec1<u4>"},
        {"skv_k_publish_vec16<u8>", "skv_k_publish_vec8<u8>", "skv_k_publish_vec4<u8>",
         "skv_k_publish_vec2<u8>", "skv_k_publish_vec1<u8>"}}};
-  static const char *const big_names[2][2] = {
-      {"skv_k_fetch_vec16<u4, 16 KiB parameters>", "skv_k_fetch_vec16<u8, 16 KiB parameters>"},
-      {"skv_k_publish_vec16<u4, 16 KiB parameters>", "skv_k_publish_vec16<u8, 16 KiB parameters>"}};
-  const bool big = inline_kind(d, cfg) == 2;
-  if (use_bulk(d, cfg)) return big ? "skv_k_fetch_bulk<16 KiB parameters>" : "skv_k_fetch_bulk";
-  if (big) return big_names[d->dir == SKV_KV_COPY_PUBLISH][cfg->unroll == 8];
+  static const char *const tier_names[2][2][2] = {
+      {{"skv_k_fetch_vec16<u4, 16 KiB parameters>", "skv_k_fetch_vec16<u8, 16 KiB parameters>"},
+       {"skv_k_publish_vec16<u4, 16 KiB parameters>",
+        "skv_k_publish_vec16<u8, 16 KiB parameters>"}},
+      {{"skv_k_fetch_vec16<u4, 512 B parameters>", "skv_k_fetch_vec16<u8, 512 B parameters>"},
+       {"skv_k_publish_vec16<u4, 512 B parameters>", "skv_k_publish_vec16<u8, 512 B parameters>"}}};
+  const int kind = inline_kind(d, cfg);
+  if (use_bulk(d, cfg))
+    return kind == 2 ? "skv_k_fetch_bulk<16 KiB parameters>" : "skv_k_fetch_bulk";
+  if (kind >= 2) return tier_names[kind == 3][d->dir == SKV_KV_COPY_PUBLISH][cfg->unroll == 8];
   return names[d->dir == SKV_KV_COPY_PUBLISH][cfg->unroll == 8][wi_of(d->width)];
 }
 

@@ -24,7 +24,10 @@ enum { SKV_KV_DEVERR_PE = 1, SKV_KV_DEVERR_PAGE = 2, SKV_KV_DEVERR_BLOCK = 3 };
  * H100 (bench/gpu/page_probe.cu: 0.80x the copy engine against 0.90x with them in the
  * parameters). */
 #define SKV_KV_COPY_INLINE_BYTES 3456u
-#define SKV_KV_COPY_INLINE_BIG   16128u
+#define SKV_KV_COPY_INLINE_TINY                              \
+  512u /* the 16-byte VEC kernels' tiny parameters: a launch \
+          of up to ~40 pages copies 512 bytes, not 3.7 KiB */
+#define SKV_KV_COPY_INLINE_BIG 16128u
 
 /* One batch: pages (pe, page) of the heap <-> engine blocks, m = blocks_per_page per page.
  * A page holds ntensors slabs of page_tokens x heads rows of row_bytes, contiguous; row (token

@@ -790,14 +790,15 @@ static int dc_setup(dcheck_t *c, uint32_t bt) {
 }
 
 /* Run one batch of one page: ref (pe, page), block ids (b0, b1), direction, with the arguments
- * read from device memory (mode 0), from the kernel parameters (1), or the bulk kernel (2), and
- * modes 1 and 2 again with an argument block over SKV_KV_COPY_INLINE_BYTES (3 and 4: the ref at
- * DC_BIG_REFS, the kernels with large parameters); buffers are reset to known bytes first (heap
- * 0x11 + guard 0x22, engine 0x33 + guard 0x44). */
+ * read from device memory (mode 0), from the kernel parameters (1: the vec kernel's tiny ones),
+ * or the bulk kernel (2), modes 1 and 2 again with an argument block over
+ * SKV_KV_COPY_INLINE_BYTES (3 and 4: the ref at DC_BIG_REFS, the kernels with big parameters),
+ * and the vec kernel with its small parameters (5: the ref at 1024); buffers are reset to known
+ * bytes first (heap 0x11 + guard 0x22, engine 0x33 + guard 0x44). */
 static int dc_run(dcheck_t *c, int mode, int dir, uint32_t pe, uint32_t page, uint32_t b0,
                   uint32_t b1, uint32_t *err) {
   uint32_t a[4] = {pe, page, b0, b1};
-  const uint32_t refs = mode >= 3 ? DC_BIG_REFS : 16;
+  const uint32_t refs = mode == 3 || mode == 4 ? DC_BIG_REFS : mode == 5 ? 1024 : 16;
   memset(c->host + 16, 0xee, sizeof c->host - 16);
   memcpy(c->host + refs, a, sizeof a);
   c->d.refs_off = refs;
@@ -815,7 +816,8 @@ static int dc_run(dcheck_t *c, int mode, int dir, uint32_t pe, uint32_t page, ui
   c->cfg.args = mode ? SKV_KV_ARGS_AUTO : SKV_KV_ARGS_DEVICE;
   c->cfg.kernel = mode == 2 || mode == 4 ? SKV_KV_KERNEL_BULK : SKV_KV_KERNEL_VEC;
   const char *kn = skv__kv_copy_kernel_name(&c->d, &c->cfg);
-  if ((mode >= 3) != (strstr(kn, "16 KiB parameters") != NULL) ||
+  if ((mode == 3 || mode == 4) != (strstr(kn, "16 KiB parameters") != NULL) ||
+      (mode == 1) != (strstr(kn, "512 B parameters") != NULL) ||
       (mode == 2 || mode == 4) != (strstr(kn, "bulk") != NULL))
     return -3; /* not the kernel this mode is about */
   if (skv__kv_copy_launch(&c->d, &c->cfg, NULL) != 0 || cudaDeviceSynchronize() != cudaSuccess)
@@ -845,7 +847,7 @@ static int pe_device_checks(int rank, int npes, void *arg) {
   PE_CHECK(dc_setup(&c, 2) == 0, "setup");
   const size_t pages = c.heap_bytes - DC_GUARD, blocks = c.eng_bytes - DC_GUARD;
   uint32_t err[4];
-  for (int mode = 0; mode < 5; mode++) {
+  for (int mode = 0; mode < 6; mode++) {
     /* a valid batch: the reference run, so that the checks below prove something */
     PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_FETCH, 0, 1, 2, 5, err) == 0 && err[0] == 0,
              "mode %d: valid fetch: err %u", mode, err[0]);
@@ -898,7 +900,7 @@ static int pe_device_checks(int rank, int npes, void *arg) {
    * run refuses a bad block as the per-vector path does, with all of the page's bytes skipped */
   memset(&c, 0, sizeof c);
   PE_CHECK(dc_setup(&c, 4) == 0, "setup, one block per page");
-  for (int mode = 0; mode < 4; mode += mode == 1 ? 2 : 1) { /* 0, 1, 3: the vec kernels */
+  for (int mode = 0; mode < 6; mode += mode == 1 ? 2 : mode == 3 ? 2 : 1) { /* 0, 1, 3, 5: vec */
     PE_CHECK(dc_run(&c, mode, SKV_KV_COPY_FETCH, 0, 1, 2, 0, err) == 0 && err[0] == 0,
              "one run, mode %d: valid fetch: err %u", mode, err[0]);
     PE_CHECK(dc_count_not(c.eng, c.eng_bytes - DC_GUARD, 0x33) == 2 * 256,
