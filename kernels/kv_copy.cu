@@ -541,8 +541,13 @@ extern "C" int skv__kv_copy_args_inline(const skv__kv_copy_desc_t *d,
 extern "C" uint64_t skv__kv_copy_max_pages(const skv__kv_copy_desc_t *d,
                                            const skv__kv_copy_cfg_t *cfg) {
   const uint64_t slab = slab_bytes(d);
-  const uint64_t chunk = chunk_bytes(d, cfg);
-  if (slab == 0 || slab >= (1ull << 31) - chunk || d->ntensors == 0) return 0;
+  /* under AUTO the kernel depends on the batch's size, which a plan does not know yet (n = 0):
+   * the bound holds for either kernel, so a plan's launches never exceed it */
+  const uint64_t chunk = cfg->kernel == SKV_KV_KERNEL_AUTO
+                             ? 32ull * (uint64_t)cfg->unroll * (d->width ? d->width : 1)
+                             : chunk_bytes(d, cfg);
+  const uint64_t big = cfg->kernel == SKV_KV_KERNEL_AUTO ? BK_CHUNK : chunk;
+  if (slab == 0 || slab >= (1ull << 31) - (chunk > big ? chunk : big) || d->ntensors == 0) return 0;
   const uint64_t per_page = (uint64_t)d->ntensors * ((slab + chunk - 1) / chunk);
   return ((1ull << 31) - 1) / per_page;
 }

@@ -548,7 +548,7 @@ static int pe_pins_by_bytes_and_bits(int rank, int npes, void *arg) {
   uint32_t pe[6], page[6], gen[6];
   for (int i = 0; i < 6; i++) {
     pe[i] = refs[order[i]].pe, page[i] = refs[order[i]].page, gen[i] = refs[order[i]].gen;
-    if (order[i] == 2) gen[i]++; /* a reference to key 3's page before its last reuse */
+    if (order[i] == 2) gen[i]++; /* key 3's page at a generation it has not reached: stale */
   }
   if (rank > 0) {
     PE_CHECK(skv__pool_pin_prefix(p, pe, page, gen, 6) == 3, "the prefix before the stale page");
@@ -592,6 +592,69 @@ static int pe_pins_by_bytes_and_bits(int rank, int npes, void *arg) {
   PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
   fix_fini(&f);
   return 0;
+}
+
+/* Pins in runs of 64 with one fence (pool.c, pin_bytes_run), PE 0 pinning its own pages: a batch
+ * of 70 references to 8 pages whose reference 64 (the first of the second run) is stale pins the
+ * 64 before it, each page as often as listed; a page held already and listed again at a later
+ * generation stops a batch there and keeps its pin; a stale first reference pins nothing. */
+static int pe_pin_runs(int rank, int npes, void *arg) {
+  (void)npes, (void)arg;
+  fix_t f;
+  PE_CHECK(fix_init(&f, 8, 64, 30000) == 0, "fixture: %s", skv_last_error());
+  skv__pool_t *p = &f.kv->pool;
+  uint64_t ids[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  size_t ins, nhit;
+  PE_CHECK(publish_ids(&f, ids, 8, &ins) == 0 && ins == 8, "fill");
+  skv_key_t keys[8];
+  skv_page_ref_t r[8];
+  for (int i = 0; i < 8; i++) keys[i] = key_of(&f, ids[i]);
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, 8, 0, r, &nhit) == 0 && nhit == 8, "lookup");
+  enum { N = 70, BAD = 64 };
+  uint32_t pe[N], page[N], gen[N], cnt[8] = {0};
+  for (int i = 0; i < N; i++) {
+    const int k = (i * 3) % 8;
+    pe[i] = r[k].pe, page[i] = r[k].page, gen[i] = r[k].gen + (i == BAD);
+    if (i < BAD) cnt[k]++;
+  }
+  PE_CHECK(skv__pool_pin_prefix(p, pe, page, gen, N) == BAD, "the pins before reference %d", BAD);
+  for (int k = 0; k < 8; k++) {
+    const uint32_t c = p->pins[(uint64_t)r[k].pe * p->pages + r[k].page];
+    PE_CHECK(c == cnt[k], "page of key %d: %u pins, listed %u times", k + 1, c, cnt[k]);
+    PE_CHECK(skv__page_pinned_by(&p->meta[r[k].pe][r[k].page], rank) == (cnt[k] > 0),
+             "page of key %d: pin byte", k + 1);
+  }
+  PE_CHECK(skv__pool_unpin_n(p, pe, 1, page, 1, BAD, 1) == 0, "unpin: %s", skv_last_error());
+  PE_CHECK(skv__pool_pinned_own(p) == 0 && p->pinned_pages == 0, "pins left: %llu",
+           (unsigned long long)skv__pool_pinned_own(p));
+  /* X held, then [X, X one generation on]: the second fails, X keeps exactly its first pin */
+  PE_CHECK(skv__pool_pin(p, r[0].pe, r[0].page, r[0].gen) == 0, "pin X");
+  uint32_t xpe[2] = {r[0].pe, r[0].pe}, xpg[2] = {r[0].page, r[0].page},
+           xgen[2] = {r[0].gen, r[0].gen + 1};
+  PE_CHECK(skv__pool_pin_prefix(p, xpe, xpg, xgen, 2) == 1, "[X, X stale]: one pinned");
+  PE_CHECK(p->pins[(uint64_t)r[0].pe * p->pages + r[0].page] == 2 &&
+               skv__page_pinned_by(&p->meta[r[0].pe][r[0].page], rank),
+           "X pinned twice");
+  PE_CHECK(skv__pool_unpin_n(p, xpe, 0, xpg, 0, 1, 2) == 0, "unpin X twice");
+  /* a stale first reference: nothing pinned, its page's byte and the next page's untouched */
+  uint32_t ype[2] = {r[1].pe, r[2].pe}, ypg[2] = {r[1].page, r[2].page},
+           ygen[2] = {r[1].gen + 1, r[2].gen};
+  PE_CHECK(skv__pool_pin_prefix(p, ype, ypg, ygen, 2) == 0, "a stale first reference");
+  for (int k = 0; k < 3; k++)
+    PE_CHECK(!skv__page_pinned_by(&p->meta[r[k].pe][r[k].page], rank) &&
+                 p->pins[(uint64_t)r[k].pe * p->pages + r[k].page] == 0,
+             "page of key %d still pinned", k + 1);
+  uint64_t n = 0;
+  PE_CHECK(skv_kv_evict(f.kv, 100, &n) == 0 && n == 8, "every page evictable: %llu",
+           (unsigned long long)n);
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, pin_runs_stop_at_the_first_stale_reference_with_exact_counts) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_pin_runs, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
 Test(kv, pins_by_bytes_and_bits_hold_and_a_stale_page_gives_back_the_rest, .timeout = 120) {

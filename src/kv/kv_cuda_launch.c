@@ -22,8 +22,9 @@
  * SKV__KVC_MAX_PAGES pages, or fewer when pages have many blocks) are split into several launches
  * by the caller.
  *
- * The copy is the process-wide variant's (kv_cuda_variant.c): "bulk" (default), the TMA
- * kernel for 16-byte aligned runs of 128 bytes and more, else the vec kernel; "vec"; or "ce",
+ * The copy is the process-wide variant's (kv_cuda_variant.c): "auto" (default), "bulk" for
+ * fetches of SKV_KV_BULK_MIN_BYTES and more, else "vec"; "bulk", the TMA kernel for 16-byte
+ * aligned runs of 128 bytes and more, else the vec kernel; "vec"; or "ce",
  * the copy engines through cudaMemcpyBatchAsync, one copy per run, for runs of CE_MIN_RUN bytes
  * and more and at most CE_MAX_COPIES copies, else the vec kernel. The copy engines leave the SMs
  * to the engine but cost the host time per copy (docs/gpu.md compares them).

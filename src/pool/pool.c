@@ -450,7 +450,7 @@ static size_t pin_bytes_run(skv__pool_t *p, const uint32_t *pe, size_t pe_step,
       fresh |= 1ull << (j - i);
     }
   }
-  skv__pin_fence();
+  if (fresh) skv__pin_fence(); /* only new pins need their Dekker read */
   size_t j = i;
   *rc = 0;
   for (; j < end && *rc == 0; j++) {

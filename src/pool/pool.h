@@ -104,6 +104,8 @@ _Static_assert(sizeof(skv__page_meta_t) == 64, "a page record is one cache line"
  * to their bit of pinmask. */
 #define SKV_PIN_BYTE_PES 8
 
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "pin byte r is bit 8r of pinbytes");
+
 /* The local PEs that pin the page, a bit each (sequentially consistent loads). */
 static inline uint64_t skv__page_pins(skv__page_meta_t *m) {
   const uint64_t b = __atomic_load_n(&m->pinbytes, __ATOMIC_SEQ_CST) & 0x0101010101010101ull;
@@ -116,11 +118,12 @@ static inline uint64_t skv__page_pins(skv__page_meta_t *m) {
 #define SKV__PIN_STORE   __ATOMIC_SEQ_CST
 #define skv__pin_fence() ((void)0)
 #else
-#define SKV__PIN_STORE   __ATOMIC_RELAXED
+#define SKV__PIN_STORE   __ATOMIC_RELEASE /* the PE's lease and pid (its header) go first */
 #define skv__pin_fence() __atomic_thread_fence(__ATOMIC_SEQ_CST)
 #endif
 
-/* Set PE pe's pin on the page (for a byte, skv__pin_fence must follow before the state read). */
+/* Set PE pe's pin on the page (for a byte, skv__pin_fence must follow before the state read;
+ * release, so that an evictor seeing the byte also sees the PE's lease and pid). */
 static inline void skv__page_pin_set(skv__page_meta_t *m, int pe) {
   if (pe < SKV_PIN_BYTE_PES)
     __atomic_store_n((uint8_t *)&m->pinbytes + pe, 1, SKV__PIN_STORE);
