@@ -177,7 +177,7 @@ void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
   XX(COMM_CHUNK, "16M", "64K..1G bytes (K/M/G suffixes)",                                          \
      "CUDA all-reduce: most bytes one launch carries; each channel's scratch is 4x this")        \
   XX(COMM_CHECK, "0", "0 or 1", "1 checks every all-reduce and barrier of every comm against every PE's (checking mode)") \
-  XX(FETCH_KERNEL, "bulk", "bulk, vec or ce", "KV copy: TMA bulk copies, 16-byte loads or copy engines") \
+  XX(FETCH_KERNEL, "auto", "auto, bulk, vec or ce", "KV copy: TMA bulk copies for fetches of 8 MiB and more and 16-byte loads below (auto), or always one of TMA bulk copies, 16-byte loads, copy engines") \
   XX(FETCH_UNROLL, "4", "4 or 8", "KV copy kernels: 16-byte loads in flight per thread")          \
   XX(FETCH_CTAS, "4", "1..32 (occupancy caps it)", "KV copy kernels: CTAs per multiprocessor")    \
   XX(FETCH_THREADS, "256", "128, 256 or 512", "KV copy kernels: threads per CTA")                 \
