@@ -22,9 +22,6 @@ constexpr int REPS = 15, WARM = 2;
 
 /* TMA: per warp a pipeline of S shared buffers of C bytes; lane 0 loads chunks with
  * cp.async.bulk (mbarrier completion) and writes them back with cp.async.bulk shared -> global. */
-__device__ __forceinline__ uint32_t su32(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
 template <int S>
 __global__ void tma_copy(const char *__restrict__ s, char *__restrict__ d, size_t bytes,
                          uint32_t C) {
@@ -55,13 +52,7 @@ __global__ void tma_copy(const char *__restrict__ s, char *__restrict__ d, size_
     const uint64_t it = gw + k * nw;
     if (it >= items) break;
     const int st = (int)(k % S);
-    uint32_t done = 0;
-    while (!done)
-      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                   " selp.u32 %0, 1, 0, p;\n}"
-                   : "=r"(done)
-                   : "r"(su32(&bar[st])), "r"((phase >> st) & 1u)
-                   : "memory");
+    mbar_wait(&bar[st], (phase >> st) & 1u);
     phase ^= 1u << st;
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d + it * C),
                  "r"(su32(buf + (size_t)st * C)), "r"(C)

@@ -48,10 +48,6 @@ __global__ void fill_pattern(uint32_t *p, size_t n) {
     p[i] = (uint32_t)i * GOLD;
 }
 
-__device__ __forceinline__ uint32_t su32(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
 /* TMA gather. args: pages[n], K blocks[n], V blocks[n]. Items (page i, tensor t, chunk c) of
  * C = 1 << cshift bytes, numbered (2i + t) * (SLAB / C) + c. Lane 0 of each warp runs a pipeline
  * of S shared buffers: cp.async.bulk global -> shared (mbarrier), then shared -> global (bulk
@@ -105,13 +101,7 @@ __device__ __forceinline__ void tma_body(const char *__restrict__ pool, char *__
     const uint64_t u = it >> qs, c = it & qm;
     char *d =
         ((u & 1) ? vt : kt) + (size_t)args[(1 + (u & 1)) * n + (u >> 1)] * SLAB + (c << cshift);
-    uint32_t done = 0;
-    while (!done)
-      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                   " selp.u32 %0, 1, 0, p;\n}"
-                   : "=r"(done)
-                   : "r"(su32(&bar[st])), "r"((phase >> st) & 1u)
-                   : "memory");
+    mbar_wait(&bar[st], (phase >> st) & 1u);
     phase ^= 1u << st;
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d),
                  "r"(su32(buf + (size_t)st * C)), "r"(C)

@@ -1,6 +1,6 @@
 /* What the plain-CUDA probes of bench/gpu share (no symkv code: each probe builds from its own
  * .cu file with nvcc alone): error checks, the gate kernel and a measurement behind it, a
- * contiguous copy kernel, the median. */
+ * contiguous copy kernel, the median, the TMA helpers. */
 #pragma once
 #include <cuda_runtime.h>
 
@@ -98,4 +98,19 @@ __global__ void stream_copy(const uint4 *__restrict__ s, uint4 *__restrict__ d, 
     for (int k = 0; k < U; k++)
       if (i + (size_t)k * blockDim.x < n16) d[i + (size_t)k * blockDim.x] = v[k];
   }
+}
+
+/* TMA helpers of the probes' bulk-copy kernels: a shared-memory address as the 32-bit value PTX
+ * takes, and a wait for an mbarrier's phase `parity` to complete. */
+__device__ __forceinline__ uint32_t su32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(su32(bar)), "r"(parity)
+                 : "memory");
 }
