@@ -500,8 +500,13 @@ bool use_bulk(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
          d->run_bytes % d->row_bytes == 0;
 }
 
+/* A VEC item's chunk: 32 lanes x unroll vectors of the batch's width. */
+uint64_t vec_chunk(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
+  return 32ull * (uint64_t)cfg->unroll * (d->width ? d->width : 1);
+}
+
 uint64_t chunk_bytes(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
-  return use_bulk(d, cfg) ? BK_CHUNK : 32ull * (uint64_t)cfg->unroll * (d->width ? d->width : 1);
+  return use_bulk(d, cfg) ? BK_CHUNK : vec_chunk(d, cfg);
 }
 
 /* Does the driver take kernel parameters over 4 KiB (CUDA 12.1 on)? Asked once. */
@@ -522,32 +527,34 @@ bool big_ok(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
   return (use_bulk(d, cfg) || d->width == 16) && big_params();
 }
 
-/* Where the arguments go: 0 args_dev, 1 the small parameters, 2 the big ones, 3 the tiny ones
- * (a few pages for the 16-byte VEC kernels: a launch then copies 512 bytes, not 3.7 KiB). */
+/* Where the arguments go: args_dev, or the parameters of a tier (IN_SMALL + tier_of<P>()); the
+ * tiny ones for a few pages of the 16-byte VEC kernels (a launch copies 512 bytes, not 3.7 KiB). */
+enum { IN_DEV = 0, IN_SMALL = 1, IN_BIG = 2, IN_TINY = 3 };
 int inline_kind(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg) {
-  if (cfg->args != SKV_KV_ARGS_AUTO || !d->args_host) return 0;
-  if (d->args_bytes <= SKV_KV_COPY_INLINE_TINY && d->width == 16 && !use_bulk(d, cfg)) return 3;
-  if (d->args_bytes <= SKV_KV_COPY_INLINE_BYTES) return 1;
-  return d->args_bytes <= SKV_KV_COPY_INLINE_BIG && big_ok(d, cfg) ? 2 : 0;
+  if (cfg->args != SKV_KV_ARGS_AUTO || !d->args_host) return IN_DEV;
+  if (d->args_bytes <= SKV_KV_COPY_INLINE_TINY && d->width == 16 && !use_bulk(d, cfg))
+    return IN_TINY;
+  if (d->args_bytes <= SKV_KV_COPY_INLINE_BYTES) return IN_SMALL;
+  return d->args_bytes <= SKV_KV_COPY_INLINE_BIG && big_ok(d, cfg) ? IN_BIG : IN_DEV;
 }
 
 } // namespace
 
 extern "C" int skv__kv_copy_args_inline(const skv__kv_copy_desc_t *d,
                                         const skv__kv_copy_cfg_t *cfg) {
-  return inline_kind(d, cfg) != 0;
+  return inline_kind(d, cfg) != IN_DEV;
 }
 
 extern "C" uint64_t skv__kv_copy_max_pages(const skv__kv_copy_desc_t *d,
                                            const skv__kv_copy_cfg_t *cfg) {
   const uint64_t slab = slab_bytes(d);
   /* under AUTO the kernel depends on the batch's size, which a plan does not know yet (n = 0):
-   * the bound holds for either kernel, so a plan's launches never exceed it */
-  const uint64_t chunk = cfg->kernel == SKV_KV_KERNEL_AUTO
-                             ? 32ull * (uint64_t)cfg->unroll * (d->width ? d->width : 1)
-                             : chunk_bytes(d, cfg);
-  const uint64_t big = cfg->kernel == SKV_KV_KERNEL_AUTO ? BK_CHUNK : chunk;
-  if (slab == 0 || slab >= (1ull << 31) - (chunk > big ? chunk : big) || d->ntensors == 0) return 0;
+   * the bound holds for either kernel (VEC's chunk is the smaller, BULK's the larger), so a
+   * plan's launches never exceed it */
+  const bool either = cfg->kernel == SKV_KV_KERNEL_AUTO;
+  const uint64_t chunk = either ? vec_chunk(d, cfg) : chunk_bytes(d, cfg);
+  const uint64_t largest = either ? BK_CHUNK : chunk;
+  if (slab == 0 || slab >= (1ull << 31) - largest || d->ntensors == 0) return 0;
   const uint64_t per_page = (uint64_t)d->ntensors * ((slab + chunk - 1) / chunk);
   return ((1ull << 31) - 1) / per_page;
 }
@@ -634,9 +641,9 @@ extern "C" int skv__kv_copy_launch(const skv__kv_copy_desc_t *d, const skv__kv_c
   if (!kind && !d->args_dev) return (int)cudaErrorInvalidValue;
   const uint64_t maxp = skv__kv_copy_max_pages(d, cfg);
   if (maxp == 0 || d->n > maxp) return (int)cudaErrorInvalidValue;
-  if (kind == 2) return launch<kpb_t>(d, cfg, true, stream);
-  if (kind == 3) return launch<kpt_t>(d, cfg, true, stream);
-  return launch<kps_t>(d, cfg, kind == 1, stream);
+  if (kind == IN_BIG) return launch<kpb_t>(d, cfg, true, stream);
+  if (kind == IN_TINY) return launch<kpt_t>(d, cfg, true, stream);
+  return launch<kps_t>(d, cfg, kind == IN_SMALL, stream);
 }
 
 extern "C" int skv__kv_copy_preload(void) {
@@ -687,8 +694,9 @@ extern "C" const char *skv__kv_copy_kernel_name(const skv__kv_copy_desc_t *d,
        {"skv_k_publish_vec16<u4, 512 B parameters>", "skv_k_publish_vec16<u8, 512 B parameters>"}}};
   const int kind = inline_kind(d, cfg);
   if (use_bulk(d, cfg))
-    return kind == 2 ? "skv_k_fetch_bulk<16 KiB parameters>" : "skv_k_fetch_bulk";
-  if (kind >= 2) return tier_names[kind == 3][d->dir == SKV_KV_COPY_PUBLISH][cfg->unroll == 8];
+    return kind == IN_BIG ? "skv_k_fetch_bulk<16 KiB parameters>" : "skv_k_fetch_bulk";
+  if (kind == IN_BIG || kind == IN_TINY)
+    return tier_names[kind == IN_TINY][d->dir == SKV_KV_COPY_PUBLISH][cfg->unroll == 8];
   return names[d->dir == SKV_KV_COPY_PUBLISH][cfg->unroll == 8][wi_of(d->width)];
 }
 

@@ -45,11 +45,6 @@ void skv__index_bind(skv__index_t *ix, int nshards, uint64_t slots_per_shard,
   }
 }
 
-/* The shard comes from the high bits of hi, the home slot from lo: independent bits. */
-static inline int shard_of(const skv__index_t *ix, skv_key_t k) {
-  return skv__index_shard(ix, k);
-}
-
 /* The reach of home slot h (index.h): slots beyond h + reach never held a key of home h. */
 static inline unsigned reach_of(const skv__index_t *ix, int sh, uint64_t h) {
   return __atomic_load_n(&skv__index_reach(ix, sh)[h], __ATOMIC_SEQ_CST);
@@ -78,7 +73,7 @@ static inline int read_key(const skv__index_slot_t *s, uint64_t *hi, uint64_t *l
 }
 
 int skv__index_lookup(const skv__index_t *ix, skv_key_t key, uint64_t *val) {
-  int sh = shard_of(ix, key);
+  int sh = skv__index_shard(ix, key);
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
@@ -110,12 +105,12 @@ void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, siz
   enum { AHEAD = 4 };
   uint64_t mask = ix->slots_per_shard - 1;
   for (size_t j = 0; j < n && j < AHEAD; j++)
-    __builtin_prefetch(&ix->slots[shard_of(ix, keys[j])][keys[j].lo & mask]);
+    __builtin_prefetch(&ix->slots[skv__index_shard(ix, keys[j])][keys[j].lo & mask]);
   size_t i = 0;
   for (; i < n; i++) {
     if (i + AHEAD < n) {
       skv_key_t k = keys[i + AHEAD];
-      __builtin_prefetch(&ix->slots[shard_of(ix, k)][k.lo & mask]);
+      __builtin_prefetch(&ix->slots[skv__index_shard(ix, k)][k.lo & mask]);
     }
     if (skv__index_lookup(ix, keys[i], &vals[i]) != 0) break;
   }
@@ -221,7 +216,7 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
  * copy_wins's answer for the first copy that wins over ours (2 VALID, 1 older), else 0. */
 static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine,
                        uint64_t my_ticket) {
-  int sh = shard_of(ix, key);
+  int sh = skv__index_shard(ix, key);
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
@@ -266,7 +261,7 @@ static uint64_t claim_number(void) {
  * yet), SKV_EEXIST when the key is VALID on the way, SKV_ENOSPC. */
 static int claim_slot(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c) {
   SKV_ASSERT(key.hi != 0);
-  int sh = shard_of(ix, key);
+  int sh = skv__index_shard(ix, key);
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
@@ -413,7 +408,7 @@ static bool erase_slot(skv__index_t *ix, int sh, skv__index_slot_t *s, skv_key_t
 }
 
 int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
-  int sh = shard_of(ix, key);
+  int sh = skv__index_shard(ix, key);
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
   uint64_t h = key.lo & mask;
@@ -431,7 +426,7 @@ int skv__index_erase(skv__index_t *ix, skv_key_t key, uint64_t val) {
 
 int skv__index_erase_at(skv__index_t *ix, skv_key_t key, uint64_t val, uint64_t islot, bool count) {
   const uint64_t sh = (islot - 1) >> 32, slot = (uint32_t)(islot - 1);
-  if (islot == 0 || (int)sh != shard_of(ix, key) || slot >= ix->slots_per_shard)
+  if (islot == 0 || (int)sh != skv__index_shard(ix, key) || slot >= ix->slots_per_shard)
     return SKV_ENOTFOUND;
   skv__index_slot_t *s = &ix->slots[sh][slot];
   if (!same_key(s, key) || !erase_slot(ix, (int)sh, s, key, val, count)) return SKV_ENOTFOUND;
@@ -476,9 +471,9 @@ int64_t skv__index_check(const skv__index_t *ix) {
       if (hi == EMPTY_HI || !(v & SKV_VAL_VALID)) continue;
       count++;
       skv_key_t k = {hi, lo};
-      if (shard_of(ix, k) != sh)
+      if (skv__index_shard(ix, k) != sh)
         return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX,
-                        "index: key in shard %d belongs to shard %d", sh, shard_of(ix, k));
+                        "index: key in shard %d belongs to shard %d", sh, skv__index_shard(ix, k));
       uint64_t home = lo & mask, dist = (i - home) & mask;
       if (dist >= SKV_INDEX_WINDOW)
         return SKV_FAIL(SKV_EINTERNAL, SKV_SUBSYS_INDEX,

@@ -179,9 +179,9 @@ int skv__index_lookup(const skv__index_t *ix, skv_key_t key, uint64_t *val);
 static inline uint8_t *skv__index_reach(const skv__index_t *ix, int shard) {
   return (uint8_t *)(ix->slots[shard] + ix->slots_per_shard);
 }
-/* The shard of key k: the high half of hi, mod the shards, as a multiply (Lemire's direct
- * remainder, exact for 32-bit operands; perf put a divide per key's claim, rescan and prefetch
- * in a publish). */
+/* The shard of key k: the high half of hi (the home slot comes from lo: independent bits), mod
+ * the shards, as a multiply (Lemire's direct remainder, exact for 32-bit operands; perf put a
+ * divide per key's claim, rescan and prefetch in a publish). */
 static inline int skv__index_shard(const skv__index_t *ix, skv_key_t k) {
   const uint64_t low = ix->shard_m * (uint32_t)(k.hi >> 32);
   return (int)(((unsigned __int128)low * (uint32_t)ix->nshards) >> 64);

@@ -75,12 +75,9 @@ const char *skv__kv_variant_name(const skv__kv_variant_t *v, char *buf, size_t c
              args[v->args]);
   else if (v->kernel == SKV_KV_KERNEL_BULK)
     snprintf(buf, cap, "bulk_c%d_%s", v->ctas_per_sm, args[v->args]);
-  else if (v->kernel == SKV_KV_KERNEL_AUTO)
-    snprintf(buf, cap, "auto_u%d_c%d_t%d_%s%s", v->unroll, v->ctas_per_sm, v->threads,
-             args[v->args], v->l2_256 ? "_p256" : "");
-  else
-    snprintf(buf, cap, "vec_u%d_c%d_t%d_%s%s", v->unroll, v->ctas_per_sm, v->threads, args[v->args],
-             v->l2_256 ? "_p256" : "");
+  else /* vec, or auto (vec's shape for small batches) */
+    snprintf(buf, cap, "%s_u%d_c%d_t%d_%s%s", v->kernel == SKV_KV_KERNEL_AUTO ? "auto" : "vec",
+             v->unroll, v->ctas_per_sm, v->threads, args[v->args], v->l2_256 ? "_p256" : "");
   return buf;
 }
 
