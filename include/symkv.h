@@ -714,11 +714,14 @@ typedef struct skv_cluster_opts {
  * are not exported (nor its keys put in the directory). Pages in GPU memory are exported through
  * UCX's CUDA support (a UCX built with CUDA, such as the libucx-cu12 wheel's: UCX_TLS must then
  * name cuda_copy); with a UCX without it, a cache with GPU pages needs this flag.
- * SKV_CLUSTER_GPU_DIRECT: remote pages bound for a GPU layout are read by UCX straight into GPU
- * memory (then scattered into the blocks on the GPU), for transports that write GPU memory
- * themselves (GPUDirect RDMA, cuda_ipc). Without it they come through pinned host memory, which
- * is faster over TCP (docs/cluster.md has the figures). Needs a UCX with CUDA. */
-enum { SKV_CLUSTER_NO_EXPORT = 1u, SKV_CLUSTER_GPU_DIRECT = 2u };
+ * Remote pages bound for a GPU layout are read by UCX either straight into GPU memory (then
+ * scattered into the blocks on the GPU), which pays where the transport writes GPU memory itself
+ * (cuda_ipc, gdr_copy, GPUDirect RDMA), or into pinned host memory that the copy kernels read,
+ * which is faster over TCP and shared memory (docs/cluster.md has the figures). By default
+ * symkv chooses per peer node from the transports of UCX's endpoint to it (UCX 1.14 on; older:
+ * pinned host memory). SKV_CLUSTER_GPU_DIRECT: always straight into GPU memory (needs a UCX with
+ * CUDA); SKV_CLUSTER_HOST_STAGING: always through pinned host memory. */
+enum { SKV_CLUSTER_NO_EXPORT = 1u, SKV_CLUSTER_GPU_DIRECT = 2u, SKV_CLUSTER_HOST_STAGING = 4u };
 
 /* clang-format off */
 #define SKV_CLUSTER_OPTS_INIT                                                                      \
@@ -757,10 +760,11 @@ typedef struct skv_cluster_stats {
   uint64_t remote_stale;               /* remote pages found evicted after (or before) the read */
   uint64_t peer_failures;              /* fetches that failed because a peer node was unreachable */
   uint64_t remote_pins;                /* remote pages pinned by lookups (SKV_LOOKUP_PIN) */
+  uint64_t remote_direct_pages;        /* of remote_pages: read by UCX straight into GPU memory */
 } skv_cluster_stats_t;
 
 #define SKV_CLUSTER_STATS_INIT \
-  { sizeof(skv_cluster_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(skv_cluster_stats_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* Join `kv` (its owner's pages, if any, are exported) to the cluster. With Redis configured:
  * connects (SKV_ECONN naming the URL when Redis does not answer: the cache itself goes on

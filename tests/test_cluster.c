@@ -4,6 +4,7 @@
  * node killed mid-fetch; Redis unreachable, killed and restarted. */
 #define _GNU_SOURCE
 #include "skv_test.h"
+#include "cluster/cluster.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -651,6 +652,9 @@ Test(cluster, remote_pages_into_a_gpu_layout_byte_exact) {
   skv_cluster_get_stats(cl, &st);
   cr_assert_eq(st.remote_pages, 16);
   cr_assert_eq(st.remote_bytes, 8 * pb + 8 * pb / 4);
+  /* chosen from UCX's transports: over TCP through pinned host memory */
+  cr_assert_eq(st.remote_direct_pages, 0, "%" PRIu64 " pages read into GPU memory over %s",
+               st.remote_direct_pages, getenv("UCX_TLS"));
   skv_cluster_leave(cl);
   skv_layout_destroy(part);
   skv_layout_destroy(lay);
@@ -748,7 +752,11 @@ Test(cluster, gpu_pages_exported_read_into_gpu_and_host_byte_exact) {
   const skv_layout_t *lays[2] = {part, lay};
   const uint64_t offs[2] = {pb / 4, 0}, lens[2] = {pb / 4, pb};
   for (int direct = 1; direct >= 0; direct--) {
-    if (!direct) { /* again through pinned host memory */
+    if (!direct) { /* again, as chosen from the transports (TCP: through pinned host memory) */
+      skv_cluster_stats_t sd = SKV_CLUSTER_STATS_INIT;
+      cr_assert_eq(skv_cluster_get_stats(cl, &sd), 0);
+      cr_assert_eq(sd.remote_direct_pages, 16, "pages read into GPU memory: %" PRIu64,
+                   sd.remote_direct_pages);
       skv_cluster_leave(cl);
       co.flags = 0;
       cr_assert_eq(skv_cluster_join(kv, &co, &cl), 0, "%s", skv_last_error());
@@ -788,6 +796,7 @@ Test(cluster, gpu_pages_exported_read_into_gpu_and_host_byte_exact) {
   skv_cluster_get_stats(cl, &st);
   /* this handle's: the two fetches through host memory into the GPU, the one into host blocks */
   cr_assert_eq(st.remote_pages, 24, "remote pages counted: %" PRIu64, st.remote_pages);
+  cr_assert_eq(st.remote_direct_pages, 0, "TCP chose GPU memory: %" PRIu64, st.remote_direct_pages);
   cr_assert_eq(st.remote_bytes, 8 * pb / 4 + 16 * pb, "remote bytes counted: %" PRIu64,
                st.remote_bytes);
   skv_cluster_leave(cl);
@@ -1067,6 +1076,22 @@ Test(cluster, redis_killed_then_restarted_directory_rebuilt) {
   redis_stop(&r);
 }
 
+/* Pages for GPU layouts go straight into GPU memory where UCX's transport to the node writes
+ * it itself, never over TCP or shared memory (where UCX bounces it through host buffers). */
+Test(cluster, gpu_direct_is_chosen_from_the_transports) {
+  const char *tcp[] = {"tcp", "tcp", "cuda_copy"}, *shm[] = {"sysv", "cma", "cuda_copy"},
+             *ipc[] = {"sysv", "cuda_ipc"}, *gdr[] = {"tcp", "gdr_copy"},
+             *ib[] = {"rc_mlx5", "ud_mlx5"}, *none[] = {NULL};
+  cr_assert_not(skv__xfer_gpu_direct_lanes(tcp, 3, true));
+  cr_assert_not(skv__xfer_gpu_direct_lanes(shm, 3, true));
+  cr_assert(skv__xfer_gpu_direct_lanes(ipc, 2, false));
+  cr_assert(skv__xfer_gpu_direct_lanes(gdr, 2, false));
+  cr_assert(skv__xfer_gpu_direct_lanes(ib, 2, true), "RDMA with GPUDirect RDMA");
+  cr_assert_not(skv__xfer_gpu_direct_lanes(ib, 2, false), "RDMA without GPUDirect RDMA");
+  cr_assert_not(skv__xfer_gpu_direct_lanes(none, 1, true));
+  cr_assert_not(skv__xfer_gpu_direct_lanes(NULL, 0, true));
+}
+
 Test(cluster, bad_arguments_are_refused_by_name) {
   skv_cluster_t *cl = NULL;
   cr_assert_eq(skv_cluster_join(NULL, NULL, &cl), SKV_EINVAL);
@@ -1087,17 +1112,26 @@ Test(cluster, bad_arguments_are_refused_by_name) {
   o.lease_ms = 5;
   cr_assert_eq(skv_cluster_join(c.kv, &o, &cl), SKV_EINVAL);
   o = (skv_cluster_opts_t)SKV_CLUSTER_OPTS_INIT;
-  o.flags = 4;
+  o.flags = 8;
   cr_assert_eq(skv_cluster_join(c.kv, &o, &cl), SKV_EINVAL);
   cr_assert(strstr(skv_last_error(), "SKV_CLUSTER_NO_EXPORT") &&
-                strstr(skv_last_error(), "SKV_CLUSTER_GPU_DIRECT"),
+                strstr(skv_last_error(), "SKV_CLUSTER_GPU_DIRECT") &&
+                strstr(skv_last_error(), "SKV_CLUSTER_HOST_STAGING"),
             "%s", skv_last_error());
+  o.flags = SKV_CLUSTER_GPU_DIRECT | SKV_CLUSTER_HOST_STAGING;
+  cr_assert_eq(skv_cluster_join(c.kv, &o, &cl), SKV_EINVAL);
+  cr_assert(strstr(skv_last_error(), "at most one"), "%s", skv_last_error());
   /* stats: a caller built before remote_pins existed gets the fields it knows, no more */
   skv_cluster_stats_t st = SKV_CLUSTER_STATS_INIT;
   st.size = offsetof(skv_cluster_stats_t, remote_pins);
   st.remote_pins = 12345;
   cr_assert_eq(skv_cluster_get_stats(c.cl, &st), 0, "%s", skv_last_error());
   cr_assert_eq(st.remote_pins, 12345, "written beyond the caller's size");
+  st = (skv_cluster_stats_t)SKV_CLUSTER_STATS_INIT; /* and one built before remote_direct_pages */
+  st.size = offsetof(skv_cluster_stats_t, remote_direct_pages);
+  st.remote_direct_pages = 12345;
+  cr_assert_eq(skv_cluster_get_stats(c.cl, &st), 0, "%s", skv_last_error());
+  cr_assert_eq(st.remote_direct_pages, 12345, "written beyond the caller's size");
   st.size = sizeof st - 1;
   cr_assert_eq(skv_cluster_get_stats(c.cl, &st), SKV_EINVAL);
   /* unpins of a node-local handle: local references only */

@@ -20,12 +20,13 @@ struct skv_cluster {
   int timeout_ms, lease_ms;
   char node[SKV__CL_NAME_CAP], prefix[SKV__CL_NAME_CAP];
   bool remote;
-  bool exporting;  /* this process's pages are in the directory (not SKV_CLUSTER_NO_EXPORT) */
-  bool gpu_direct; /* SKV_CLUSTER_GPU_DIRECT: UCX reads pages for GPU layouts into GPU memory */
+  bool exporting; /* this process's pages are in the directory (not SKV_CLUSTER_NO_EXPORT) */
+  int gpu_mode;   /* pages for GPU layouts: 1 UCX reads them into GPU memory, 0 into pinned host
+                   * memory, -1 as UCX's transports to the peer can (skv__xfer_peer_gpu_direct) */
   uint64_t nonce;
   pthread_mutex_t mu; /* lookups and fetches (the fetching worker and its buffer) */
   uint64_t lookups, local_hits, remote_hits, remote_pages, remote_bytes, remote_stale,
-      peer_failures, remote_pins;
+      peer_failures, remote_pins, remote_direct_pages;
 #if SKV_WITH_CLUSTER
   skv__xfer_t *x;
   skv__dir_t *dir;
@@ -69,11 +70,18 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
                   opts->size, opts->version, sizeof(o), SKV_CLUSTER_OPTS_VERSION);
     o = *opts;
   }
-  SKV_ARG_CHECK((o.flags & ~(uint32_t)(SKV_CLUSTER_NO_EXPORT | SKV_CLUSTER_GPU_DIRECT)) == 0,
+  SKV_ARG_CHECK((o.flags & ~(uint32_t)(SKV_CLUSTER_NO_EXPORT | SKV_CLUSTER_GPU_DIRECT |
+                                       SKV_CLUSTER_HOST_STAGING)) == 0,
                 SKV_SUBSYS_KV,
                 "skv_cluster_join: opts.flags=0x%x has unknown bits (SKV_CLUSTER_NO_EXPORT is "
-                "0x%x, SKV_CLUSTER_GPU_DIRECT 0x%x)",
-                o.flags, (unsigned)SKV_CLUSTER_NO_EXPORT, (unsigned)SKV_CLUSTER_GPU_DIRECT);
+                "0x%x, SKV_CLUSTER_GPU_DIRECT 0x%x, SKV_CLUSTER_HOST_STAGING 0x%x)",
+                o.flags, (unsigned)SKV_CLUSTER_NO_EXPORT, (unsigned)SKV_CLUSTER_GPU_DIRECT,
+                (unsigned)SKV_CLUSTER_HOST_STAGING);
+  SKV_ARG_CHECK((o.flags & SKV_CLUSTER_GPU_DIRECT) == 0 ||
+                    (o.flags & SKV_CLUSTER_HOST_STAGING) == 0,
+                SKV_SUBSYS_KV,
+                "skv_cluster_join: opts.flags has both SKV_CLUSTER_GPU_DIRECT and "
+                "SKV_CLUSTER_HOST_STAGING (at most one; neither: chosen per peer node)");
   SKV_ARG_CHECK(o.timeout_ms == -1 || (o.timeout_ms >= 1 && o.timeout_ms <= 86400000),
                 SKV_SUBSYS_KV, "skv_cluster_join: opts.timeout_ms=%d is not -1 or 1..86400000",
                 o.timeout_ms);
@@ -162,7 +170,11 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
                                 "UCX_TLS; docs/cluster.md)");
       goto fail;
     }
-    cl->gpu_direct = true;
+    cl->gpu_mode = 1;
+  } else {
+    /* by default per peer, where pages can be read into GPU memory at all */
+    cl->gpu_mode =
+        (o.flags & SKV_CLUSTER_HOST_STAGING) || !kv->cuda || !skv__xfer_cuda(cl->x) ? 0 : -1;
   }
   skv__dir_params_t dp = {.url = url,
                           .prefix = cl->prefix,
@@ -526,6 +538,7 @@ typedef struct fetch_sink {
   uint64_t len;      /* bytes read of each page: the layers of `dst` */
   bool nt;
   void *stream; /* a GPU layout: the copies' stream */
+  bool to_gpu;  /* UCX reads the pages into GPU staging */
 } fetch_sink_t;
 
 /* A checked sub-batch, in the staging buffer: into the blocks, with the host copy of local
@@ -536,7 +549,7 @@ static int fetch_deliver(void *arg, size_t first, size_t count, const void *byte
   const uint32_t m = f->dst->blocks_per_page;
   if (f->dst->device >= 0) {
 #ifdef SKV_WITH_CUDA
-    SKV_CHECK(skv__kvc_copy_in(f->cl->kv->cuda, f->dst, bytes, f->cl->gpu_direct, f->len, count,
+    SKV_CHECK(skv__kvc_copy_in(f->cl->kv->cuda, f->dst, bytes, f->to_gpu, f->len, count,
                                f->block_ids, f->idx + first, f->stream, skv__xfer_progress,
                                f->cl->x, "skv_cluster_fetch"));
 #else
@@ -549,6 +562,7 @@ static int fetch_deliver(void *arg, size_t first, size_t count, const void *byte
   }
   __atomic_add_fetch(&f->cl->remote_pages, count, __ATOMIC_RELAXED);
   __atomic_add_fetch(&f->cl->remote_bytes, count * f->len, __ATOMIC_RELAXED);
+  if (f->to_gpu) __atomic_add_fetch(&f->cl->remote_direct_pages, count, __ATOMIC_RELAXED);
   return 0;
 }
 
@@ -570,7 +584,10 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
                     .block_ids = block_ids,
                     .len = len,
                     .nt = dst->device < 0 && k * len >= SKV_COPY_STREAM_BYTES,
-                    .stream = stream};
+                    .stream = stream,
+                    .to_gpu = dst->device >= 0 &&
+                              (cl->gpu_mode == 1 ||
+                               (cl->gpu_mode < 0 && skv__xfer_peer_gpu_direct(cl->x, peer)))};
   int rc = 0;
   for (size_t done = 0; done < k && !rc;) {
     size_t c = SKV_MIN(k - done, SKV_ARRAY_LEN(pages));
@@ -580,8 +597,8 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
     }
     size_t bad = 0;
     f.idx = idx + done;
-    rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, dst->page_off, len,
-                             cl->gpu_direct && dst->device >= 0, fetch_deliver, &f, &bad);
+    rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, dst->page_off, len, f.to_gpu,
+                             fetch_deliver, &f, &bad);
     if (rc == SKV_ESTALE) __atomic_add_fetch(&cl->remote_stale, 1, __ATOMIC_RELAXED);
     if (rc == SKV_EPEERDEAD) __atomic_add_fetch(&cl->peer_failures, 1, __ATOMIC_RELAXED);
     done += c;
@@ -778,10 +795,12 @@ int skv_cluster_unpin(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
 
 int skv_cluster_get_stats(const skv_cluster_t *cl, skv_cluster_stats_t *st) {
   CL_CHECK_NULL(cl, "skv_cluster_get_stats");
-  /* callers built before remote_pins existed pass the size they know: that much is written */
-  const size_t v1 = offsetof(skv_cluster_stats_t, remote_pins);
+  /* callers built before remote_pins or remote_direct_pages existed pass the size they know:
+   * that much is written */
+  const size_t v1 = offsetof(skv_cluster_stats_t, remote_pins),
+               v2 = offsetof(skv_cluster_stats_t, remote_direct_pages);
   SKV_ARG_CHECK(
-      st && (st->size == sizeof(*st) || st->size == v1), SKV_SUBSYS_KV,
+      st && (st->size == sizeof(*st) || st->size == v1 || st->size == v2), SKV_SUBSYS_KV,
       "skv_cluster_get_stats: stats is NULL or its size is not sizeof(skv_cluster_stats_t) "
       "(start from SKV_CLUSTER_STATS_INIT)");
   const size_t size = st->size;
@@ -805,6 +824,7 @@ int skv_cluster_get_stats(const skv_cluster_t *cl, skv_cluster_stats_t *st) {
   s.remote_stale = cl->remote_stale;
   s.peer_failures = cl->peer_failures;
   s.remote_pins = cl->remote_pins;
+  s.remote_direct_pages = cl->remote_direct_pages;
   s.size = size;
   memcpy(st, &s, size);
   return 0;

@@ -70,6 +70,15 @@ typedef struct skv__xfer_mem_ops {
 void skv__xfer_set_mem_ops(skv__xfer_t *x, const skv__xfer_mem_ops_t *ops);
 /* Does this UCX read and write GPU memory (a build with CUDA, cuda_copy in UCX_TLS)? */
 bool skv__xfer_cuda(const skv__xfer_t *x);
+/* Does UCX move GPU memory from `peer` without host buffers of its own, so that reading pages
+ * straight into GPU staging pays? From the endpoint's transports (connecting it first; UCX 1.14
+ * on, else false), kept per peer: skv__xfer_gpu_direct_lanes of their names, with whether the
+ * NICs can register GPU memory (GPUDirect RDMA). */
+bool skv__xfer_peer_gpu_direct(skv__xfer_t *x, uint32_t peer);
+/* cuda_ipc or gdr_copy among names[0..n), or an RDMA transport (rc_*, dc_*, ud_*) with nic_gpu;
+ * not TCP nor shared memory, over which UCX bounces GPU memory through host buffers of its own
+ * (slower than symkv's pinned staging: docs/cluster.md). */
+bool skv__xfer_gpu_direct_lanes(const char *const *names, size_t n, bool nic_gpu);
 
 /* Read bytes [off, off + len) of pages page[i] (whose directory generation is gen[i]) of
  * `peer`, i < n, in a pipeline of sub-batches: each sub-batch's pages go into a registered

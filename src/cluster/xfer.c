@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 /* How it works
  * ------------
@@ -50,6 +51,9 @@
  * - A peer restarts under the same name: its record has another nonce, so it becomes another
  *   peer number and entries of the old incarnation end the lookup's prefix. */
 
+/* ucp_ep_query's list of an endpoint's transports (UCX 1.14 on) */
+#define XFER_EP_TRANSPORTS (UCP_API_MAJOR > 1 || UCP_API_MINOR >= 14)
+
 #define XFER_MAGIC     0x736b76636c757333ull /* "skvclus3": pins are active messages */
 #define XFER_MAX_PEERS 1024
 #define SERVE_SPIN_NS  (2 * 1000 * 1000) /* the serving thread polls 2 ms after a request */
@@ -85,6 +89,7 @@ typedef struct xfer_peer {
                  * so that over TCP they do not queue behind megabytes of pages in flight */
   ucp_rkey_h rk_pages, rk_meta, rk_meta2; /* rk_meta2: the records', unpacked for ep2 */
   volatile int failed;                    /* ucs_status_t of the endpoint's error, 0 while good */
+  int8_t direct; /* UCX moves GPU memory to here without host buffers: 1, 0, -1 not known yet */
 } xfer_peer_t;
 
 typedef struct xfer_staging {
@@ -476,6 +481,7 @@ int skv__xfer_peer(skv__xfer_t *x, const char *name, const void *blob, size_t le
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
   }
   snprintf(p->name, sizeof(p->name), "%s", name);
+  p->direct = -1;
   p->rec = r;
   memcpy(p->blob, blob, len);
   p->blob_len = len;
@@ -589,6 +595,62 @@ static int wait_reqs(skv__xfer_t *x, xfer_peer_t *p, void **reqs, size_t k) {
                   "cluster: node '%s' failed during a read of pages: %s (it died or the network "
                   "broke; the pages are not copied)",
                   p->name, ucs_status_string(bad != UCS_OK ? bad : UCS_ERR_ENDPOINT_TIMEOUT));
+}
+
+#if XFER_EP_TRANSPORTS
+/* Can the NICs read and write GPU memory themselves (GPUDirect RDMA: the nvidia_peermem module,
+ * whose memory peer the kernel lists)? What UCX's InfiniBand transports need to register it. */
+static bool nic_reads_gpu(void) {
+  return access("/sys/kernel/mm/memory_peers/nv_mem/version", F_OK) == 0 ||
+         access("/sys/module/nvidia_peermem", F_OK) == 0;
+}
+#endif
+
+bool skv__xfer_gpu_direct_lanes(const char *const *names, size_t n, bool nic_gpu) {
+  for (size_t i = 0; i < n; i++) {
+    const char *t = names[i];
+    if (!t) continue;
+    if (strcmp(t, "cuda_ipc") == 0 || strcmp(t, "gdr_copy") == 0) return true;
+    if (nic_gpu &&
+        (strncmp(t, "rc_", 3) == 0 || strncmp(t, "dc_", 3) == 0 || strncmp(t, "ud_", 3) == 0))
+      return true;
+  }
+  return false;
+}
+
+bool skv__xfer_peer_gpu_direct(skv__xfer_t *x, uint32_t peer) {
+  if (!x->cuda || peer >= x->npeers) return false;
+  xfer_peer_t *p = x->peers[peer];
+  if (p->direct >= 0) return p->direct;
+  if (p->failed || peer_connect(x, p) != 0) return false; /* the get says why */
+  p->direct = 0;
+#if XFER_EP_TRANSPORTS
+  ucp_transport_entry_t e[16];
+  ucp_ep_attr_t a = {.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS};
+  a.transports.entries = e;
+  a.transports.num_entries = SKV_ARRAY_LEN(e);
+  a.transports.entry_size = sizeof(e[0]);
+  if (ucp_ep_query(p->ep, &a) == UCS_OK) {
+    const unsigned n = SKV_MIN(a.transports.num_entries, (unsigned)SKV_ARRAY_LEN(e));
+    const char *names[SKV_ARRAY_LEN(e)];
+    char list[256] = "";
+    size_t at = 0;
+    for (unsigned i = 0; i < n; i++) {
+      names[i] = e[i].transport_name;
+      if (at < sizeof list)
+        at += (size_t)snprintf(list + at, sizeof list - at, "%s%s/%s", i ? " " : "",
+                               e[i].transport_name ? e[i].transport_name : "?",
+                               e[i].device_name ? e[i].device_name : "?");
+    }
+    const bool nic = nic_reads_gpu();
+    p->direct = skv__xfer_gpu_direct_lanes(names, n, nic);
+    SKV_INFO(SKV_SUBSYS_KV,
+             "cluster: node '%s' over %s (GPUDirect RDMA %s): pages for GPU layouts go %s", p->name,
+             list, nic ? "present" : "absent",
+             p->direct ? "straight into GPU memory" : "through pinned host memory");
+  }
+#endif
+  return p->direct;
 }
 
 void skv__xfer_set_mem_ops(skv__xfer_t *x, const skv__xfer_mem_ops_t *ops) {

@@ -129,7 +129,7 @@ class ClusterStats(Structure):
     _fields_ = [("size", c_size_t)] + [(n, c_uint64) for n in (
         "exported_pages", "dir_puts", "dir_dels", "dir_errors", "dir_reconnects", "lookups",
         "local_hits", "remote_hits", "remote_pages", "remote_bytes", "remote_stale",
-        "peer_failures", "remote_pins")]
+        "peer_failures", "remote_pins", "remote_direct_pages")]
 
 
 class CommOpts(Structure):
