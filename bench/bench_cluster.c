@@ -493,6 +493,7 @@ static int bench_cluster(bench_t *b) {
       if (c.dev && cudaMemset(c.dev, 0xEE, pb * per) != cudaSuccess) rc = SKV_ECUDA;
 #endif
       if (!rc) rc = skv_cluster_fetch(c.cl, refs, per, c.lay, ids, 0, NULL);
+      if (!rc) rc = skv_cluster_sync(c.cl); /* GPU blocks: the reads are stream-ordered */
 #ifdef SKV_WITH_CUDA
       if (!rc && c.dev && cudaMemcpy(c.mem, c.dev, pb * per, cudaMemcpyDeviceToHost) != cudaSuccess)
         rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cluster --gpu: copying the blocks back failed");
@@ -520,6 +521,12 @@ static int bench_cluster(bench_t *b) {
         iters++;
         t = bench_now() - t0;
       } while (!rc && t < seconds);
+      if (!rc) rc = skv_cluster_sync(c.cl); /* GPU blocks: the reads still queued */
+#ifdef SKV_WITH_CUDA
+      if (!rc && c.dev && cudaDeviceSynchronize() != cudaSuccess)
+        rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_BENCH, "cluster --gpu: the copies failed");
+#endif
+      t = bench_now() - t0;
       ours[round] = (double)pb * per * iters / t / 1e9;
       const int piters = (int)SKV_MAX(20, SKV_MIN(20000, (uint64_t)iters * per));
       double mbs = perftest_get(pb, piters, (int)per, mem, cmd, sizeof cmd);

@@ -802,14 +802,28 @@ SKV_EXTERN int skv_cluster_lookup(skv_cluster_t *cl, const skv_namespace_t *ns,
  * reused before or during the read fails with SKV_ESTALE and is not copied into its blocks
  * (earlier batches may have been). Checked pages go into host layouts with the host copy,
  * into GPU layouts (a cache with the CUDA backend) with the copy kernels reading the buffer,
- * which is pinned for CUDA, on `stream`; remote pages are in their blocks when the call
- * returns (not stream-ordered; SKV_ECAPTURE while `stream` is captured). SKV_FETCH_UNPIN
- * releases the pins of every reference, remote ones included, also when the call fails. A
- * peer that does not answer within the timeout, or dies, fails with SKV_EPEERDEAD naming it
- * (its blocks not written). */
+ * which is pinned for CUDA. Host layouts: synchronous, the pages are in their blocks when the
+ * call returns. GPU layouts: stream-ordered, as local fetches: the call enqueues on `stream` a
+ * wait (cuStreamWaitValue64: no SM busy) and the copies, and returns; a thread of the handle
+ * reads the pages into a pinned ring, then lets the stream go on. The copies come after what
+ * `stream` held before the call and before what it gets after. A read that fails then
+ * (SKV_ESTALE, SKV_EPEERDEAD, SKV_ETIMEDOUT) lets the stream go on all the same, with the
+ * failed pages' blocks filled with 0xFF bytes (NaN in 16-bit floats), and skv_cluster_sync
+ * returns the failure: call it before the blocks are trusted. `dst` must stay until then.
+ * Synchronous also for GPU layouts: a fetch of more than 64 MiB of remote pages, pages that
+ * UCX reads into GPU memory (SKV_CLUSTER_GPU_DIRECT...), a driver that cannot hold a stream.
+ * SKV_ECAPTURE while `stream` is captured. SKV_FETCH_UNPIN releases the pins of every
+ * reference, remote ones included, also when the reads fail. A peer that does not answer
+ * within the timeout, or dies, fails with SKV_EPEERDEAD naming it. A lookup of the same handle
+ * waits for a read in flight. */
 SKV_EXTERN int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
                                  const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                                  void *stream);
+/* Wait (bounded by the timeout) until this handle's stream-ordered remote fetches have read
+ * their pages (their streams may go on), then skv_kv_sync. Returns the first failure of those
+ * reads since the last call (SKV_ESTALE, SKV_EPEERDEAD...: those pages' blocks hold 0xFF
+ * bytes once the stream gets there), else skv_kv_sync's. */
+SKV_EXTERN int skv_cluster_sync(skv_cluster_t *cl);
 /* Release pins taken by skv_cluster_lookup(SKV_LOOKUP_PIN), local and remote, without a fetch
  * (a peer that cannot be reached keeps them until they lapse). A remote reference this handle
  * does not pin (as often as it is listed) fails the call with SKV_EINVAL before any is

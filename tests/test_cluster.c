@@ -668,6 +668,115 @@ Test(cluster, remote_pages_into_a_gpu_layout_byte_exact) {
 }
 
 #ifdef SKV_WITH_CUDA
+static volatile int g_hold; /* a stream held by hold_stream goes on once this is 0 */
+static void CUDART_CB hold_stream(void *arg) {
+  (void)arg;
+  const uint64_t end = skv__now_ms() + 20000; /* bounded: a failing test does not hang */
+  while (__atomic_load_n(&g_hold, __ATOMIC_ACQUIRE) && skv__now_ms() < end) skv_test_sleep_ms(1);
+}
+#endif
+
+/* A remote fetch into a GPU layout is stream-ordered: with the caller's stream held by a host
+ * function, followed by a poisoning memset, the call returns at once; what the stream holds
+ * after it (a copy back to the host) waits for the remote pages, whose copy came after the
+ * memset: every byte right. Then a's pages are evicted: the fetch is queued all the same, the
+ * stream is not held for good, the blocks get 0xFF bytes (NaN) and skv_cluster_sync says
+ * SKV_ESTALE, once. */
+Test(cluster, remote_fetch_into_a_gpu_layout_is_stream_ordered) {
+#ifndef SKV_WITH_CUDA
+  cr_skip_test("symkv built without CUDA");
+#else
+  SKV_TEST_REQUIRE_GPUS(1);
+  redis_t r;
+  redis_start(&r, 0);
+  node_args_t aa = args_for("a", &r, 4, 8, 5000);
+  child_t a;
+  child_start(&a, &aa); /* before this process touches CUDA */
+  cr_assert_eq(child_do(&a, "P 0 8 1"), 0);
+  skv_geometry_t g;
+  uint64_t pb = 0;
+  skv_kv_t *kv = gpu_cache(&g, &pb);
+  skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
+  co.redis_url = r.url, co.node = "g", co.cluster = g_cluster, co.timeout_ms = 10000;
+  co.flags = SKV_CLUSTER_NO_EXPORT;
+  skv_cluster_t *cl = NULL;
+  cr_assert_eq(skv_cluster_join(kv, &co, &cl), 0, "%s", skv_last_error());
+  uint8_t *dev = NULL, *back = NULL, *host = malloc(pb * BLOCKS);
+  cr_assert(host);
+  cr_assert_eq(cudaMalloc((void **)&dev, pb * BLOCKS), cudaSuccess);
+  cr_assert_eq(cudaHostAlloc((void **)&back, pb * BLOCKS, cudaHostAllocDefault), cudaSuccess);
+  cudaStream_t s;
+  cr_assert_eq(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  void *base[1] = {dev};
+  skv_layout_t *lay = NULL;
+  cr_assert_eq(skv_layout_create_preset(&g, SKV_LAYOUT_CONTIGUOUS, 16, BLOCKS, base, 0, &lay), 0,
+               "%s", skv_last_error());
+  skv_namespace_t *ns = NULL;
+  cr_assert_eq(skv_namespace_create("m", &g, NULL, 0, "secret", 6, &ns), 0);
+  skv_key_t keys[BLOCKS];
+  for (uint32_t i = 0; i < 8; i++) keys[i] = key_of(ns, i);
+  skv_cluster_ref_t refs[BLOCKS];
+  size_t nl = 0, nh = 0;
+  cr_assert_eq(skv_cluster_lookup(cl, ns, keys, 8, SKV_LOOKUP_PIN, refs, &nl, &nh), 0, "%s",
+               skv_last_error());
+  cr_assert_eq(nh, 8);
+  uint64_t ids[BLOCKS]; /* reversed, so that a copy ignoring block ids is caught */
+  for (int i = 0; i < 8; i++) ids[i] = (uint64_t)(7 - i);
+  for (int round = 0; round < 2; round++) {
+    /* round 1: a evicted every page (the pins went with round 0's fetch) */
+    if (round == 1) cr_assert_eq(child_do(&a, "C"), 8);
+    cr_assert_eq(cudaMemset(dev, 0x11, pb * BLOCKS), cudaSuccess);
+    cr_assert_eq(cudaDeviceSynchronize(), cudaSuccess);
+    memset(back, 0x55, pb * BLOCKS);
+    __atomic_store_n(&g_hold, 1, __ATOMIC_RELEASE);
+    cr_assert_eq(cudaLaunchHostFunc(s, hold_stream, NULL), cudaSuccess);
+    cr_assert_eq(cudaMemsetAsync(dev, 0xEE, pb * BLOCKS, s), cudaSuccess);
+    const uint64_t t0 = skv__now_ms();
+    int rc = skv_cluster_fetch(cl, refs, 8, lay, ids, round == 0 ? SKV_FETCH_UNPIN : 0, s);
+    const uint64_t took = skv__now_ms() - t0;
+    cr_assert_eq(rc, 0, "fetch queued (round %d): %s: %s", round, skv_err_name(rc),
+                 skv_last_error());
+    cr_assert(took < 5000, "the call waited %" PRIu64 " ms for a held stream", took);
+    cr_assert_eq(cudaMemcpyAsync(back, dev, pb * BLOCKS, cudaMemcpyDeviceToHost, s), cudaSuccess);
+    skv_test_sleep_ms(200);
+    cr_assert_eq(back[0], 0x55, "work after the fetch ran while the stream was held");
+    __atomic_store_n(&g_hold, 0, __ATOMIC_RELEASE);
+    cr_assert_eq(cudaStreamSynchronize(s), cudaSuccess);
+    uint8_t *ordered = malloc(pb * 8);
+    cr_assert(ordered);
+    for (int i = 0; i < 8; i++) memcpy(ordered + i * pb, back + ids[i] * pb, pb);
+    rc = skv_cluster_sync(cl);
+    if (round == 0) {
+      cr_assert_eq(rc, 0, "sync: %s: %s", skv_err_name(rc), skv_last_error());
+      cr_assert_eq(layer_wrong(ordered, pb, 0, 8, 1, 0, pb), 0,
+                   "wrong bytes in the GPU blocks (the copy before the memset?)");
+    } else {
+      cr_assert_eq(rc, SKV_ESTALE, "sync after a fetch of evicted pages: %s", skv_err_name(rc));
+      cr_assert(strstr(skv_last_error(), "node 'a'"), "%s", skv_last_error());
+      for (uint64_t x = 0; x < pb * 8; x++)
+        cr_assert_eq(ordered[x], 0xFF, "an evicted page's block, byte %" PRIu64, x);
+      cr_assert_eq(skv_cluster_sync(cl), 0, "a failure is returned once");
+    }
+    free(ordered);
+  }
+  skv_cluster_stats_t st = SKV_CLUSTER_STATS_INIT;
+  skv_cluster_get_stats(cl, &st);
+  cr_assert_eq(st.remote_pages, 8);
+  cr_assert_eq(st.remote_stale, 1);
+  skv_cluster_leave(cl);
+  skv_layout_destroy(lay);
+  skv_namespace_destroy(ns);
+  cudaStreamDestroy(s);
+  cudaFree(dev);
+  cudaFreeHost(back);
+  free(host);
+  skv_kv_detach(kv);
+  child_stop(&a);
+  redis_stop(&r);
+#endif
+}
+
+#ifdef SKV_WITH_CUDA
 /* Wrong bytes of blocks ids[0..n) of the GPU blocks `dev` (pages of pb bytes) against keys 0..
  * version 1 in [off, off + len), the poison elsewhere (copied back into `host`). */
 static uint64_t gpu_blocks_wrong(const uint8_t *dev, uint8_t *host, uint64_t pb,
@@ -789,9 +898,15 @@ Test(cluster, gpu_pages_exported_read_into_gpu_and_host_byte_exact) {
   cr_assert_eq(child_do(&a, "C"), 8);
   cr_assert_eq(cudaMemset(dev, 0xEE, pb * BLOCKS), cudaSuccess);
   cr_assert_eq(cudaDeviceSynchronize(), cudaSuccess);
-  rc = skv_cluster_fetch(cl, refs, 8, lay, ids, 0, NULL);
+  rc = skv_cluster_fetch(cl, refs, 8, lay, ids, 0, NULL); /* stream-ordered: queued */
+  cr_assert_eq(rc, 0, "fetch of evicted GPU pages queued: %s: %s", skv_err_name(rc),
+               skv_last_error());
+  rc = skv_cluster_sync(cl);
   cr_assert_eq(rc, SKV_ESTALE, "fetch of evicted GPU pages: %s", skv_err_name(rc));
-  cr_assert_eq(gpu_blocks_wrong(dev, host, pb, ids, 8, 0, 0), 0, "evicted pages were written");
+  /* their blocks hold 0xFF (NaN), the others the poison */
+  cr_assert_eq(cudaMemcpy(host, dev, pb * BLOCKS, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint64_t x = 0; x < pb * BLOCKS; x++)
+    cr_assert_eq(host[x], x < 8 * pb ? 0xFF : 0xEE, "byte %" PRIu64 " of the blocks", x);
   skv_cluster_stats_t st = SKV_CLUSTER_STATS_INIT;
   skv_cluster_get_stats(cl, &st);
   /* this handle's: the two fetches through host memory into the GPU, the one into host blocks */

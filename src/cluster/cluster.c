@@ -37,8 +37,36 @@ struct skv_cluster {
   uint64_t *pin_key;
   uint32_t *pin_cnt;
   size_t pin_cap, pin_used;
+  uint8_t *peer_gpu; /* [XFER peers]: 0 not known yet, 1 pinned host staging, 2 GPU staging */
+  /* stream-ordered remote fetches into GPU layouts ("Stream-ordered remote fetches" below) */
+  pthread_mutex_t job_mu;
+  pthread_cond_t job_cv, job_done_cv;
+  pthread_t job_thr;
+  bool job_started, job_stop;
+  bool job_off; /* synchronous from now on (a driver that cannot hold a stream...) */
+  struct cl_job *job_head, *job_tail;
+  uint64_t *gate;                           /* the word the callers' streams wait on */
+  uint64_t gate_base, job_issued, job_done; /* tickets: the gate says gate_base + job_done */
+  int job_rc;                               /* the first failure since skv_cluster_sync */
+  char job_msg[512];
+  char *ring; /* where the queued fetches' pages land: pinned host memory, CL_RING_BYTES */
+  void *ring_mh;
+  bool ring_cuda;                /* registered with CUDA here (else by UCX) */
+  uint64_t ring_head, ring_tail; /* [tail, head) of the ring is in use (wrapping) */
+  struct cl_region *reg;         /* [CL_JOBS_MAX] the fetches' runs of the ring, oldest first */
+  size_t reg0, nreg;
 #endif
+  pthread_mutex_t pin_mu; /* the pin table: counted without waiting for a read under mu */
 };
+
+#define CL_JOBS_MAX   64            /* stream-ordered fetches in flight per handle */
+#define CL_RING_BYTES (64ull << 20) /* their pages (a larger fetch is synchronous) */
+
+/* A run of the ring that a queued fetch's pages land in, free once its copies completed. */
+typedef struct cl_region {
+  uint64_t off, len;
+  void *done; /* an event recorded after the copies */
+} cl_region_t;
 
 static bool good_name(const char *s) {
   size_t n = strlen(s);
@@ -50,6 +78,38 @@ static bool good_name(const char *s) {
       return false;
   }
   return true;
+}
+
+static void cl_init_locks(skv_cluster_t *cl) {
+  pthread_mutex_init(&cl->mu, NULL);
+  pthread_mutex_init(&cl->pin_mu, NULL);
+#if SKV_WITH_CLUSTER
+  pthread_mutex_init(&cl->job_mu, NULL);
+  pthread_cond_init(&cl->job_cv, NULL);
+  pthread_cond_init(&cl->job_done_cv, NULL);
+#endif
+}
+
+#if SKV_WITH_CLUSTER
+static void jobs_stop(skv_cluster_t *cl);
+#endif
+
+/* Everything the handle holds: the queued fetches run first (each wait bounded), so that no
+ * stream stays held; then the directory, UCX and the handle. */
+static void cl_free(skv_cluster_t *cl) {
+#if SKV_WITH_CLUSTER
+  jobs_stop(cl);
+  if (cl->dir) skv__dir_destroy(cl->dir);
+  if (cl->x) skv__xfer_destroy(cl->x);
+  free(cl->peer_checked_ms), free(cl->peer_gpu), free(cl->reg);
+  free(cl->pin_key), free(cl->pin_cnt);
+  pthread_mutex_destroy(&cl->job_mu);
+  pthread_cond_destroy(&cl->job_cv);
+  pthread_cond_destroy(&cl->job_done_cv);
+#endif
+  pthread_mutex_destroy(&cl->pin_mu);
+  pthread_mutex_destroy(&cl->mu);
+  free(cl);
 }
 
 #define CL_CHECK_NULL(cl, fn)                                                 \
@@ -102,7 +162,7 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
   cl->timeout_ms = o.timeout_ms > 0 ? o.timeout_ms : skv_ctx_get_timeout_ms(kv->ctx);
   if (cl->timeout_ms <= 0) cl->timeout_ms = 60000;
   cl->lease_ms = (int)lease;
-  pthread_mutex_init(&cl->mu, NULL);
+  cl_init_locks(cl);
   if (o.node)
     snprintf(cl->node, sizeof(cl->node), "%s", o.node);
   else
@@ -119,8 +179,7 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
     return 0;
   }
 #if !SKV_WITH_CLUSTER
-  pthread_mutex_destroy(&cl->mu);
-  free(cl);
+  cl_free(cl);
   return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
                   "skv_cluster_join: a Redis URL (%s) was given, but this symkv was built without "
                   "the cluster layer (SKV_CLUSTER=OFF, or UCX and hiredis were not found: install "
@@ -190,7 +249,9 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
                           .pe = ex.pe};
   SKV_CHECK_GOTO(skv__dir_create(&dp, &cl->dir), rc, fail);
   cl->peer_checked_ms = calloc(1024, sizeof(uint64_t));
-  if (!cl->peer_checked_ms) {
+  cl->peer_gpu = calloc(1024, 1);
+  cl->reg = calloc(CL_JOBS_MAX, sizeof *cl->reg);
+  if (!cl->peer_checked_ms || !cl->peer_gpu || !cl->reg) {
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_join: out of memory");
     goto fail;
   }
@@ -201,25 +262,14 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
   *out = cl;
   return 0;
 fail:
-  if (cl->dir) skv__dir_destroy(cl->dir);
-  if (cl->x) skv__xfer_destroy(cl->x);
-  free(cl->peer_checked_ms);
-  pthread_mutex_destroy(&cl->mu);
-  free(cl);
+  cl_free(cl);
   return rc;
 #endif
 }
 
 int skv_cluster_leave(skv_cluster_t *cl) {
   CL_CHECK_NULL(cl, "skv_cluster_leave");
-#if SKV_WITH_CLUSTER
-  if (cl->dir) skv__dir_destroy(cl->dir);
-  if (cl->x) skv__xfer_destroy(cl->x);
-  free(cl->peer_checked_ms);
-  free(cl->pin_key), free(cl->pin_cnt);
-#endif
-  pthread_mutex_destroy(&cl->mu);
-  free(cl);
+  cl_free(cl);
   return 0;
 }
 
@@ -316,8 +366,8 @@ static uint64_t pin_key_of(const skv_cluster_ref_t *r) {
   return ((uint64_t)r->node + 1) << 32 | r->page;
 }
 
-/* Count one more pin of each remote reference of refs[0..n). Under cl->mu. */
-static int pins_add(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n) {
+/* pins_add, under cl->pin_mu. */
+static int pins_add_locked(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n) {
   if ((cl->pin_used + n) * 2 > cl->pin_cap) { /* grow: keep the live entries */
     size_t cap = 64;
     while (cap < (cl->pin_used + n) * 4) cap *= 2;
@@ -354,9 +404,18 @@ static int pins_add(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n) 
   return 0;
 }
 
+/* Count one more pin of each remote reference of refs[0..n). */
+static int pins_add(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n) {
+  pthread_mutex_lock(&cl->pin_mu);
+  const int rc = pins_add_locked(cl, refs, n);
+  pthread_mutex_unlock(&cl->pin_mu);
+  return rc;
+}
+
 /* Count one pin less of each remote reference of refs[0..n): all, or none and SKV_EINVAL
- * naming a reference this handle does not pin (as often as it is listed). Under cl->mu. */
+ * naming a reference this handle does not pin (as often as it is listed). */
 static int pins_take(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n, const char *fn) {
+  pthread_mutex_lock(&cl->pin_mu);
   size_t i = 0;
   for (; i < n; i++) {
     if (refs[i].node == SKV_NODE_LOCAL) continue;
@@ -364,10 +423,14 @@ static int pins_take(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
     if (!cl->pin_cap || cl->pin_key[j] != pin_key_of(&refs[i]) || cl->pin_cnt[j] == 0) break;
     cl->pin_cnt[j]--;
   }
-  if (i == n) return 0;
+  if (i == n) {
+    pthread_mutex_unlock(&cl->pin_mu);
+    return 0;
+  }
   const size_t bad = i;
   while (i-- > 0) /* undo */
     if (refs[i].node != SKV_NODE_LOCAL) cl->pin_cnt[pin_slot(cl, pin_key_of(&refs[i]))]++;
+  pthread_mutex_unlock(&cl->pin_mu);
   return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
                   "%s: refs[%zu] (node '%s', page %u) is not pinned by this handle (pin it with "
                   "skv_cluster_lookup(SKV_LOOKUP_PIN); unpin each pin once): nothing released",
@@ -375,7 +438,7 @@ static int pins_take(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
 }
 
 /* Every remote reference of refs[0..n) names a peer this handle knows; else SKV_EINVAL naming
- * the first that does not. Under cl->mu. */
+ * the first that does not (peers are only ever added: no lock needed). */
 static int check_nodes(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n, const char *fn) {
   const uint32_t np = skv__xfer_npeers(cl->x);
   for (size_t i = 0; i < n; i++)
@@ -537,17 +600,21 @@ typedef struct fetch_sink {
   const size_t *idx; /* refs of this peer (of the chunk being read) */
   uint64_t len;      /* bytes read of each page: the layers of `dst` */
   bool nt;
-  void *stream; /* a GPU layout: the copies' stream */
-  bool to_gpu;  /* UCX reads the pages into GPU staging */
+  void *stream;     /* a GPU layout: the copies' stream */
+  bool to_gpu;      /* UCX reads the pages into GPU staging */
+  bool landed;      /* the pages land where copies enqueued before wait for them: nothing to copy */
+  size_t delivered; /* pages of this peer checked and delivered */
 } fetch_sink_t;
 
 /* A checked sub-batch, in the staging buffer: into the blocks, with the host copy of local
  * fetches, or, for a GPU layout, with the copy kernels reading the (CUDA-registered) staging
  * over PCIe, waited for before the slot takes the next sub-batch. */
 static int fetch_deliver(void *arg, size_t first, size_t count, const void *bytes) {
-  const fetch_sink_t *f = arg;
+  fetch_sink_t *f = arg;
   const uint32_t m = f->dst->blocks_per_page;
-  if (f->dst->device >= 0) {
+  if (f->landed) {
+    (void)bytes;
+  } else if (f->dst->device >= 0) {
 #ifdef SKV_WITH_CUDA
     SKV_CHECK(skv__kvc_copy_in(f->cl->kv->cuda, f->dst, bytes, f->to_gpu, f->len, count,
                                f->block_ids, f->idx + first, f->stream, skv__xfer_progress,
@@ -563,14 +630,22 @@ static int fetch_deliver(void *arg, size_t first, size_t count, const void *byte
   __atomic_add_fetch(&f->cl->remote_pages, count, __ATOMIC_RELAXED);
   __atomic_add_fetch(&f->cl->remote_bytes, count * f->len, __ATOMIC_RELAXED);
   if (f->to_gpu) __atomic_add_fetch(&f->cl->remote_direct_pages, count, __ATOMIC_RELAXED);
+  f->delivered += count;
   return 0;
+}
+
+/* Does UCX read the pages of `peer` bound for `dst` into GPU staging? Under cl->mu. */
+static bool peer_to_gpu(skv_cluster_t *cl, uint32_t peer, const skv_layout_t *dst) {
+  return dst->device >= 0 &&
+         (cl->gpu_mode == 1 || (cl->gpu_mode < 0 && skv__xfer_peer_gpu_direct(cl->x, peer)));
 }
 
 /* Remote pages of one peer: a pipeline of gets into the staging slots (xfer.c), each checked
  * sub-batch copied into its blocks while the next ones are on the wire. */
 static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t *refs,
                       const size_t *idx, size_t k, const skv_layout_t *dst,
-                      const uint64_t *block_ids, void *stream) {
+                      const uint64_t *block_ids, void *stream, const skv__xfer_into_t *into,
+                      size_t *delivered) {
   const uint64_t pb = skv__xfer_page_bytes(cl->x, peer);
   if (pb != cl->kv->page_bytes)
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
@@ -585,9 +660,8 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
                     .len = len,
                     .nt = dst->device < 0 && k * len >= SKV_COPY_STREAM_BYTES,
                     .stream = stream,
-                    .to_gpu = dst->device >= 0 &&
-                              (cl->gpu_mode == 1 ||
-                               (cl->gpu_mode < 0 && skv__xfer_peer_gpu_direct(cl->x, peer)))};
+                    .to_gpu = !into && peer_to_gpu(cl, peer, dst),
+                    .landed = into != NULL};
   int rc = 0;
   for (size_t done = 0; done < k && !rc;) {
     size_t c = SKV_MIN(k - done, SKV_ARRAY_LEN(pages));
@@ -597,13 +671,16 @@ static int fetch_peer(skv_cluster_t *cl, uint32_t peer, const skv_cluster_ref_t 
     }
     size_t bad = 0;
     f.idx = idx + done;
+    const skv__xfer_into_t at = {into ? (char *)into->buf + done * len : NULL,
+                                 into ? into->memh : NULL};
     rc = skv__xfer_get_pages(cl->x, peer, pages, gens, c, dst->page_off, len, f.to_gpu,
-                             fetch_deliver, &f, &bad);
+                             into ? &at : NULL, fetch_deliver, &f, &bad);
     if (rc == SKV_ESTALE) __atomic_add_fetch(&cl->remote_stale, 1, __ATOMIC_RELAXED);
     if (rc == SKV_EPEERDEAD) __atomic_add_fetch(&cl->peer_failures, 1, __ATOMIC_RELAXED);
     done += c;
   }
   if (f.nt) skv__copy_stream_fence();
+  if (delivered) *delivered = f.delivered;
   return rc;
 }
 #endif
@@ -647,6 +724,364 @@ static int release_remote(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size
   SKV_CHECK(pins_take(cl, refs, n, fn));
   return unpin_remote(cl, refs, n);
 }
+
+/* The remote references of refs[0..n), a batch per peer node, into their blocks (for a GPU
+ * layout with the copy kernels on `stream`, each waited for). Under cl->mu. */
+static int fetch_remote(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
+                        const skv_layout_t *dst, const uint64_t *block_ids, void *stream) {
+  size_t *idx = malloc(n * sizeof *idx);
+  if (!idx) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory");
+  int rc = 0;
+  const uint32_t np = skv__xfer_npeers(cl->x);
+  for (uint32_t p = 0; p < np && !rc; p++) {
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+      if (refs[i].node == p) idx[k++] = i;
+    if (k) rc = fetch_peer(cl, p, refs, idx, k, dst, block_ids, stream, NULL, NULL);
+  }
+  free(idx);
+  return rc;
+}
+
+/* The pins of the remote references of refs[0..n) given back after their reads
+ * (SKV_FETCH_UNPIN), also when they failed with `rc`, whose message stays. Under cl->mu. */
+static int unpin_after(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n, int rc) {
+  char saved[512];
+  snprintf(saved, sizeof(saved), "%s", skv_last_error());
+  const int urc = unpin_remote(cl, refs, n);
+  if (!rc) return urc;
+  skv__error_restore(saved);
+  return rc;
+}
+
+/* The local references of refs[0..n): one skv_kv_fetch, in the order given; after a failure
+ * `rc` of the rest of the call, only their pins released (SKV_FETCH_UNPIN, as promised). */
+static int fetch_local(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
+                       const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
+                       void *stream, int rc) {
+  const uint32_t m = dst->blocks_per_page;
+  size_t nl = 0;
+  for (size_t i = 0; i < n; i++) nl += refs[i].node == SKV_NODE_LOCAL;
+  if (nl == 0 || (rc && !(flags & SKV_FETCH_UNPIN))) return rc;
+  skv_page_ref_t *lrefs = malloc(nl * sizeof(*lrefs));
+  uint64_t *lblocks = malloc(nl * m * sizeof(*lblocks));
+  if (!lrefs || !lblocks) {
+    free(lrefs), free(lblocks);
+    return rc ? rc : SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory");
+  }
+  size_t j = 0;
+  for (size_t i = 0; i < n; i++)
+    if (refs[i].node == SKV_NODE_LOCAL) {
+      lrefs[j] = (skv_page_ref_t){refs[i].pe, refs[i].page, refs[i].gen, 0};
+      memcpy(lblocks + j * m, block_ids + i * m, m * sizeof(*lblocks));
+      j++;
+    }
+  if (!rc) {
+    rc = skv_kv_fetch(cl->kv, lrefs, nl, dst, lblocks, flags, stream);
+  } else {
+    char saved[512];
+    snprintf(saved, sizeof(saved), "%s", skv_last_error());
+    (void)skv_kv_unpin(cl->kv, lrefs, nl);
+    skv__error_restore(saved);
+  }
+  free(lrefs), free(lblocks);
+  return rc;
+}
+
+#ifdef SKV_WITH_CUDA
+/* ---- Stream-ordered remote fetches ---------------------------------------------------------- */
+
+/* How it works: a fetch into a GPU layout takes a run of the handle's ring (pinned host memory,
+ * registered with UCX and CUDA once), and enqueues on the caller's stream, after the local
+ * pages' copy: a wait until the handle's gate word reaches the fetch's ticket
+ * (cuStreamWaitValue64: the GPU's front end waits, no SM), the copy kernels from the run into
+ * the blocks (remote pages grouped by node), and an event that frees the run. The handle's
+ * thread reads the pages into the run, as a synchronous fetch would (under mu, a batch per
+ * node, each page checked after its bytes), and stores the ticket, whatever happened. It makes
+ * no CUDA call: a thread of the caller blocked in CUDA (a cudaMemcpy behind the held stream)
+ * can hold what such a call needs, and a first try that copied from this thread deadlocked so.
+ * The pages that were not read or not found good are filled with 0xFF bytes (NaN in 16-bit
+ * floats) before the ticket is stored, so the kernels copy those into their blocks, and
+ * skv_cluster_sync returns the failure. */
+
+typedef struct cl_job {
+  struct cl_job *next;
+  uint64_t ticket;
+  const skv_layout_t *dst;
+  skv_cluster_ref_t *refs; /* the call's remote references, grouped by node */
+  size_t n;
+  char *run;    /* their pages' place in the ring, page i at run + i * len */
+  uint64_t len; /* bytes read of a page: the layers of dst */
+  bool unpin;   /* SKV_FETCH_UNPIN: their pins are given back after the reads */
+  int failed;   /* the enqueueing failed part-way: read nothing, fill the run, open the gate */
+} cl_job_t;
+
+static void job_free(cl_job_t *j) {
+  if (j) free(j->refs), free(j);
+}
+
+static int job_run(skv_cluster_t *cl, cl_job_t *j) {
+  if (j->failed) { /* the caller returned the failure: the pins go all the same */
+    memset(j->run, 0xFF, j->n * j->len);
+    pthread_mutex_lock(&cl->mu);
+    if (j->unpin) (void)unpin_remote(cl, j->refs, j->n);
+    pthread_mutex_unlock(&cl->mu);
+    return 0;
+  }
+  int rc = 0;
+  size_t *idx = malloc(j->n * sizeof *idx);
+  if (!idx) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory");
+  size_t good = 0; /* pages [0, good) of the run are read and checked */
+  bool left = false;
+  pthread_mutex_lock(&cl->mu);
+  for (size_t s = 0; s < j->n && !rc;) {
+    const uint32_t p = j->refs[s].node;
+    size_t k = 0;
+    while (s + k < j->n && j->refs[s + k].node == p) idx[k] = s + k, k++;
+    const skv__xfer_into_t into = {j->run + s * j->len, cl->ring_mh};
+    size_t got = 0;
+    rc = fetch_peer(cl, p, j->refs, idx, k, j->dst, NULL, NULL, &into, &got);
+    left |= skv__xfer_into_left(cl->x);
+    good = s + got;
+    s += k;
+  }
+  if (j->unpin) rc = unpin_after(cl, j->refs, j->n, rc);
+  pthread_mutex_unlock(&cl->mu);
+  free(idx);
+  if (good < j->n) memset(j->run + good * j->len, 0xFF, (j->n - good) * j->len);
+  if (left) { /* a transfer may still write into the ring: it is left to it */
+    pthread_mutex_lock(&cl->job_mu);
+    __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&cl->job_mu);
+    SKV_WARN(SKV_SUBSYS_KV, "cluster: a read into the fetch ring did not end after a forced "
+                            "close; remote fetches are synchronous from now on");
+  }
+  return rc;
+}
+
+static void *job_main(void *arg) {
+  skv_cluster_t *cl = arg;
+  pthread_mutex_lock(&cl->job_mu);
+  for (;;) {
+    while (!cl->job_head && !cl->job_stop) pthread_cond_wait(&cl->job_cv, &cl->job_mu);
+    cl_job_t *j = cl->job_head;
+    if (!j) break; /* stopped, and every queued fetch ran */
+    pthread_mutex_unlock(&cl->job_mu);
+    const int rc = job_run(cl, j);
+    pthread_mutex_lock(&cl->job_mu);
+    if (rc && !cl->job_rc) {
+      cl->job_rc = rc;
+      snprintf(cl->job_msg, sizeof cl->job_msg, "%s", skv_last_error());
+    }
+    cl->job_head = j->next;
+    if (!cl->job_head) cl->job_tail = NULL;
+    cl->job_done = j->ticket;
+    __atomic_store_n(cl->gate, cl->gate_base + j->ticket, __ATOMIC_RELEASE); /* streams go on */
+    pthread_cond_broadcast(&cl->job_done_cv);
+    job_free(j);
+  }
+  pthread_mutex_unlock(&cl->job_mu);
+  return NULL;
+}
+
+/* The gate word, the ring and the thread, once (the caller's device is current). Under
+ * job_mu. */
+static int jobs_start(skv_cluster_t *cl) {
+  if (cl->job_started) return 0;
+  if (!cl->gate) {
+    SKV_CHECK(skv__kvc_gate_word(&cl->gate));
+    cl->gate_base = __atomic_load_n(cl->gate, __ATOMIC_ACQUIRE);
+  }
+  if (!cl->ring) {
+    char *r = NULL;
+    if (posix_memalign((void **)&r, 4096, CL_RING_BYTES) != 0)
+      return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: no memory for the fetch ring");
+    pthread_mutex_lock(&cl->mu);
+    int rc = skv__xfer_map(cl->x, r, CL_RING_BYTES, &cl->ring_mh);
+    pthread_mutex_unlock(&cl->mu);
+    int hr = rc ? 0 : skv__kvc_host_register(r, CL_RING_BYTES, true);
+    if (rc || hr < 0) {
+      pthread_mutex_lock(&cl->mu);
+      skv__xfer_unmap(cl->x, cl->ring_mh);
+      pthread_mutex_unlock(&cl->mu);
+      cl->ring_mh = NULL;
+      free(r);
+      return rc ? rc : hr;
+    }
+    cl->ring_cuda = hr == 0; /* > 0: UCX registered it, and unregisters it */
+    cl->ring = r;
+  }
+  if (pthread_create(&cl->job_thr, NULL, job_main, cl) != 0)
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: no thread for remote fetches");
+  cl->job_started = true;
+  return 0;
+}
+
+/* Runs of the ring whose copies completed go back. Under job_mu. */
+static void ring_reclaim(skv_cluster_t *cl) {
+  while (cl->nreg > 0 && skv__kvc_event_done(cl->reg[cl->reg0].done) == 1) {
+    cl_region_t *g = &cl->reg[cl->reg0];
+    skv__kvc_event_free(g->done);
+    cl->ring_tail = g->off + g->len;
+    cl->reg0 = (cl->reg0 + 1) % CL_JOBS_MAX;
+    cl->nreg--;
+  }
+  if (cl->nreg == 0) cl->ring_head = cl->ring_tail = 0;
+}
+
+/* A run of `len` bytes of the ring: its offset, or UINT64_MAX while there is no room. Under
+ * job_mu. */
+static uint64_t ring_take(skv_cluster_t *cl, uint64_t len) {
+  if (cl->nreg == CL_JOBS_MAX) return UINT64_MAX;
+  if (cl->nreg == 0) return 0;
+  if (cl->ring_head > cl->ring_tail) {
+    if (CL_RING_BYTES - cl->ring_head >= len) return cl->ring_head;
+    return cl->ring_tail >= len ? 0 : UINT64_MAX; /* wrap */
+  }
+  return cl->ring_tail - cl->ring_head >= len ? cl->ring_head : UINT64_MAX;
+}
+
+/* Queue the remote references of refs[0..n) for the handle's thread: the gate and the copies
+ * on `stream`. *queued false: nothing done, the caller reads them itself (synchronous: a fetch
+ * larger than the ring, a node read into GPU staging, or a driver that cannot hold a stream). */
+static int fetch_queue(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
+                       const skv_layout_t *dst, const uint64_t *block_ids, bool unpin, void *stream,
+                       bool *queued) {
+  *queued = false;
+  const uint32_t m = dst->blocks_per_page;
+  const uint64_t len = skv__layout_page_bytes(dst);
+  /* UCX writing GPU memory makes CUDA calls from the thread: such nodes are read here */
+  bool gpu = false;
+  for (size_t i = 0; i < n; i++) {
+    const uint32_t p = refs[i].node;
+    if (p == SKV_NODE_LOCAL) continue;
+    uint8_t g = __atomic_load_n(&cl->peer_gpu[p], __ATOMIC_ACQUIRE);
+    if (g == 0) {
+      pthread_mutex_lock(&cl->mu);
+      g = (uint8_t)(1 + peer_to_gpu(cl, p, dst));
+      pthread_mutex_unlock(&cl->mu);
+      __atomic_store_n(&cl->peer_gpu[p], g, __ATOMIC_RELEASE);
+    }
+    gpu |= g == 2;
+  }
+  size_t nr = 0;
+  for (size_t i = 0; i < n; i++) nr += refs[i].node != SKV_NODE_LOCAL;
+  if (gpu || nr * len > CL_RING_BYTES) return 0;
+  /* the remote references grouped by node (stable), their blocks in the same order */
+  cl_job_t *j = calloc(1, sizeof *j);
+  uint64_t *blocks = malloc(nr * m * sizeof *blocks);
+  if (j) j->refs = malloc(nr * sizeof *j->refs);
+  if (!j || !j->refs || !blocks) {
+    job_free(j), free(blocks);
+    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory");
+  }
+  const uint32_t np = skv__xfer_npeers(cl->x);
+  for (uint32_t p = 0; p < np && j->n < nr; p++)
+    for (size_t i = 0; i < n; i++)
+      if (refs[i].node == p) {
+        j->refs[j->n] = refs[i];
+        memcpy(blocks + j->n * m, block_ids + i * m, m * sizeof *blocks);
+        j->n++;
+      }
+  j->dst = dst;
+  j->len = len;
+  j->unpin = unpin;
+  int rc = 0;
+  pthread_mutex_lock(&cl->job_mu);
+  if (!cl->job_off && (rc = jobs_start(cl)) != 0) {
+    __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
+    SKV_WARN(SKV_SUBSYS_KV, "cluster: remote fetches are synchronous from now on: %s",
+             skv_last_error());
+    rc = 0;
+  }
+  uint64_t off = UINT64_MAX;
+  const uint64_t dl = skv__now_ns() + (uint64_t)cl->timeout_ms * 1000000u;
+  while (!cl->job_off) { /* room in the ring, bounded */
+    ring_reclaim(cl);
+    if ((off = ring_take(cl, nr * len)) != UINT64_MAX || skv__now_ns() >= dl) break;
+    const struct timespec t = skv__ts_at(SKV_MIN(skv__now_ns() + 50000u, dl));
+    (void)pthread_cond_timedwait(&cl->job_done_cv, &cl->job_mu, &t);
+  }
+  if (!cl->job_off && off == UINT64_MAX)
+    rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
+                  "skv_cluster_fetch: no room for the pages in the fetch ring after %d ms (the "
+                  "copies of earlier fetches did not complete: is the stream blocked?)",
+                  cl->timeout_ms);
+  if (!rc && !cl->job_off) {
+    j->ticket = cl->job_issued + 1;
+    j->run = cl->ring + off;
+    rc = skv__kvc_gate(stream, cl->gate, cl->gate_base + j->ticket, "skv_cluster_fetch");
+    if (rc == SKV_ENOTSUP) {
+      __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
+      SKV_WARN(SKV_SUBSYS_KV, "cluster: remote fetches are synchronous from now on: %s",
+               skv_last_error());
+      rc = 0;
+    } else if (!rc) {
+      /* from here on the job goes to the thread whatever happens: only it opens the gate */
+      rc = skv__kvc_copy_in_async(cl->kv->cuda, dst, j->run, len, j->n, blocks, stream,
+                                  "skv_cluster_fetch");
+      cl_region_t *g = &cl->reg[(cl->reg0 + cl->nreg) % CL_JOBS_MAX];
+      int erc = skv__kvc_event(stream, &g->done, "skv_cluster_fetch");
+      if (!erc) {
+        g->off = off, g->len = nr * len;
+        cl->nreg++;
+        cl->ring_head = off + nr * len;
+      } else { /* the run cannot be known free again: the ring is left, fetches synchronous */
+        __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
+        if (!rc) rc = erc;
+      }
+      j->failed = rc;
+      cl->job_issued = j->ticket;
+      if (cl->job_tail)
+        cl->job_tail->next = j;
+      else
+        cl->job_head = j;
+      cl->job_tail = j;
+      pthread_cond_signal(&cl->job_cv);
+      *queued = true;
+    }
+  }
+  pthread_mutex_unlock(&cl->job_mu);
+  free(blocks);
+  if (!*queued) job_free(j);
+  return rc;
+}
+#endif
+
+/* Stop the thread once the queued fetches ran (so that no stream stays held); the ring goes
+ * once its copies completed (bounded: else it is left, with a warning). */
+static void jobs_stop(skv_cluster_t *cl) {
+#ifdef SKV_WITH_CUDA
+  if (cl->job_started) {
+    pthread_mutex_lock(&cl->job_mu);
+    cl->job_stop = true;
+    pthread_cond_signal(&cl->job_cv);
+    pthread_mutex_unlock(&cl->job_mu);
+    pthread_join(cl->job_thr, NULL);
+    cl->job_started = false;
+  }
+  const uint64_t dl = skv__now_ns() + (uint64_t)cl->timeout_ms * 1000000u;
+  while (cl->nreg > 0 && skv__now_ns() < dl) {
+    ring_reclaim(cl);
+    if (cl->nreg > 0) usleep(1000);
+  }
+  if (cl->ring && cl->nreg == 0) {
+    skv__xfer_unmap(cl->x, cl->ring_mh);
+    if (cl->ring_cuda) (void)skv__kvc_host_register(cl->ring, CL_RING_BYTES, false);
+    free(cl->ring);
+  } else if (cl->ring) {
+    SKV_WARN(SKV_SUBSYS_KV,
+             "cluster: copies out of the fetch ring did not complete within %d ms; leaving "
+             "it (%llu MiB) to them",
+             cl->timeout_ms, (unsigned long long)(CL_RING_BYTES >> 20));
+  }
+  cl->ring = NULL;
+  skv__kvc_gate_word_put(cl->gate);
+  cl->gate = NULL;
+#else
+  (void)cl;
+#endif
+}
 #endif
 
 int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
@@ -657,14 +1092,8 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
   SKV_ARG_CHECK(dst && (block_ids || n == 0), SKV_SUBSYS_KV,
                 "skv_cluster_fetch: dst or block_ids is NULL");
   if (n == 0) return 0;
-  /* local references: one skv_kv_fetch, in the order given */
-  size_t nl = 0, nr = 0;
-  for (size_t i = 0; i < n; i++) {
-    if (refs[i].node == SKV_NODE_LOCAL)
-      nl++;
-    else
-      nr++;
-  }
+  size_t nr = 0;
+  for (size_t i = 0; i < n; i++) nr += refs[i].node != SKV_NODE_LOCAL;
   if (nr == 0) { /* node-local: skv_kv_fetch as it is */
     skv_page_ref_t small[64], *lr = n <= 64 ? small : malloc(n * sizeof(*lr));
     if (!lr) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory");
@@ -683,20 +1112,11 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
     return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV,
                     "skv_cluster_fetch: a reference names a peer node, but this handle is "
                     "node-local (no Redis URL)");
-  const uint32_t m = dst->blocks_per_page;
   SKV_ARG_CHECK((flags & ~(uint32_t)SKV_FETCH_UNPIN) == 0, SKV_SUBSYS_KV,
                 "skv_cluster_fetch: unknown flags 0x%x", flags);
   SKV_CHECK(skv__check_block_ids(dst, block_ids, n, "skv_cluster_fetch"));
-  size_t *idx = malloc(n * sizeof(*idx));
-  skv_page_ref_t *lrefs = malloc((nl ? nl : 1) * sizeof(*lrefs));
-  uint64_t *lblocks = malloc((nl ? nl : 1) * m * sizeof(*lblocks));
-  if (!idx || !lrefs || !lblocks) {
-    free(idx), free(lrefs), free(lblocks);
-    return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory");
-  }
   /* from here on a failure still releases the pins of SKV_FETCH_UNPIN */
   int rc = remote_dst_check(cl, dst, stream);
-  pthread_mutex_lock(&cl->mu);
   const int nrc = check_nodes(cl, refs, n, "skv_cluster_fetch");
   const bool bad_node = nrc != 0; /* then no pin of the call is taken nor released */
   if (bad_node) rc = nrc;
@@ -714,47 +1134,51 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
     else
       rc = trc;
   }
-  /* remote pages first, a batch per peer node, then the local ones (their pins are released by
-   * skv_kv_fetch, also when a remote batch failed: see below) */
-  {
-    uint32_t np = skv__xfer_npeers(cl->x);
-    for (uint32_t p = 0; p < np && !rc; p++) {
-      size_t k = 0;
-      for (size_t i = 0; i < n; i++)
-        if (refs[i].node == p) idx[k++] = i;
-      if (k) rc = fetch_peer(cl, p, refs, idx, k, dst, block_ids, stream);
-    }
+  bool queued = false, local_done = false;
+#ifdef SKV_WITH_CUDA
+  /* a GPU layout: stream-ordered. The local pages first (they copy while the network reads),
+   * then the remote ones queued for the handle's thread */
+  if (!rc && dst->device >= 0 && !__atomic_load_n(&cl->job_off, __ATOMIC_RELAXED)) {
+    rc = fetch_local(cl, refs, n, dst, block_ids, flags, stream, 0);
+    local_done = true;
+    if (!rc) rc = fetch_queue(cl, refs, n, dst, block_ids, taken, stream, &queued);
   }
-  if (taken) {
-    char saved[512];
-    snprintf(saved, sizeof(saved), "%s", skv_last_error());
-    int urc = unpin_remote(cl, refs, n);
-    if (rc)
-      skv__error_restore(saved);
-    else
-      rc = urc;
+#endif
+  if (!queued) { /* the remote pages read here, a batch per peer node, then the local ones */
+    pthread_mutex_lock(&cl->mu);
+    if (!rc) rc = fetch_remote(cl, refs, n, dst, block_ids, stream);
+    if (taken) rc = unpin_after(cl, refs, n, rc);
+    pthread_mutex_unlock(&cl->mu);
   }
-  pthread_mutex_unlock(&cl->mu);
-  if (nl) {
-    size_t j = 0;
-    for (size_t i = 0; i < n; i++)
-      if (refs[i].node == SKV_NODE_LOCAL) {
-        lrefs[j] = (skv_page_ref_t){refs[i].pe, refs[i].page, refs[i].gen, 0};
-        memcpy(lblocks + j * m, block_ids + i * m, m * sizeof(*lblocks));
-        j++;
-      }
-    if (!rc) {
-      rc = skv_kv_fetch(cl->kv, lrefs, nl, dst, lblocks, flags, stream);
-    } else if (flags & SKV_FETCH_UNPIN) {
-      char saved[512];
-      snprintf(saved, sizeof(saved), "%s", skv_last_error());
-      (void)skv_kv_unpin(cl->kv, lrefs, nl); /* the caller's pins go as promised */
-      skv__error_restore(saved);
-    }
-  }
-  free(idx), free(lrefs), free(lblocks);
+  if (!local_done) rc = fetch_local(cl, refs, n, dst, block_ids, flags, stream, rc);
   return rc;
 #endif
+}
+
+int skv_cluster_sync(skv_cluster_t *cl) {
+  CL_CHECK_NULL(cl, "skv_cluster_sync");
+  int rc = 0;
+#if SKV_WITH_CLUSTER
+  pthread_mutex_lock(&cl->job_mu);
+  const uint64_t dl = skv__now_ns() + (uint64_t)cl->timeout_ms * 1000000u;
+  while (cl->job_done < cl->job_issued && skv__now_ns() < dl) {
+    const struct timespec t = skv__ts_at(dl);
+    (void)pthread_cond_timedwait(&cl->job_done_cv, &cl->job_mu, &t);
+  }
+  if (cl->job_done < cl->job_issued) {
+    rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
+                  "skv_cluster_sync: %" PRIu64 " remote fetches still running after %d ms",
+                  cl->job_issued - cl->job_done, cl->timeout_ms);
+  } else if (cl->job_rc) {
+    rc = cl->job_rc;
+    skv__error_restore(cl->job_msg);
+    cl->job_rc = 0;
+    cl->job_msg[0] = '\0';
+  }
+  pthread_mutex_unlock(&cl->job_mu);
+#endif
+  if (rc) return rc;
+  return skv_kv_sync(cl->kv);
 }
 
 int skv_cluster_unpin(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n) {

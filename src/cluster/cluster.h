@@ -90,9 +90,22 @@ bool skv__xfer_gpu_direct_lanes(const char *const *names, size_t n, bool nic_gpu
  * SKV_EPEERDEAD when the peer failed or did not answer within the timeout (each wait is bounded
  * by it; the endpoint is then closed, so nothing lands in the staging later). Not thread-safe
  * (the caller serialises). */
+typedef struct skv__xfer_into {
+  void *buf;  /* host memory: page i of the call at buf + i * len */
+  void *memh; /* its UCX registration (skv__xfer_map) */
+} skv__xfer_into_t;
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
                         size_t n, uint64_t off, uint64_t len, bool to_gpu,
-                        skv__xfer_deliver_fn deliver, void *arg, size_t *bad);
+                        const skv__xfer_into_t *into, skv__xfer_deliver_fn deliver, void *arg,
+                        size_t *bad);
+/* With `into`, the pages land in the caller's registered buffer instead of the staging slots
+ * (each sub-batch at its own place: nothing is reused), and `bytes` of the deliveries point
+ * into it. skv__xfer_into_left: the last such call left the buffer to a transfer that did not
+ * complete after a forced close (it may still be written: never reuse it). */
+bool skv__xfer_into_left(const skv__xfer_t *x);
+/* Host memory registered with UCX for gets (*memh), and its release. */
+int skv__xfer_map(skv__xfer_t *x, void *p, size_t len, void **memh);
+void skv__xfer_unmap(skv__xfer_t *x, void *memh);
 /* Pin pages page[i] of `peer` (src/pool/pool.h, "Remote pins"): a message to the peer, whose
  * serving thread adds to each page's rpins word and answers with the state words read after;
  * *held: how many leading pages are READY with gen[i] and stay pinned (the pins of the others

@@ -132,7 +132,9 @@ struct skv__xfer {
   int pin_answered; /* 1: answered, -1: an answer that did not parse */
   /* a pin message's header and pages, kept until its send completed (or is left to it) */
   xfer_pin_hdr_t *pin_msg;
-  int cur_stg; /* the staging of the get in progress (0 host, 1 GPU), -1 outside one */
+  int cur_stg;    /* the staging of the get in progress (0 host, 1 GPU, 2 the caller's buffer), -1
+                   * outside one */
+  bool into_left; /* the caller's buffer was left to a stuck transfer (skv__xfer_get_pages) */
 };
 
 /* An answer sent later than its handler returned: the request and the answer go (a request
@@ -380,7 +382,8 @@ static bool settle(skv__xfer_t *x, void *req, uint64_t deadline_ms) {
  * or the state words, so both are left to it (leaked, never reused; the next call allocates new
  * ones). Its request is freed (UCX releases it once it completes). */
 static void abandon_buffers(skv__xfer_t *x, const char *who) {
-  xfer_staging_t *sg = x->cur_stg >= 0 ? &x->stg[x->cur_stg] : NULL;
+  xfer_staging_t *sg = x->cur_stg >= 0 && x->cur_stg < 2 ? &x->stg[x->cur_stg] : NULL;
+  if (x->cur_stg == 2) x->into_left = true;
   SKV_WARN(SKV_SUBSYS_KV,
            "cluster: %s did not complete within %d ms; leaving the buffers (%zu bytes) to them "
            "and taking new ones",
@@ -486,18 +489,20 @@ int skv__xfer_peer(skv__xfer_t *x, const char *name, const void *blob, size_t le
   memcpy(p->blob, blob, len);
   p->blob_len = len;
   *peer = x->npeers;
-  x->peers[x->npeers++] = p;
+  x->peers[x->npeers] = p;
+  /* published after the peer: skv__xfer_npeers and skv__xfer_peer_name need no lock */
+  __atomic_store_n(&x->npeers, x->npeers + 1, __ATOMIC_RELEASE);
   return 0;
 }
 
 const char *skv__xfer_peer_name(const skv__xfer_t *x, uint32_t peer) {
-  return peer < x->npeers ? x->peers[peer]->name : NULL;
+  return peer < skv__xfer_npeers(x) ? x->peers[peer]->name : NULL;
 }
 bool skv__xfer_peer_failed(const skv__xfer_t *x, uint32_t peer) {
   return peer >= x->npeers || x->peers[peer]->failed;
 }
 uint32_t skv__xfer_npeers(const skv__xfer_t *x) {
-  return x->npeers;
+  return __atomic_load_n(&x->npeers, __ATOMIC_ACQUIRE);
 }
 uint64_t skv__xfer_peer_nonce(const skv__xfer_t *x, uint32_t peer) {
   return peer < x->npeers ? x->peers[peer]->rec.nonce : 0;
@@ -661,6 +666,27 @@ bool skv__xfer_cuda(const skv__xfer_t *x) {
   return x->cuda;
 }
 
+int skv__xfer_map(skv__xfer_t *x, void *p, size_t len, void **memh) {
+  ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                                           UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                                           UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+                             .address = p,
+                             .length = len,
+                             .memory_type = UCS_MEMORY_TYPE_HOST};
+  ucp_mem_h mh = NULL;
+  ucs_status_t st = ucp_mem_map(x->ctx, &mp, &mh);
+  *memh = st == UCS_OK ? mh : NULL;
+  return st == UCS_OK ? 0 : ucx_fail(st, "ucp_mem_map of the fetch ring");
+}
+
+void skv__xfer_unmap(skv__xfer_t *x, void *memh) {
+  if (memh) ucp_mem_unmap(x->ctx, memh);
+}
+
+bool skv__xfer_into_left(const skv__xfer_t *x) {
+  return x->into_left;
+}
+
 unsigned skv__xfer_progress(void *x) {
   return ucp_worker_progress(((skv__xfer_t *)x)->fetch);
 }
@@ -775,8 +801,10 @@ static int call_begin(skv__xfer_t *x, uint32_t peer, const uint32_t *page, size_
 
 int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, const uint32_t *gen,
                         size_t n, uint64_t off, uint64_t len, bool to_gpu,
-                        skv__xfer_deliver_fn deliver, void *arg, size_t *bad) {
+                        const skv__xfer_into_t *into, skv__xfer_deliver_fn deliver, void *arg,
+                        size_t *bad) {
   *bad = 0;
+  if (into) x->into_left = false;
   xfer_peer_t *p = NULL;
   SKV_CHECK(call_begin(x, peer, page, n, &p, bad));
   if (len == 0 || off + len > p->rec.page_bytes)
@@ -788,12 +816,14 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
   const uint64_t pb = len;
   const size_t sub = (size_t)SKV_MAX(1, SKV_MIN((uint64_t)n, XFER_SUB_BYTES / pb));
   const size_t nsub = (n + sub - 1) / sub, depth = SKV_MIN(nsub, (size_t)XFER_DEPTH);
-  SKV_CHECK(staging(x, to_gpu, depth * sub * pb));
+  if (!into) SKV_CHECK(staging(x, to_gpu, depth * sub * pb));
   xfer_staging_t *sg = &x->stg[to_gpu];
+  /* where sub-batch h lands: its slot of the staging, or its place in the caller's buffer */
+#define XFER_LAND(h) (into ? (char *)into->buf + (h)*sub * pb : sg->buf + ((h) % depth) * sub * pb)
   /* a fence orders the state words behind the bytes where both go host memory to host memory
    * (one lane: fence_setup); GPU memory on either side may take another transport's lane */
   const bool fenced = x->fence && !to_gpu && !(p->rec.flags & XFER_REC_GPU);
-  x->cur_stg = to_gpu; /* the one abandon_buffers leaves to a stuck transfer */
+  x->cur_stg = into ? 2 : to_gpu; /* the one abandon_buffers leaves to a stuck transfer */
   if (depth * 2 * sub > x->reqs_cap) {
     void **r = realloc(x->reqs, depth * 2 * sub * sizeof(*r));
     if (!r) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
@@ -809,8 +839,8 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
     for (; head < nsub && head - tail < depth && !p->failed; head++) {
       const size_t s = head % depth, first = head * sub;
       const size_t c = SKV_MIN(sub, n - first);
-      issue_sub(p, page, first, c, off, len, sg->buf + s * sub * pb, sg->mh, x->reqs + s * 2 * sub,
-                &k[s]);
+      issue_sub(p, page, first, c, off, len, XFER_LAND(head), into ? into->memh : sg->mh,
+                x->reqs + s * 2 * sub, &k[s]);
       if (fenced) { /* the state words right behind, in order */
         ucs_status_t st = p->failed ? UCS_OK : ucp_worker_fence(x->fetch);
         if (st != UCS_OK) p->failed = (int)st;
@@ -837,7 +867,7 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
           (uint32_t)(x->words[i] >> 32) != gen[i])
         stale = i;
     if (stale < n) break;
-    if ((rc = deliver(arg, first, c, sg->buf + s * sub * pb)) != 0) {
+    if ((rc = deliver(arg, first, c, XFER_LAND(tail - 1))) != 0) {
       copy_stuck = rc == SKV_ETIMEDOUT; /* the copy out of the slot may still read it */
       break;
     }
@@ -854,6 +884,7 @@ int skv__xfer_get_pages(skv__xfer_t *x, uint32_t peer, const uint32_t *page, con
       rc = wait_reqs(x, p, x->reqs + s * 2 * sub, k[s]);
   }
   if (copy_stuck) abandon_buffers(x, "a copy out of the staging buffer");
+#undef XFER_LAND
   x->cur_stg = -1;
   if (rc) return rc;
   if (stale < n) {

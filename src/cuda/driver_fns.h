@@ -19,3 +19,4 @@ SKV_CU_FN(cuMemImportFromShareableHandle, CUresult,
 SKV_CU_FN(cuMemGetAllocationGranularity, CUresult,
           (size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags))
 SKV_CU_FN(cuDeviceGetAttribute, CUresult, (int *, CUdevice_attribute, CUdevice))
+SKV_CU_FN(cuStreamWaitValue64, CUresult, (CUstream, CUdeviceptr, cuuint64_t, unsigned int))

@@ -306,9 +306,115 @@ void skv__kvc_dev_free(void *p) {
   if (p && cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
 }
 
+/* ---- gates: a stream held until the host opens it ------------------------------------------ */
+
+/* The gate words of the process: one page of pinned host memory, mapped for every device,
+ * allocated once and never freed (a stream may still wait on a word after its owner left). A
+ * word taken again keeps its value: its new owner counts on from it, so an old wait still
+ * queued is never opened early, nor held for good. */
+#define GATE_WORDS 512u
+static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t *gate_page;
+static uint64_t gate_used[GATE_WORDS / 64];
+
+int skv__kvc_gate_word(uint64_t **word) {
+  *word = NULL;
+  pthread_mutex_lock(&gate_mu);
+  if (!gate_page) {
+    void *p = NULL;
+    cudaError_t e = cudaHostAlloc(&p, GATE_WORDS * sizeof(uint64_t),
+                                  cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      pthread_mutex_unlock(&gate_mu);
+      return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV, "cudaHostAlloc of the gate words failed: %s",
+                      cudaGetErrorString(e));
+    }
+    memset(p, 0, GATE_WORDS * sizeof(uint64_t));
+    gate_page = p;
+  }
+  for (unsigned i = 0; i < GATE_WORDS && !*word; i++)
+    if (!(gate_used[i / 64] >> (i % 64) & 1)) {
+      gate_used[i / 64] |= 1ull << (i % 64);
+      *word = &gate_page[i];
+    }
+  pthread_mutex_unlock(&gate_mu);
+  if (!*word)
+    return SKV_FAIL(SKV_ENOSPC, SKV_SUBSYS_KV, "all %u gate words of the process are taken",
+                    GATE_WORDS);
+  return 0;
+}
+
+void skv__kvc_gate_word_put(uint64_t *word) {
+  if (!word) return;
+  pthread_mutex_lock(&gate_mu);
+  const size_t i = (size_t)(word - gate_page);
+  gate_used[i / 64] &= ~(1ull << (i % 64));
+  pthread_mutex_unlock(&gate_mu);
+}
+
+int skv__kvc_gate(void *stream, uint64_t *word, uint64_t ticket, const char *fn) {
+  void *dev = NULL;
+  cudaError_t e = cudaHostGetDevicePointer(&dev, word, 0);
+  CUresult r = CUDA_ERROR_INVALID_VALUE;
+  if (e == cudaSuccess)
+    r = skv__cu.cuStreamWaitValue64((CUstream)stream, (CUdeviceptr)(uintptr_t)dev, ticket,
+                                    CU_STREAM_WAIT_VALUE_GEQ);
+  if (e == cudaSuccess && r == CUDA_SUCCESS) return 0;
+  (void)cudaGetLastError();
+  const char *name = "?";
+  if (r != CUDA_SUCCESS) skv__cu.cuGetErrorName(r, &name);
+  return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV, "%s: cannot hold the stream on a host word (%s)", fn,
+                  e != cudaSuccess ? cudaGetErrorString(e) : name);
+}
+
+int skv__kvc_event(void *stream, void **ev, const char *fn) {
+  cudaEvent_t e0 = NULL;
+  cudaError_t e = cudaEventCreateWithFlags(&e0, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventRecord(e0, (cudaStream_t)stream);
+  *ev = e == cudaSuccess ? e0 : NULL;
+  if (e == cudaSuccess) return 0;
+  (void)cudaGetLastError();
+  if (e0) cudaEventDestroy(e0);
+  return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV, "%s: an event on the stream failed: %s", fn,
+                  cudaGetErrorString(e));
+}
+
+int skv__kvc_event_done(void *ev) {
+  const cudaError_t e = cudaEventQuery((cudaEvent_t)ev);
+  if (e == cudaSuccess) return 1;
+  if (e == cudaErrorNotReady) return 0;
+  (void)cudaGetLastError();
+  return SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV, "an event of a remote fetch failed: %s",
+                  cudaGetErrorString(e));
+}
+
+void skv__kvc_event_free(void *ev) {
+  if (ev && cudaEventDestroy((cudaEvent_t)ev) != cudaSuccess) (void)cudaGetLastError();
+}
+
+static int copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, bool src_dev,
+                   uint64_t stride, size_t n, const uint64_t *block_ids, const size_t *idx,
+                   void *stream, bool wait, unsigned (*idle)(void *), void *idle_arg,
+                   const char *fn);
+
 int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, bool src_dev,
                      uint64_t stride, size_t n, const uint64_t *block_ids, const size_t *idx,
                      void *stream, unsigned (*idle)(void *), void *idle_arg, const char *fn) {
+  return copy_in(kc, lay, src, src_dev, stride, n, block_ids, idx, stream, true, idle, idle_arg,
+                 fn);
+}
+
+int skv__kvc_copy_in_async(skv__kvc_t *kc, const skv_layout_t *lay, const void *src,
+                           uint64_t stride, size_t n, const uint64_t *block_ids, void *stream,
+                           const char *fn) {
+  return copy_in(kc, lay, src, false, stride, n, block_ids, NULL, stream, false, NULL, NULL, fn);
+}
+
+static int copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, bool src_dev,
+                   uint64_t stride, size_t n, const uint64_t *block_ids, const size_t *idx,
+                   void *stream, bool wait, unsigned (*idle)(void *), void *idle_arg,
+                   const char *fn) {
   void *dev = (void *)src;
   cudaError_t e = src_dev ? cudaSuccess : cudaHostGetDevicePointer(&dev, (void *)src, 0);
   struct cudaPointerAttributes pa;
@@ -341,8 +447,15 @@ int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, b
       skv__kvc_slot_put(kc, s);
       break;
     }
-    /* the slot's arguments and the staging are read by the kernel: wait for it, bounded */
     e = cudaEventRecord(s->done, (cudaStream_t)stream);
+    if (!wait && e == cudaSuccess) { /* the completion thread takes the slot back */
+      s->dir = SKV__KV_WRITE;
+      s->n = 0;
+      s->unpin_caller = false;
+      skv__kvc_slot_pending(kc, s);
+      continue;
+    }
+    /* the slot's arguments and the staging are read by the kernel: wait for it, bounded */
     const uint64_t dl = skv__now_ns() + (uint64_t)kc->p.ctx->cfg.timeout_ms * 1000000u;
     for (unsigned spins = 0; e == cudaSuccess; spins++) {
       const cudaError_t q = cudaEventQuery(s->done);

@@ -105,6 +105,22 @@ size_t skv__kvc_stage_pages(const skv__kvc_t *kc);
 int skv__kvc_copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, bool src_dev,
                      uint64_t stride, size_t n, const uint64_t *block_ids, const size_t *idx,
                      void *stream, unsigned (*idle)(void *), void *idle_arg, const char *fn);
+/* The same copies, stream-ordered: launched on `stream` and left to it (their argument slots go
+ * back once they completed); `src` must stay until then (an event recorded after them says). */
+int skv__kvc_copy_in_async(skv__kvc_t *kc, const skv_layout_t *lay, const void *src,
+                           uint64_t stride, size_t n, const uint64_t *block_ids, void *stream,
+                           const char *fn);
+/* Gates (stream-ordered remote fetches): `stream` held (cuStreamWaitValue64, GEQ: the GPU's front
+ * end waits, no SM) until the host stores a value >= ticket into *word. A word comes from a page
+ * of the process that is never freed (skv__kvc_gate_word; its value is where its new owner
+ * counts on from). SKV_ENOTSUP when the driver cannot hold a stream so. Events: recorded on a
+ * stream, asked whether done (1, 0, or a failure), freed. */
+int skv__kvc_gate_word(uint64_t **word);
+void skv__kvc_gate_word_put(uint64_t *word);
+int skv__kvc_gate(void *stream, uint64_t *word, uint64_t ticket, const char *fn);
+int skv__kvc_event(void *stream, void **ev, const char *fn);
+int skv__kvc_event_done(void *ev);
+void skv__kvc_event_free(void *ev);
 /* Register [p, p + len) of host memory with CUDA, mapped for the device (add), or unregister.
  * SKV__KVC_REGISTERED_ELSEWHERE (> 0, no error set): it was registered already (by UCX), and
  * the caller must not unregister it. */

@@ -356,6 +356,7 @@ FUNCTIONS = {
     "skv_cluster_fetch": (c_int, [c_void_p, P(ClusterRef), c_size_t, c_void_p, P(c_uint64),
                                c_uint32, c_void_p], "rc"),
     "skv_cluster_unpin": (c_int, [c_void_p, P(ClusterRef), c_size_t], "rc"),
+    "skv_cluster_sync": (c_int, [c_void_p], "rc"),
     "skv_cluster_get_stats": (c_int, [c_void_p, P(ClusterStats)], "rc"),
     "skv_cluster_node_name": (c_char_p, [c_void_p, c_uint32], None),
     "skv_comm_create": (c_int, [_ctx, P(CommOpts), P(c_void_p)], "rc"),
