@@ -777,6 +777,120 @@ Test(cluster, remote_fetch_into_a_gpu_layout_is_stream_ordered) {
 }
 
 #ifdef SKV_WITH_CUDA
+typedef struct cont_later {
+  pid_t pid;
+  int ms;
+} cont_later_t;
+static void *cont_later_main(void *arg) {
+  const cont_later_t *c = arg;
+  skv_test_sleep_ms(c->ms);
+  kill(c->pid, SIGCONT);
+  return NULL;
+}
+#endif
+
+/* Stream-ordered fetches in numbers and mixed with synchronous ones, on one stream:
+ *  - 24 fetches queued back to back (more than the cache's 8 argument slots, which only the
+ *    earlier gates give back), then one sync: every byte right;
+ *  - node a stopped (SIGSTOP) while keys 4..7 are fetched into blocks that the ring's run held
+ *    keys 0..3 for: a gate opened before the read would copy those; a's CONT comes 300 ms
+ *    later, from another thread;
+ *  - right behind it on the same stream, a fetch of 4,200 pages (more than the 64 MiB ring:
+ *    synchronous), whose copies would wait behind the queued fetch's gate: it must not wait
+ *    for the timeout (10 s) but end once a answers. */
+Test(cluster, stream_ordered_fetches_in_numbers_and_behind_a_stopped_node) {
+#ifndef SKV_WITH_CUDA
+  cr_skip_test("symkv built without CUDA");
+#else
+  SKV_TEST_REQUIRE_GPUS(1);
+  redis_t r;
+  redis_start(&r, 0);
+  node_args_t aa = args_for("a", &r, 4, 8, 5000);
+  child_t a;
+  child_start(&a, &aa); /* before this process touches CUDA */
+  cr_assert_eq(child_do(&a, "P 0 8 1"), 0);
+  skv_geometry_t g;
+  uint64_t pb = 0;
+  skv_kv_t *kv = gpu_cache(&g, &pb);
+  skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
+  co.redis_url = r.url, co.node = "g", co.cluster = g_cluster, co.timeout_ms = 10000;
+  co.flags = SKV_CLUSTER_NO_EXPORT;
+  skv_cluster_t *cl = NULL;
+  cr_assert_eq(skv_cluster_join(kv, &co, &cl), 0, "%s", skv_last_error());
+  const uint64_t nbig = 4200; /* x 16 KiB: more than the ring */
+  uint8_t *dev = NULL, *back = NULL;
+  cr_assert_eq(cudaMalloc((void **)&dev, pb * nbig), cudaSuccess);
+  cr_assert_eq(cudaHostAlloc((void **)&back, pb * nbig, cudaHostAllocDefault), cudaSuccess);
+  cudaStream_t s;
+  cr_assert_eq(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  void *base[1] = {dev};
+  skv_layout_t *lay = NULL;
+  cr_assert_eq(skv_layout_create_preset(&g, SKV_LAYOUT_CONTIGUOUS, 16, nbig, base, 0, &lay), 0,
+               "%s", skv_last_error());
+  skv_namespace_t *ns = NULL;
+  cr_assert_eq(skv_namespace_create("m", &g, NULL, 0, "secret", 6, &ns), 0);
+  skv_key_t keys[8];
+  for (uint32_t i = 0; i < 8; i++) keys[i] = key_of(ns, i);
+  skv_cluster_ref_t refs[8];
+  size_t nl = 0, nh = 0;
+  cr_assert_eq(skv_cluster_lookup(cl, ns, keys, 8, 0, refs, &nl, &nh), 0, "%s", skv_last_error());
+  cr_assert_eq(nh, 8);
+  uint64_t *ids = malloc(nbig * sizeof *ids);
+  skv_cluster_ref_t *many = malloc(nbig * sizeof *many);
+  uint8_t *ordered = malloc(pb * 8);
+  cr_assert(ids && many && ordered);
+  /* 24 fetches back to back: block 8f + i gets key i */
+  cr_assert_eq(cudaMemset(dev, 0xEE, pb * 8 * 24), cudaSuccess);
+  cr_assert_eq(cudaDeviceSynchronize(), cudaSuccess);
+  for (uint64_t f = 0; f < 24; f++) {
+    for (uint64_t i = 0; i < 8; i++) ids[i] = 8 * f + i;
+    int rc = skv_cluster_fetch(cl, refs, 8, lay, ids, 0, s);
+    cr_assert_eq(rc, 0, "fetch %" PRIu64 ": %s: %s", f, skv_err_name(rc), skv_last_error());
+  }
+  cr_assert_eq(cudaMemcpyAsync(back, dev, pb * 8 * 24, cudaMemcpyDeviceToHost, s), cudaSuccess);
+  cr_assert_eq(cudaStreamSynchronize(s), cudaSuccess);
+  cr_assert_eq(skv_cluster_sync(cl), 0, "%s", skv_last_error());
+  for (uint64_t f = 0; f < 24; f++)
+    cr_assert_eq(layer_wrong(back + f * 8 * pb, pb, 0, 8, 1, 0, pb), 0, "fetch %" PRIu64, f);
+  /* keys 4..7 while a is stopped, then the big synchronous fetch behind them */
+  cr_assert_eq(cudaMemset(dev, 0xEE, pb * nbig), cudaSuccess);
+  cr_assert_eq(cudaDeviceSynchronize(), cudaSuccess);
+  for (uint64_t i = 0; i < 4; i++) ids[i] = i;
+  cr_assert_eq(kill(a.pid, SIGSTOP), 0);
+  cont_later_t cont = {a.pid, 300};
+  pthread_t ct;
+  cr_assert_eq(pthread_create(&ct, NULL, cont_later_main, &cont), 0);
+  int rc = skv_cluster_fetch(cl, refs + 4, 4, lay, ids, 0, s);
+  cr_assert_eq(rc, 0, "fetch of keys 4..7: %s: %s", skv_err_name(rc), skv_last_error());
+  for (uint64_t i = 0; i < nbig - 8; i++) many[i] = refs[i % 8], ids[i] = 8 + i;
+  const uint64_t t0 = skv__now_ms();
+  rc = skv_cluster_fetch(cl, many, nbig - 8, lay, ids, 0, s);
+  const uint64_t took = skv__now_ms() - t0;
+  pthread_join(ct, NULL);
+  cr_assert_eq(rc, 0, "the synchronous fetch behind a queued one: %s: %s (%" PRIu64 " ms)",
+               skv_err_name(rc), skv_last_error(), took);
+  cr_assert(took < 8000, "the synchronous fetch took %" PRIu64 " ms", took);
+  cr_assert_eq(cudaMemcpyAsync(back, dev, pb * nbig, cudaMemcpyDeviceToHost, s), cudaSuccess);
+  cr_assert_eq(cudaStreamSynchronize(s), cudaSuccess);
+  cr_assert_eq(skv_cluster_sync(cl), 0, "%s", skv_last_error());
+  cr_assert_eq(layer_wrong(back, pb, 4, 4, 1, 0, pb), 0, "keys 4..7 (read while a was stopped)");
+  for (uint64_t i = 0; i < nbig - 8; i += 97) /* a sample of the big fetch's blocks */
+    cr_assert_eq(layer_wrong(back + (8 + i) * pb, pb, (uint32_t)(i % 8), 1, 1, 0, pb), 0,
+                 "block %" PRIu64, 8 + i);
+  skv_cluster_leave(cl);
+  skv_layout_destroy(lay);
+  skv_namespace_destroy(ns);
+  cudaStreamDestroy(s);
+  cudaFree(dev);
+  cudaFreeHost(back);
+  free(ids), free(many), free(ordered);
+  skv_kv_detach(kv);
+  child_stop(&a);
+  redis_stop(&r);
+#endif
+}
+
+#ifdef SKV_WITH_CUDA
 /* Wrong bytes of blocks ids[0..n) of the GPU blocks `dev` (pages of pb bytes) against keys 0..
  * version 1 in [off, off + len), the poison elsewhere (copied back into `host`). */
 static uint64_t gpu_blocks_wrong(const uint8_t *dev, uint8_t *host, uint64_t pb,

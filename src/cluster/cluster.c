@@ -37,8 +37,10 @@ struct skv_cluster {
   uint64_t *pin_key;
   uint32_t *pin_cnt;
   size_t pin_cap, pin_used;
-  uint8_t *peer_gpu; /* [XFER peers]: 0 not known yet, 1 pinned host staging, 2 GPU staging */
+  uint8_t *peer_async; /* [XFER peers]: 0 not known yet, 1 its pages for GPU layouts can be read
+                        * by the handle's thread (no CUDA call), 2 they are read by the caller */
   /* stream-ordered remote fetches into GPU layouts ("Stream-ordered remote fetches" below) */
+  pthread_mutex_t enq_mu; /* callers enqueueing on their streams, in ticket order (then job_mu) */
   pthread_mutex_t job_mu;
   pthread_cond_t job_cv, job_done_cv;
   pthread_t job_thr;
@@ -52,6 +54,7 @@ struct skv_cluster {
   char *ring; /* where the queued fetches' pages land: pinned host memory, CL_RING_BYTES */
   void *ring_mh;
   bool ring_cuda;                /* registered with CUDA here (else by UCX) */
+  bool ring_left;                /* left to a read that did not end: never freed */
   uint64_t ring_head, ring_tail; /* [tail, head) of the ring is in use (wrapping) */
   struct cl_region *reg;         /* [CL_JOBS_MAX] the fetches' runs of the ring, oldest first */
   size_t reg0, nreg;
@@ -84,6 +87,7 @@ static void cl_init_locks(skv_cluster_t *cl) {
   pthread_mutex_init(&cl->mu, NULL);
   pthread_mutex_init(&cl->pin_mu, NULL);
 #if SKV_WITH_CLUSTER
+  pthread_mutex_init(&cl->enq_mu, NULL);
   pthread_mutex_init(&cl->job_mu, NULL);
   pthread_cond_init(&cl->job_cv, NULL);
   pthread_cond_init(&cl->job_done_cv, NULL);
@@ -101,8 +105,9 @@ static void cl_free(skv_cluster_t *cl) {
   jobs_stop(cl);
   if (cl->dir) skv__dir_destroy(cl->dir);
   if (cl->x) skv__xfer_destroy(cl->x);
-  free(cl->peer_checked_ms), free(cl->peer_gpu), free(cl->reg);
+  free(cl->peer_checked_ms), free(cl->peer_async), free(cl->reg);
   free(cl->pin_key), free(cl->pin_cnt);
+  pthread_mutex_destroy(&cl->enq_mu);
   pthread_mutex_destroy(&cl->job_mu);
   pthread_cond_destroy(&cl->job_cv);
   pthread_cond_destroy(&cl->job_done_cv);
@@ -249,9 +254,9 @@ int skv_cluster_join(skv_kv_t *kv, const skv_cluster_opts_t *opts, skv_cluster_t
                           .pe = ex.pe};
   SKV_CHECK_GOTO(skv__dir_create(&dp, &cl->dir), rc, fail);
   cl->peer_checked_ms = calloc(1024, sizeof(uint64_t));
-  cl->peer_gpu = calloc(1024, 1);
+  cl->peer_async = calloc(1024, 1);
   cl->reg = calloc(CL_JOBS_MAX, sizeof *cl->reg);
-  if (!cl->peer_checked_ms || !cl->peer_gpu || !cl->reg) {
+  if (!cl->peer_checked_ms || !cl->peer_async || !cl->reg) {
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_join: out of memory");
     goto fail;
   }
@@ -798,22 +803,26 @@ static int fetch_local(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t 
  * the blocks (remote pages grouped by node), and an event that frees the run. The handle's
  * thread reads the pages into the run, as a synchronous fetch would (under mu, a batch per
  * node, each page checked after its bytes), and stores the ticket, whatever happened. It makes
- * no CUDA call: a thread of the caller blocked in CUDA (a cudaMemcpy behind the held stream)
- * can hold what such a call needs, and a first try that copied from this thread deadlocked so.
- * The pages that were not read or not found good are filled with 0xFF bytes (NaN in 16-bit
- * floats) before the ticket is stored, so the kernels copy those into their blocks, and
- * skv_cluster_sync returns the failure. */
+ * no CUDA call, and holds no lock while it stores the ticket: a thread of the caller blocked in
+ * CUDA (a cudaMemcpy behind the held stream) can hold what a CUDA call needs, and a first try
+ * that copied from this thread deadlocked so. Nodes whose reads could make CUDA calls (UCX
+ * writing GPU memory, a CUDA transport such as cuda_ipc, or a UCX with CUDA that cannot tell)
+ * are read by the caller, synchronously, as are fetches larger than the ring. The pages that
+ * were not read or not found good are filled with 0xFF bytes (NaN in 16-bit floats) before the
+ * ticket is stored, so the kernels copy those into their blocks, and skv_cluster_sync returns
+ * the failure. Callers enqueue under enq_mu, so that tickets follow the order of the waits on
+ * each stream; the job is queued before its copies are enqueued (they may need argument slots
+ * that only earlier gates give back). */
 
 typedef struct cl_job {
   struct cl_job *next;
   uint64_t ticket;
-  const skv_layout_t *dst;
+  skv_layout_t lay;        /* the caller's layout's scalars (no pointer of it is used) */
   skv_cluster_ref_t *refs; /* the call's remote references, grouped by node */
   size_t n;
   char *run;    /* their pages' place in the ring, page i at run + i * len */
-  uint64_t len; /* bytes read of a page: the layers of dst */
+  uint64_t len; /* bytes read of a page: the layers of the layout */
   bool unpin;   /* SKV_FETCH_UNPIN: their pins are given back after the reads */
-  int failed;   /* the enqueueing failed part-way: read nothing, fill the run, open the gate */
 } cl_job_t;
 
 static void job_free(cl_job_t *j) {
@@ -821,13 +830,6 @@ static void job_free(cl_job_t *j) {
 }
 
 static int job_run(skv_cluster_t *cl, cl_job_t *j) {
-  if (j->failed) { /* the caller returned the failure: the pins go all the same */
-    memset(j->run, 0xFF, j->n * j->len);
-    pthread_mutex_lock(&cl->mu);
-    if (j->unpin) (void)unpin_remote(cl, j->refs, j->n);
-    pthread_mutex_unlock(&cl->mu);
-    return 0;
-  }
   int rc = 0;
   size_t *idx = malloc(j->n * sizeof *idx);
   if (!idx) rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "skv_cluster_fetch: out of memory");
@@ -840,7 +842,7 @@ static int job_run(skv_cluster_t *cl, cl_job_t *j) {
     while (s + k < j->n && j->refs[s + k].node == p) idx[k] = s + k, k++;
     const skv__xfer_into_t into = {j->run + s * j->len, cl->ring_mh};
     size_t got = 0;
-    rc = fetch_peer(cl, p, j->refs, idx, k, j->dst, NULL, NULL, &into, &got);
+    rc = fetch_peer(cl, p, j->refs, idx, k, &j->lay, NULL, NULL, &into, &got);
     left |= skv__xfer_into_left(cl->x);
     good = s + got;
     s += k;
@@ -851,6 +853,7 @@ static int job_run(skv_cluster_t *cl, cl_job_t *j) {
   if (good < j->n) memset(j->run + good * j->len, 0xFF, (j->n - good) * j->len);
   if (left) { /* a transfer may still write into the ring: it is left to it */
     pthread_mutex_lock(&cl->job_mu);
+    cl->ring_left = true;
     __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&cl->job_mu);
     SKV_WARN(SKV_SUBSYS_KV, "cluster: a read into the fetch ring did not end after a forced "
@@ -868,15 +871,19 @@ static void *job_main(void *arg) {
     if (!j) break; /* stopped, and every queued fetch ran */
     pthread_mutex_unlock(&cl->job_mu);
     const int rc = job_run(cl, j);
+    char msg[512] = "";
+    if (rc) snprintf(msg, sizeof msg, "%s", skv_last_error());
+    /* the streams go on; no lock held (a caller may wait in CUDA under job_mu for what this
+     * releases) */
+    __atomic_store_n(cl->gate, cl->gate_base + j->ticket, __ATOMIC_RELEASE);
     pthread_mutex_lock(&cl->job_mu);
     if (rc && !cl->job_rc) {
       cl->job_rc = rc;
-      snprintf(cl->job_msg, sizeof cl->job_msg, "%s", skv_last_error());
+      memcpy(cl->job_msg, msg, sizeof msg);
     }
     cl->job_head = j->next;
     if (!cl->job_head) cl->job_tail = NULL;
     cl->job_done = j->ticket;
-    __atomic_store_n(cl->gate, cl->gate_base + j->ticket, __ATOMIC_RELEASE); /* streams go on */
     pthread_cond_broadcast(&cl->job_done_cv);
     job_free(j);
   }
@@ -885,7 +892,7 @@ static void *job_main(void *arg) {
 }
 
 /* The gate word, the ring and the thread, once (the caller's device is current). Under
- * job_mu. */
+ * enq_mu. */
 static int jobs_start(skv_cluster_t *cl) {
   if (cl->job_started) return 0;
   if (!cl->gate) {
@@ -917,10 +924,17 @@ static int jobs_start(skv_cluster_t *cl) {
   return 0;
 }
 
-/* Runs of the ring whose copies completed go back. Under job_mu. */
+/* Runs of the ring whose copies completed go back (in the order they were taken). Under
+ * job_mu. */
 static void ring_reclaim(skv_cluster_t *cl) {
-  while (cl->nreg > 0 && skv__kvc_event_done(cl->reg[cl->reg0].done) == 1) {
+  while (cl->nreg > 0) {
     cl_region_t *g = &cl->reg[cl->reg0];
+    const int d = skv__kvc_event_done(g->done);
+    if (d < 0) { /* the event cannot say: the ring is kept, fetches synchronous from now on */
+      __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
+      cl->ring_left = true;
+    }
+    if (d != 1) break;
     skv__kvc_event_free(g->done);
     cl->ring_tail = g->off + g->len;
     cl->reg0 = (cl->reg0 + 1) % CL_JOBS_MAX;
@@ -941,32 +955,60 @@ static uint64_t ring_take(skv_cluster_t *cl, uint64_t len) {
   return cl->ring_tail - cl->ring_head >= len ? cl->ring_head : UINT64_MAX;
 }
 
+/* Can the handle's thread read the remote references of refs[0..n) for `dst` (see above)? Each
+ * node's answer is kept once known. false also when a node cannot be reached now (the caller's
+ * read then says so). */
+static bool fetch_async_ok(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
+                           const skv_layout_t *dst) {
+  bool ok = true;
+  for (size_t i = 0; i < n && ok; i++) {
+    const uint32_t p = refs[i].node;
+    if (p == SKV_NODE_LOCAL) continue;
+    uint8_t a = __atomic_load_n(&cl->peer_async[p], __ATOMIC_ACQUIRE);
+    if (a == 0) {
+      bool host_only = false;
+      pthread_mutex_lock(&cl->mu);
+      const bool gpu = peer_to_gpu(cl, p, dst);
+      const int rc = skv__xfer_peer_host_only(cl->x, p, &host_only);
+      pthread_mutex_unlock(&cl->mu);
+      if (rc) return false; /* not kept: it may come back */
+      a = !gpu && host_only ? 1 : 2;
+      __atomic_store_n(&cl->peer_async[p], a, __ATOMIC_RELEASE);
+    }
+    ok = a == 1;
+  }
+  return ok;
+}
+
+/* Wait (bounded) until the queued fetches ran: a synchronous read into a GPU layout waits for
+ * its copies on the stream, which may wait for their gates. */
+static int jobs_drain(skv_cluster_t *cl) {
+  int rc = 0;
+  pthread_mutex_lock(&cl->job_mu);
+  const uint64_t dl = skv__now_ns() + (uint64_t)cl->timeout_ms * 1000000u;
+  while (cl->job_done < cl->job_issued && skv__now_ns() < dl) {
+    const struct timespec t = skv__ts_at(dl);
+    (void)pthread_cond_timedwait(&cl->job_done_cv, &cl->job_mu, &t);
+  }
+  if (cl->job_done < cl->job_issued)
+    rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
+                  "cluster: %" PRIu64 " remote fetches of this handle still running after %d ms",
+                  cl->job_issued - cl->job_done, cl->timeout_ms);
+  pthread_mutex_unlock(&cl->job_mu);
+  return rc;
+}
+
 /* Queue the remote references of refs[0..n) for the handle's thread: the gate and the copies
- * on `stream`. *queued false: nothing done, the caller reads them itself (synchronous: a fetch
- * larger than the ring, a node read into GPU staging, or a driver that cannot hold a stream). */
+ * on `stream`. *queued false: nothing done, the caller reads them itself. */
 static int fetch_queue(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
                        const skv_layout_t *dst, const uint64_t *block_ids, bool unpin, void *stream,
                        bool *queued) {
   *queued = false;
   const uint32_t m = dst->blocks_per_page;
   const uint64_t len = skv__layout_page_bytes(dst);
-  /* UCX writing GPU memory makes CUDA calls from the thread: such nodes are read here */
-  bool gpu = false;
-  for (size_t i = 0; i < n; i++) {
-    const uint32_t p = refs[i].node;
-    if (p == SKV_NODE_LOCAL) continue;
-    uint8_t g = __atomic_load_n(&cl->peer_gpu[p], __ATOMIC_ACQUIRE);
-    if (g == 0) {
-      pthread_mutex_lock(&cl->mu);
-      g = (uint8_t)(1 + peer_to_gpu(cl, p, dst));
-      pthread_mutex_unlock(&cl->mu);
-      __atomic_store_n(&cl->peer_gpu[p], g, __ATOMIC_RELEASE);
-    }
-    gpu |= g == 2;
-  }
   size_t nr = 0;
   for (size_t i = 0; i < n; i++) nr += refs[i].node != SKV_NODE_LOCAL;
-  if (gpu || nr * len > CL_RING_BYTES) return 0;
+  if (nr * len > CL_RING_BYTES || !fetch_async_ok(cl, refs, n, dst)) return 0;
   /* the remote references grouped by node (stable), their blocks in the same order */
   cl_job_t *j = calloc(1, sizeof *j);
   uint64_t *blocks = malloc(nr * m * sizeof *blocks);
@@ -983,33 +1025,39 @@ static int fetch_queue(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t 
         memcpy(blocks + j->n * m, block_ids + i * m, m * sizeof *blocks);
         j->n++;
       }
-  j->dst = dst;
+  j->lay = *dst;
   j->len = len;
   j->unpin = unpin;
   int rc = 0;
-  pthread_mutex_lock(&cl->job_mu);
+  pthread_mutex_lock(&cl->enq_mu);
   if (!cl->job_off && (rc = jobs_start(cl)) != 0) {
     __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
     SKV_WARN(SKV_SUBSYS_KV, "cluster: remote fetches are synchronous from now on: %s",
              skv_last_error());
     rc = 0;
   }
+  /* room in the ring (bounded) and a ticket */
   uint64_t off = UINT64_MAX;
+  pthread_mutex_lock(&cl->job_mu);
   const uint64_t dl = skv__now_ns() + (uint64_t)cl->timeout_ms * 1000000u;
-  while (!cl->job_off) { /* room in the ring, bounded */
+  while (!cl->job_off) {
     ring_reclaim(cl);
     if ((off = ring_take(cl, nr * len)) != UINT64_MAX || skv__now_ns() >= dl) break;
     const struct timespec t = skv__ts_at(SKV_MIN(skv__now_ns() + 50000u, dl));
     (void)pthread_cond_timedwait(&cl->job_done_cv, &cl->job_mu, &t);
   }
+  const bool go = !cl->job_off && off != UINT64_MAX;
   if (!cl->job_off && off == UINT64_MAX)
     rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
                   "skv_cluster_fetch: no room for the pages in the fetch ring after %d ms (the "
-                  "copies of earlier fetches did not complete: is the stream blocked?)",
+                  "copies of earlier fetches did not complete: is a stream blocked?)",
                   cl->timeout_ms);
-  if (!rc && !cl->job_off) {
+  if (go) {
     j->ticket = cl->job_issued + 1;
     j->run = cl->ring + off;
+  }
+  pthread_mutex_unlock(&cl->job_mu);
+  if (go) {
     rc = skv__kvc_gate(stream, cl->gate, cl->gate_base + j->ticket, "skv_cluster_fetch");
     if (rc == SKV_ENOTSUP) {
       __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
@@ -1017,31 +1065,36 @@ static int fetch_queue(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t 
                skv_last_error());
       rc = 0;
     } else if (!rc) {
-      /* from here on the job goes to the thread whatever happens: only it opens the gate */
-      rc = skv__kvc_copy_in_async(cl->kv->cuda, dst, j->run, len, j->n, blocks, stream,
-                                  "skv_cluster_fetch");
-      cl_region_t *g = &cl->reg[(cl->reg0 + cl->nreg) % CL_JOBS_MAX];
-      int erc = skv__kvc_event(stream, &g->done, "skv_cluster_fetch");
-      if (!erc) {
-        g->off = off, g->len = nr * len;
-        cl->nreg++;
-        cl->ring_head = off + nr * len;
-      } else { /* the run cannot be known free again: the ring is left, fetches synchronous */
-        __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
-        if (!rc) rc = erc;
-      }
-      j->failed = rc;
+      /* the job first (only it opens the gate, and the copies may need argument slots that
+       * only earlier gates give back), then the copies behind the wait, then the run's event */
+      pthread_mutex_lock(&cl->job_mu);
       cl->job_issued = j->ticket;
+      cl->ring_head = off + nr * len;
       if (cl->job_tail)
         cl->job_tail->next = j;
       else
         cl->job_head = j;
       cl->job_tail = j;
       pthread_cond_signal(&cl->job_cv);
+      pthread_mutex_unlock(&cl->job_mu);
       *queued = true;
+      rc = skv__kvc_copy_in_async(cl->kv->cuda, dst, cl->ring + off, len, nr, blocks, stream,
+                                  "skv_cluster_fetch");
+      void *done = NULL;
+      const int erc = skv__kvc_event(stream, &done, "skv_cluster_fetch");
+      pthread_mutex_lock(&cl->job_mu);
+      if (!erc) {
+        cl->reg[(cl->reg0 + cl->nreg) % CL_JOBS_MAX] = (cl_region_t){off, nr * len, done};
+        cl->nreg++;
+      } else { /* the run cannot be known free again: the ring is kept, fetches synchronous */
+        __atomic_store_n(&cl->job_off, true, __ATOMIC_RELAXED);
+        cl->ring_left = true;
+        if (!rc) rc = erc;
+      }
+      pthread_mutex_unlock(&cl->job_mu);
     }
   }
-  pthread_mutex_unlock(&cl->job_mu);
+  pthread_mutex_unlock(&cl->enq_mu);
   free(blocks);
   if (!*queued) job_free(j);
   return rc;
@@ -1061,18 +1114,21 @@ static void jobs_stop(skv_cluster_t *cl) {
     cl->job_started = false;
   }
   const uint64_t dl = skv__now_ns() + (uint64_t)cl->timeout_ms * 1000000u;
-  while (cl->nreg > 0 && skv__now_ns() < dl) {
+  while (cl->nreg > 0 && !cl->ring_left && skv__now_ns() < dl) {
     ring_reclaim(cl);
     if (cl->nreg > 0) usleep(1000);
   }
-  if (cl->ring && cl->nreg == 0) {
+  const bool busy = cl->nreg > 0 || cl->ring_left;
+  for (; cl->nreg > 0; cl->nreg--, cl->reg0 = (cl->reg0 + 1) % CL_JOBS_MAX)
+    skv__kvc_event_free(cl->reg[cl->reg0].done);
+  if (cl->ring && !busy) {
     skv__xfer_unmap(cl->x, cl->ring_mh);
     if (cl->ring_cuda) (void)skv__kvc_host_register(cl->ring, CL_RING_BYTES, false);
     free(cl->ring);
   } else if (cl->ring) {
     SKV_WARN(SKV_SUBSYS_KV,
-             "cluster: copies out of the fetch ring did not complete within %d ms; leaving "
-             "it (%llu MiB) to them",
+             "cluster: the fetch ring may still be read or written (copies that did not "
+             "complete within %d ms, or a read that did not end); leaving it (%llu MiB)",
              cl->timeout_ms, (unsigned long long)(CL_RING_BYTES >> 20));
   }
   cl->ring = NULL;
@@ -1145,6 +1201,10 @@ int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n
   }
 #endif
   if (!queued) { /* the remote pages read here, a batch per peer node, then the local ones */
+#ifdef SKV_WITH_CUDA
+    /* a GPU layout: the copies wait on the stream, maybe behind gates of queued fetches */
+    if (!rc && dst->device >= 0) rc = jobs_drain(cl);
+#endif
     pthread_mutex_lock(&cl->mu);
     if (!rc) rc = fetch_remote(cl, refs, n, dst, block_ids, stream);
     if (taken) rc = unpin_after(cl, refs, n, rc);

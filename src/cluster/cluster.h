@@ -75,6 +75,10 @@ bool skv__xfer_cuda(const skv__xfer_t *x);
  * on, else false), kept per peer: skv__xfer_gpu_direct_lanes of their names, with whether the
  * NICs can register GPU memory (GPUDirect RDMA). */
 bool skv__xfer_peer_gpu_direct(skv__xfer_t *x, uint32_t peer);
+/* Do reads from `peer` into host memory make no CUDA call in this process (a UCX without CUDA,
+ * or no CUDA transport among the endpoint's, such as cuda_ipc)? *host_only false where UCX
+ * cannot tell. Connects the peer first (its failure returned, nothing kept). */
+int skv__xfer_peer_host_only(skv__xfer_t *x, uint32_t peer, bool *host_only);
 /* cuda_ipc or gdr_copy among names[0..n), or an RDMA transport (rc_*, dc_*, ud_*) with nic_gpu;
  * not TCP nor shared memory, over which UCX bounces GPU memory through host buffers of its own
  * (slower than symkv's pinned staging: docs/cluster.md). */

@@ -90,6 +90,7 @@ typedef struct xfer_peer {
   ucp_rkey_h rk_pages, rk_meta, rk_meta2; /* rk_meta2: the records', unpacked for ep2 */
   volatile int failed;                    /* ucs_status_t of the endpoint's error, 0 while good */
   int8_t direct; /* UCX moves GPU memory to here without host buffers: 1, 0, -1 not known yet */
+  int8_t cuda;   /* a CUDA transport among the endpoint's (cuda_ipc...): 1, 0, -1 not known */
 } xfer_peer_t;
 
 typedef struct xfer_staging {
@@ -484,7 +485,7 @@ int skv__xfer_peer(skv__xfer_t *x, const char *name, const void *blob, size_t le
     return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "cluster: out of memory");
   }
   snprintf(p->name, sizeof(p->name), "%s", name);
-  p->direct = -1;
+  p->direct = p->cuda = -1;
   p->rec = r;
   memcpy(p->blob, blob, len);
   p->blob_len = len;
@@ -623,39 +624,64 @@ bool skv__xfer_gpu_direct_lanes(const char *const *names, size_t n, bool nic_gpu
   return false;
 }
 
-bool skv__xfer_peer_gpu_direct(skv__xfer_t *x, uint32_t peer) {
-  if (!x->cuda || peer >= x->npeers) return false;
-  xfer_peer_t *p = x->peers[peer];
-  if (p->direct >= 0) return p->direct;
-  if (p->failed || peer_connect(x, p) != 0) return false; /* the get says why */
-  p->direct = 0;
+/* The endpoint's transports, once (connected): p->direct and p->cuda; left at -1 where UCX
+ * cannot tell (before 1.14). */
+static void peer_lanes(xfer_peer_t *p) {
+  if (p->direct >= 0) return;
 #if XFER_EP_TRANSPORTS
   ucp_transport_entry_t e[16];
   ucp_ep_attr_t a = {.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS};
   a.transports.entries = e;
   a.transports.num_entries = SKV_ARRAY_LEN(e);
   a.transports.entry_size = sizeof(e[0]);
-  if (ucp_ep_query(p->ep, &a) == UCS_OK) {
-    const unsigned n = SKV_MIN(a.transports.num_entries, (unsigned)SKV_ARRAY_LEN(e));
-    const char *names[SKV_ARRAY_LEN(e)];
-    char list[256] = "";
-    size_t at = 0;
-    for (unsigned i = 0; i < n; i++) {
-      names[i] = e[i].transport_name;
-      if (at < sizeof list)
-        at += (size_t)snprintf(list + at, sizeof list - at, "%s%s/%s", i ? " " : "",
-                               e[i].transport_name ? e[i].transport_name : "?",
-                               e[i].device_name ? e[i].device_name : "?");
-    }
-    const bool nic = nic_reads_gpu();
-    p->direct = skv__xfer_gpu_direct_lanes(names, n, nic);
-    SKV_INFO(SKV_SUBSYS_KV,
-             "cluster: node '%s' over %s (GPUDirect RDMA %s): pages for GPU layouts go %s", p->name,
-             list, nic ? "present" : "absent",
-             p->direct ? "straight into GPU memory" : "through pinned host memory");
+  if (ucp_ep_query(p->ep, &a) != UCS_OK) return;
+  const unsigned n = SKV_MIN(a.transports.num_entries, (unsigned)SKV_ARRAY_LEN(e));
+  const char *names[SKV_ARRAY_LEN(e)];
+  char list[256] = "";
+  size_t at = 0;
+  bool cuda = false;
+  for (unsigned i = 0; i < n; i++) {
+    const char *t = e[i].transport_name ? e[i].transport_name : "?";
+    names[i] = e[i].transport_name;
+    cuda |= strstr(t, "cuda") != NULL || strstr(t, "gdr") != NULL;
+    if (at < sizeof list)
+      at += (size_t)snprintf(list + at, sizeof list - at, "%s%s/%s", i ? " " : "", t,
+                             e[i].device_name ? e[i].device_name : "?");
   }
+  const bool nic = nic_reads_gpu();
+  p->cuda = cuda;
+  p->direct = skv__xfer_gpu_direct_lanes(names, n, nic);
+  SKV_INFO(SKV_SUBSYS_KV,
+           "cluster: node '%s' over %s (GPUDirect RDMA %s): pages for GPU layouts go %s", p->name,
+           list, nic ? "present" : "absent",
+           p->direct ? "straight into GPU memory" : "through pinned host memory");
+#else
+  (void)p;
 #endif
-  return p->direct;
+}
+
+bool skv__xfer_peer_gpu_direct(skv__xfer_t *x, uint32_t peer) {
+  if (!x->cuda || peer >= x->npeers) return false;
+  xfer_peer_t *p = x->peers[peer];
+  if (p->direct < 0 && (p->failed || peer_connect(x, p) != 0)) return false; /* the get says why */
+  peer_lanes(p);
+  return p->direct > 0;
+}
+
+int skv__xfer_peer_host_only(skv__xfer_t *x, uint32_t peer, bool *host_only) {
+  *host_only = false;
+  if (peer >= x->npeers) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, "cluster: no peer %u", peer);
+  xfer_peer_t *p = x->peers[peer];
+  if (!x->cuda) { /* a UCX without CUDA makes no CUDA call */
+    *host_only = true;
+    return 0;
+  }
+  if (p->failed)
+    return SKV_FAIL(SKV_EPEERDEAD, SKV_SUBSYS_KV, "cluster: node '%s' failed earlier", p->name);
+  SKV_CHECK(peer_connect(x, p));
+  peer_lanes(p);
+  *host_only = p->cuda == 0; /* not known (UCX before 1.14): not sure */
+  return 0;
 }
 
 void skv__xfer_set_mem_ops(skv__xfer_t *x, const skv__xfer_mem_ops_t *ops) {
