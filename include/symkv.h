@@ -810,8 +810,10 @@ SKV_EXTERN int skv_cluster_lookup(skv_cluster_t *cl, const skv_namespace_t *ns,
  * (SKV_ESTALE, SKV_EPEERDEAD, SKV_ETIMEDOUT) lets the stream go on all the same, with the
  * failed pages' blocks filled with 0xFF bytes (NaN in 16-bit floats), and skv_cluster_sync
  * returns the failure: call it before the blocks are trusted. `dst` must stay until then.
- * Synchronous also for GPU layouts: a fetch of more than 64 MiB of remote pages, pages that
- * UCX reads into GPU memory (SKV_CLUSTER_GPU_DIRECT...), a driver that cannot hold a stream.
+ * Synchronous also for GPU layouts: a fetch of more than 64 MiB of remote pages, and a call
+ * with a node whose reads could make CUDA calls here (read into GPU memory, a CUDA transport
+ * such as cuda_ipc, a UCX with CUDA older than 1.14); also after a driver could not hold a
+ * stream (a warning).
  * SKV_ECAPTURE while `stream` is captured. SKV_FETCH_UNPIN releases the pins of every
  * reference, remote ones included, also when the reads fail. A peer that does not answer
  * within the timeout, or dies, fails with SKV_EPEERDEAD naming it. A lookup of the same handle
