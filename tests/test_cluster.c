@@ -583,6 +583,60 @@ static skv_kv_t *gpu_cache(skv_geometry_t *g, uint64_t *pb) {
 }
 #endif
 
+#ifdef SKV_WITH_CUDA
+/* The two nodes of the stream-ordered tests: a, in a child, with host pages of keys 0..7
+ * (version 1), and g, this process, a cache in GPU memory joined to read only
+ * (SKV_CLUSTER_NO_EXPORT), with a Redis of its own. */
+typedef struct gpu_pair {
+  redis_t r;
+  child_t a;
+  skv_geometry_t g;
+  uint64_t pb;
+  skv_kv_t *kv;
+  skv_cluster_t *cl;
+  uint8_t *dev, *back; /* g's blocks (nblocks), and pinned host memory to copy them back to */
+  cudaStream_t s;      /* a non-blocking stream */
+  skv_layout_t *lay;   /* the blocks, SKV_LAYOUT_CONTIGUOUS */
+  skv_namespace_t *ns;
+  skv_key_t keys[8];
+} gpu_pair_t;
+
+static void gpu_pair_open(gpu_pair_t *t, uint64_t nblocks) {
+  redis_start(&t->r, 0);
+  node_args_t aa = args_for("a", &t->r, 4, 8, 5000);
+  child_start(&t->a, &aa); /* before this process touches CUDA */
+  cr_assert_eq(child_do(&t->a, "P 0 8 1"), 0);
+  t->kv = gpu_cache(&t->g, &t->pb);
+  skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
+  co.redis_url = t->r.url, co.node = "g", co.cluster = g_cluster, co.timeout_ms = 10000;
+  co.flags = SKV_CLUSTER_NO_EXPORT;
+  t->cl = NULL;
+  cr_assert_eq(skv_cluster_join(t->kv, &co, &t->cl), 0, "%s", skv_last_error());
+  const uint64_t bytes = t->pb * nblocks;
+  cr_assert_eq(cudaMalloc((void **)&t->dev, bytes), cudaSuccess);
+  cr_assert_eq(cudaHostAlloc((void **)&t->back, bytes, cudaHostAllocDefault), cudaSuccess);
+  cr_assert_eq(cudaStreamCreateWithFlags(&t->s, cudaStreamNonBlocking), cudaSuccess);
+  void *base[1] = {t->dev};
+  cr_assert_eq(
+      skv_layout_create_preset(&t->g, SKV_LAYOUT_CONTIGUOUS, 16, nblocks, base, 0, &t->lay), 0,
+      "%s", skv_last_error());
+  cr_assert_eq(skv_namespace_create("m", &t->g, NULL, 0, "secret", 6, &t->ns), 0);
+  for (uint32_t i = 0; i < 8; i++) t->keys[i] = key_of(t->ns, i);
+}
+
+static void gpu_pair_close(gpu_pair_t *t) {
+  skv_cluster_leave(t->cl);
+  skv_layout_destroy(t->lay);
+  skv_namespace_destroy(t->ns);
+  cudaStreamDestroy(t->s);
+  cudaFree(t->dev);
+  cudaFreeHost(t->back);
+  skv_kv_detach(t->kv);
+  child_stop(&t->a);
+  redis_stop(&t->r);
+}
+#endif
+
 /* Remote pages into a GPU layout: node c keeps its pages in GPU memory (a CUDA domain, which it
  * cannot export: join says so and names SKV_CLUSTER_NO_EXPORT) and reads a's host pages into
  * engine blocks in GPU memory, all layers and layer 1 alone, every byte checked against the
@@ -687,34 +741,15 @@ Test(cluster, remote_fetch_into_a_gpu_layout_is_stream_ordered) {
   cr_skip_test("symkv built without CUDA");
 #else
   SKV_TEST_REQUIRE_GPUS(1);
-  redis_t r;
-  redis_start(&r, 0);
-  node_args_t aa = args_for("a", &r, 4, 8, 5000);
-  child_t a;
-  child_start(&a, &aa); /* before this process touches CUDA */
-  cr_assert_eq(child_do(&a, "P 0 8 1"), 0);
-  skv_geometry_t g;
-  uint64_t pb = 0;
-  skv_kv_t *kv = gpu_cache(&g, &pb);
-  skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
-  co.redis_url = r.url, co.node = "g", co.cluster = g_cluster, co.timeout_ms = 10000;
-  co.flags = SKV_CLUSTER_NO_EXPORT;
-  skv_cluster_t *cl = NULL;
-  cr_assert_eq(skv_cluster_join(kv, &co, &cl), 0, "%s", skv_last_error());
-  uint8_t *dev = NULL, *back = NULL, *host = malloc(pb * BLOCKS);
-  cr_assert(host);
-  cr_assert_eq(cudaMalloc((void **)&dev, pb * BLOCKS), cudaSuccess);
-  cr_assert_eq(cudaHostAlloc((void **)&back, pb * BLOCKS, cudaHostAllocDefault), cudaSuccess);
-  cudaStream_t s;
-  cr_assert_eq(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  void *base[1] = {dev};
-  skv_layout_t *lay = NULL;
-  cr_assert_eq(skv_layout_create_preset(&g, SKV_LAYOUT_CONTIGUOUS, 16, BLOCKS, base, 0, &lay), 0,
-               "%s", skv_last_error());
-  skv_namespace_t *ns = NULL;
-  cr_assert_eq(skv_namespace_create("m", &g, NULL, 0, "secret", 6, &ns), 0);
-  skv_key_t keys[BLOCKS];
-  for (uint32_t i = 0; i < 8; i++) keys[i] = key_of(ns, i);
+  gpu_pair_t t;
+  gpu_pair_open(&t, BLOCKS);
+  const uint64_t pb = t.pb;
+  skv_cluster_t *cl = t.cl;
+  uint8_t *dev = t.dev, *back = t.back;
+  cudaStream_t s = t.s;
+  const skv_layout_t *lay = t.lay;
+  skv_namespace_t *ns = t.ns;
+  const skv_key_t *keys = t.keys;
   skv_cluster_ref_t refs[BLOCKS];
   size_t nl = 0, nh = 0;
   cr_assert_eq(skv_cluster_lookup(cl, ns, keys, 8, SKV_LOOKUP_PIN, refs, &nl, &nh), 0, "%s",
@@ -724,7 +759,7 @@ Test(cluster, remote_fetch_into_a_gpu_layout_is_stream_ordered) {
   for (int i = 0; i < 8; i++) ids[i] = (uint64_t)(7 - i);
   for (int round = 0; round < 2; round++) {
     /* round 1: a evicted every page (the pins went with round 0's fetch) */
-    if (round == 1) cr_assert_eq(child_do(&a, "C"), 8);
+    if (round == 1) cr_assert_eq(child_do(&t.a, "C"), 8);
     cr_assert_eq(cudaMemset(dev, 0x11, pb * BLOCKS), cudaSuccess);
     cr_assert_eq(cudaDeviceSynchronize(), cudaSuccess);
     memset(back, 0x55, pb * BLOCKS);
@@ -763,16 +798,7 @@ Test(cluster, remote_fetch_into_a_gpu_layout_is_stream_ordered) {
   skv_cluster_get_stats(cl, &st);
   cr_assert_eq(st.remote_pages, 8);
   cr_assert_eq(st.remote_stale, 1);
-  skv_cluster_leave(cl);
-  skv_layout_destroy(lay);
-  skv_namespace_destroy(ns);
-  cudaStreamDestroy(s);
-  cudaFree(dev);
-  cudaFreeHost(back);
-  free(host);
-  skv_kv_detach(kv);
-  child_stop(&a);
-  redis_stop(&r);
+  gpu_pair_close(&t);
 #endif
 }
 
@@ -803,37 +829,18 @@ Test(cluster, stream_ordered_fetches_in_numbers_and_behind_a_stopped_node) {
   cr_skip_test("symkv built without CUDA");
 #else
   SKV_TEST_REQUIRE_GPUS(1);
-  redis_t r;
-  redis_start(&r, 0);
-  node_args_t aa = args_for("a", &r, 4, 8, 5000);
-  child_t a;
-  child_start(&a, &aa); /* before this process touches CUDA */
-  cr_assert_eq(child_do(&a, "P 0 8 1"), 0);
-  skv_geometry_t g;
-  uint64_t pb = 0;
-  skv_kv_t *kv = gpu_cache(&g, &pb);
-  skv_cluster_opts_t co = SKV_CLUSTER_OPTS_INIT;
-  co.redis_url = r.url, co.node = "g", co.cluster = g_cluster, co.timeout_ms = 10000;
-  co.flags = SKV_CLUSTER_NO_EXPORT;
-  skv_cluster_t *cl = NULL;
-  cr_assert_eq(skv_cluster_join(kv, &co, &cl), 0, "%s", skv_last_error());
+  gpu_pair_t t;
   const uint64_t nbig = 4200; /* x 16 KiB: more than the ring */
-  uint8_t *dev = NULL, *back = NULL;
-  cr_assert_eq(cudaMalloc((void **)&dev, pb * nbig), cudaSuccess);
-  cr_assert_eq(cudaHostAlloc((void **)&back, pb * nbig, cudaHostAllocDefault), cudaSuccess);
-  cudaStream_t s;
-  cr_assert_eq(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  void *base[1] = {dev};
-  skv_layout_t *lay = NULL;
-  cr_assert_eq(skv_layout_create_preset(&g, SKV_LAYOUT_CONTIGUOUS, 16, nbig, base, 0, &lay), 0,
-               "%s", skv_last_error());
-  skv_namespace_t *ns = NULL;
-  cr_assert_eq(skv_namespace_create("m", &g, NULL, 0, "secret", 6, &ns), 0);
-  skv_key_t keys[8];
-  for (uint32_t i = 0; i < 8; i++) keys[i] = key_of(ns, i);
+  gpu_pair_open(&t, nbig);
+  const uint64_t pb = t.pb;
+  skv_cluster_t *cl = t.cl;
+  uint8_t *dev = t.dev, *back = t.back;
+  cudaStream_t s = t.s;
+  const skv_layout_t *lay = t.lay;
+  const skv_key_t *keys = t.keys;
   skv_cluster_ref_t refs[8];
   size_t nl = 0, nh = 0;
-  cr_assert_eq(skv_cluster_lookup(cl, ns, keys, 8, 0, refs, &nl, &nh), 0, "%s", skv_last_error());
+  cr_assert_eq(skv_cluster_lookup(cl, t.ns, keys, 8, 0, refs, &nl, &nh), 0, "%s", skv_last_error());
   cr_assert_eq(nh, 8);
   uint64_t *ids = malloc(nbig * sizeof *ids);
   skv_cluster_ref_t *many = malloc(nbig * sizeof *many);
@@ -856,8 +863,8 @@ Test(cluster, stream_ordered_fetches_in_numbers_and_behind_a_stopped_node) {
   cr_assert_eq(cudaMemset(dev, 0xEE, pb * nbig), cudaSuccess);
   cr_assert_eq(cudaDeviceSynchronize(), cudaSuccess);
   for (uint64_t i = 0; i < 4; i++) ids[i] = i;
-  cr_assert_eq(kill(a.pid, SIGSTOP), 0);
-  cont_later_t cont = {a.pid, 300};
+  cr_assert_eq(kill(t.a.pid, SIGSTOP), 0);
+  cont_later_t cont = {t.a.pid, 300};
   pthread_t ct;
   cr_assert_eq(pthread_create(&ct, NULL, cont_later_main, &cont), 0);
   int rc = skv_cluster_fetch(cl, refs + 4, 4, lay, ids, 0, s);
@@ -877,16 +884,8 @@ Test(cluster, stream_ordered_fetches_in_numbers_and_behind_a_stopped_node) {
   for (uint64_t i = 0; i < nbig - 8; i += 97) /* a sample of the big fetch's blocks */
     cr_assert_eq(layer_wrong(back + (8 + i) * pb, pb, (uint32_t)(i % 8), 1, 1, 0, pb), 0,
                  "block %" PRIu64, 8 + i);
-  skv_cluster_leave(cl);
-  skv_layout_destroy(lay);
-  skv_namespace_destroy(ns);
-  cudaStreamDestroy(s);
-  cudaFree(dev);
-  cudaFreeHost(back);
   free(ids), free(many), free(ordered);
-  skv_kv_detach(kv);
-  child_stop(&a);
-  redis_stop(&r);
+  gpu_pair_close(&t);
 #endif
 }
 

@@ -692,17 +692,25 @@ bool skv__xfer_cuda(const skv__xfer_t *x) {
   return x->cuda;
 }
 
-int skv__xfer_map(skv__xfer_t *x, void *p, size_t len, void **memh) {
+/* [p, p + len) of host or GPU memory registered with UCX (*mh; NULL on a failure, set by name). */
+static int mem_map(skv__xfer_t *x, void *p, size_t len, bool gpu, ucp_mem_h *mh, const char *what) {
   ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
                                            UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                                            UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
                              .address = p,
                              .length = len,
-                             .memory_type = UCS_MEMORY_TYPE_HOST};
+                             .memory_type = gpu ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST};
+  ucs_status_t st = ucp_mem_map(x->ctx, &mp, mh);
+  if (st == UCS_OK) return 0;
+  *mh = NULL;
+  return ucx_fail(st, what);
+}
+
+int skv__xfer_map(skv__xfer_t *x, void *p, size_t len, void **memh) {
   ucp_mem_h mh = NULL;
-  ucs_status_t st = ucp_mem_map(x->ctx, &mp, &mh);
-  *memh = st == UCS_OK ? mh : NULL;
-  return st == UCS_OK ? 0 : ucx_fail(st, "ucp_mem_map of the fetch ring");
+  const int rc = mem_map(x, p, len, false, &mh, "ucp_mem_map of the fetch ring");
+  *memh = mh;
+  return rc;
 }
 
 void skv__xfer_unmap(skv__xfer_t *x, void *memh) {
@@ -745,15 +753,7 @@ static int staging(skv__xfer_t *x, bool gpu, size_t bytes) {
                     bytes);
   }
   sg->cap = bytes;
-  ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
-                                           UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                                           UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
-                             .address = sg->buf,
-                             .length = bytes,
-                             .memory_type = gpu ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST};
-  ucs_status_t st = ucp_mem_map(x->ctx, &mp, &sg->mh);
-  if (st != UCS_OK) sg->mh = NULL;
-  int rc = st == UCS_OK ? 0 : ucx_fail(st, "ucp_mem_map of the staging buffer");
+  int rc = mem_map(x, sg->buf, bytes, gpu, &sg->mh, "ucp_mem_map of the staging buffer");
   if (!rc && !gpu && x->mem.host_register) {
     rc = x->mem.host_register(sg->buf, bytes, true);
     sg->registered = rc == 0;
