@@ -980,24 +980,6 @@ static bool fetch_async_ok(skv_cluster_t *cl, const skv_cluster_ref_t *refs, siz
   return ok;
 }
 
-/* Wait (bounded) until the queued fetches ran: a synchronous read into a GPU layout waits for
- * its copies on the stream, which may wait for their gates. */
-static int jobs_drain(skv_cluster_t *cl) {
-  int rc = 0;
-  pthread_mutex_lock(&cl->job_mu);
-  const uint64_t dl = skv__now_ns() + (uint64_t)cl->timeout_ms * 1000000u;
-  while (cl->job_done < cl->job_issued && skv__now_ns() < dl) {
-    const struct timespec t = skv__ts_at(dl);
-    (void)pthread_cond_timedwait(&cl->job_done_cv, &cl->job_mu, &t);
-  }
-  if (cl->job_done < cl->job_issued)
-    rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
-                  "cluster: %" PRIu64 " remote fetches of this handle still running after %d ms",
-                  cl->job_issued - cl->job_done, cl->timeout_ms);
-  pthread_mutex_unlock(&cl->job_mu);
-  return rc;
-}
-
 /* Queue the remote references of refs[0..n) for the handle's thread: the gate and the copies
  * on `stream`. *queued false: nothing done, the caller reads them itself. */
 static int fetch_queue(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
@@ -1140,6 +1122,26 @@ static void jobs_stop(skv_cluster_t *cl) {
 }
 #endif
 
+#if SKV_WITH_CLUSTER
+/* Wait (bounded) until the queued fetches ran (skv_cluster_sync; a synchronous read into a GPU
+ * layout, whose copies on the stream may wait for their gates). */
+static int jobs_drain(skv_cluster_t *cl) {
+  int rc = 0;
+  pthread_mutex_lock(&cl->job_mu);
+  const uint64_t dl = skv__now_ns() + (uint64_t)cl->timeout_ms * 1000000u;
+  while (cl->job_done < cl->job_issued && skv__now_ns() < dl) {
+    const struct timespec t = skv__ts_at(dl);
+    (void)pthread_cond_timedwait(&cl->job_done_cv, &cl->job_mu, &t);
+  }
+  if (cl->job_done < cl->job_issued)
+    rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
+                  "cluster: %" PRIu64 " remote fetches of this handle still running after %d ms",
+                  cl->job_issued - cl->job_done, cl->timeout_ms);
+  pthread_mutex_unlock(&cl->job_mu);
+  return rc;
+}
+#endif
+
 int skv_cluster_fetch(skv_cluster_t *cl, const skv_cluster_ref_t *refs, size_t n,
                       const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                       void *stream) {
@@ -1219,17 +1221,9 @@ int skv_cluster_sync(skv_cluster_t *cl) {
   CL_CHECK_NULL(cl, "skv_cluster_sync");
   int rc = 0;
 #if SKV_WITH_CLUSTER
+  SKV_CHECK(jobs_drain(cl));
   pthread_mutex_lock(&cl->job_mu);
-  const uint64_t dl = skv__now_ns() + (uint64_t)cl->timeout_ms * 1000000u;
-  while (cl->job_done < cl->job_issued && skv__now_ns() < dl) {
-    const struct timespec t = skv__ts_at(dl);
-    (void)pthread_cond_timedwait(&cl->job_done_cv, &cl->job_mu, &t);
-  }
-  if (cl->job_done < cl->job_issued) {
-    rc = SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
-                  "skv_cluster_sync: %" PRIu64 " remote fetches still running after %d ms",
-                  cl->job_issued - cl->job_done, cl->timeout_ms);
-  } else if (cl->job_rc) {
+  if (cl->job_rc) {
     rc = cl->job_rc;
     skv__error_restore(cl->job_msg);
     cl->job_rc = 0;
