@@ -81,6 +81,10 @@ template <uint32_t INL> struct kp_t {
   int64_t sb, st, sh;
   uint64_t num_blocks;
   uint32_t *err;
+  const uint64_t *gate;  /* a gated fetch's word in host memory (kv_copy.h), or NULL */
+  uint64_t *gate_mirror; /* its mirror in device memory */
+  uint32_t *gate_lock;   /* who reads the host's word */
+  uint32_t gate_epoch;
   uint32_t npes, pages, m, slab, items, bid64, refs_off, bids_off, ninl, l2_256;
   fdiv_t cpu, nt, row, heads, bt, run;
   alignas(16) uint8_t inl[INL];
@@ -197,6 +201,55 @@ template <class P> __device__ __forceinline__ int64_t eng_off(const P &p, uint32
   return (int64_t)tt * p.st + (int64_t)h * p.sh + (int64_t)c;
 }
 
+/* A gated fetch (kv_copy.h): may page i of the batch be read? `seen` is the last gate value this
+ * thread knows (0 at first): the count of pages opened, with SKV_KV_GATE_CLOSED. Reads of one
+ * word of host memory are served one at a time across the GPU, about 1 us each on an H100
+ * (bench/gpu/gate_probe.cu: 4224 warps reading it once took 4.3 ms), so one thread of the grid
+ * at a time reads the host's word (whoever takes the lock) and mirrors it into device memory,
+ * which every other thread reads. Mirror and host word carry the use's epoch in their upper 32
+ * bits: a mirror of an earlier use reads as nothing opened. One thread's call. */
+__device__ __forceinline__ uint64_t ld_acq_gpu(const uint64_t *a) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_host(const uint64_t *a) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+  return v;
+}
+template <class P> __device__ __forceinline__ uint32_t gate_of(const P &p, uint64_t v) {
+  return (uint32_t)(v >> 32) == p.gate_epoch ? (uint32_t)v : 0u;
+}
+template <class P> __device__ bool gate_wait(const P &p, uint32_t i, uint32_t &seen) {
+  for (unsigned spin = 0; i >= (seen & ~SKV_KV_GATE_CLOSED); spin++) {
+    if (seen & SKV_KV_GATE_CLOSED) return false;
+    if (spin) __nanosleep(256);
+    uint32_t v = gate_of(p, ld_acq_gpu(p.gate_mirror));
+    if (i >= (v & ~SKV_KV_GATE_CLOSED) && !(v & SKV_KV_GATE_CLOSED) &&
+        *(volatile uint32_t *)p.gate_lock == 0 && atomicCAS(p.gate_lock, 0u, 1u) == 0u) {
+      const uint64_t h = ld_host(p.gate);
+      if (gate_of(p, h) != 0u) {
+        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p.gate_mirror), "l"(h) : "memory");
+        v = gate_of(p, h);
+      }
+      __threadfence();
+      atomicExch(p.gate_lock, 0u);
+    }
+    if ((v & ~SKV_KV_GATE_CLOSED) >= (seen & ~SKV_KV_GATE_CLOSED)) seen = v; /* never back */
+  }
+  return true;
+}
+/* The same for a warp (uniform i and seen): lane 0 waits, every lane gets the answer. */
+template <class P>
+__device__ __forceinline__ bool gate_pass_warp(const P &p, uint32_t i, uint32_t &seen) {
+  if (i < (seen & ~SKV_KV_GATE_CLOSED)) return true;
+  uint32_t ok = 0, s2 = seen;
+  if ((threadIdx.x & 31u) == 0) ok = gate_wait(p, i, s2) ? 1u : 0u;
+  seen = __shfl_sync(FULL, s2, 0);
+  return __shfl_sync(FULL, ok, 0) != 0u;
+}
+
 template <int W, int U, int DIR, class P> __device__ __forceinline__ void copy_vec(const P &p) {
   typedef typename vec<W>::T T;
   constexpr uint32_t CH = 32u * U * W;
@@ -206,9 +259,12 @@ template <int W, int U, int DIR, class P> __device__ __forceinline__ void copy_v
   const uint32_t lane = threadIdx.x & 31u;
   const uint32_t wpc = blockDim.x >> 5;
   const uint32_t nw = gridDim.x * wpc;
+  uint32_t seen = 0; /* the gate word this warp last read (a gated fetch) */
   for (uint32_t item = blockIdx.x * wpc + (threadIdx.x >> 5); item < p.items; item += nw) {
     const uint32_t u = fdiv(item, p.cpu), ch = item - u * p.cpu.d;
     const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
+    if (DIR == SKV_KV_COPY_FETCH && p.gate && !gate_pass_warp(p, i, seen))
+      continue; /* the host closed the gate before page i: not pinned, not read */
     const uint32_t o0 = ch * CH;
     const uint32_t olast = min(o0 + CH, p.slab) - 1u;
     /* block ids of the chunk, page reference and tensor base: one round of loads */
@@ -315,18 +371,21 @@ __device__ __forceinline__ void bulk_store(void *dst, const void *src, uint32_t 
                : "memory");
 }
 
-/* Lane 0: start loading item `it` into stage s (nothing for a refused reference). */
+/* Lane 0: start loading item `it` into stage s; 1 when it did, 0 for a refused reference or a
+ * page past a closed gate (`seen`: gate_wait's). */
 template <class P>
-__device__ __forceinline__ void bulk_issue(const P &p, const uint8_t *a, uint32_t it, uint8_t *buf,
-                                           uint64_t *bar) {
+__device__ __forceinline__ uint32_t bulk_issue(const P &p, const uint8_t *a, uint32_t it,
+                                               uint8_t *buf, uint64_t *bar, uint32_t &seen) {
   const uint32_t u = fdiv(it, p.cpu), ch = it - u * p.cpu.d;
   const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
   const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[i];
-  if (ref.x >= p.npes || ref.y >= p.pages) return;
+  if (ref.x >= p.npes || ref.y >= p.pages) return 0;
+  if (p.gate && !gate_wait(p, i, seen)) return 0;
   const uint32_t o0 = ch * BK_CHUNK, len = min(BK_CHUNK, p.slab - o0);
   const char *src =
       p.heap + ref.x * p.pe_stride + ref.y * p.page_stride + (uint64_t)t * p.slab + o0;
   bulk_load(buf, src, len, bar);
+  return 1;
 }
 
 template <class P>
@@ -336,12 +395,13 @@ __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *
   const uint32_t nw = gridDim.x * BK_WARPS, gw = blockIdx.x * BK_WARPS + wid;
   uint8_t *buf = smem + (size_t)wid * BK_STAGES * BK_CHUNK;
   uint64_t *bar = bars + wid * BK_STAGES;
+  uint32_t issued = 0, seen = 0; /* lane 0: bit s, stage s is loading; the gate word it read */
   if (lane == 0) {
     for (uint32_t s = 0; s < BK_STAGES; s++) mbar_init(&bar[s]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (uint32_t s = 0; s < BK_STAGES; s++) {
       const uint32_t it = gw + s * nw;
-      if (it < p.items) bulk_issue(p, a, it, buf + s * BK_CHUNK, &bar[s]);
+      if (it < p.items) issued |= bulk_issue(p, a, it, buf + s * BK_CHUNK, &bar[s], seen) << s;
     }
   }
   __syncwarp();
@@ -353,11 +413,12 @@ __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *
     const uint32_t u = fdiv(it, p.cpu), ch = it - u * p.cpu.d;
     const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
     const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[i];
+    const bool loading = (__shfl_sync(FULL, issued, 0) >> s) & 1u;
     if (ref.x >= p.npes || ref.y >= p.pages) {
       if (lane == 0)
         report(p.err, ref.x >= p.npes ? SKV_KV_DEVERR_PE : SKV_KV_DEVERR_PAGE, i, t,
                ref.x >= p.npes ? ref.x : ref.y);
-    } else {
+    } else if (loading) { /* else past a closed gate: not read */
       const uint32_t o0 = ch * BK_CHUNK, end = min(o0 + BK_CHUNK, p.slab);
       const uint8_t *sb = buf + s * BK_CHUNK;
       const uint64_t tb = reinterpret_cast<const uint64_t *>(a)[t];
@@ -383,7 +444,9 @@ __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *
     }
     __syncwarp();
     const uint32_t next = gw + (k + BK_STAGES) * nw;
-    if (lane == 0 && next < p.items) bulk_issue(p, a, next, buf + s * BK_CHUNK, &bar[s]);
+    if (lane == 0 && next < p.items)
+      issued = (issued & ~(1u << s)) | bulk_issue(p, a, next, buf + s * BK_CHUNK, &bar[s], seen)
+                                           << s;
   }
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
@@ -579,6 +642,10 @@ int launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg, bool inl
   p.sh = d->stride_head;
   p.num_blocks = d->num_blocks;
   p.err = d->err;
+  p.gate = d->gate;
+  p.gate_mirror = d->gate_mirror;
+  p.gate_lock = d->gate_lock;
+  p.gate_epoch = d->gate_epoch;
   p.npes = d->npes;
   p.pages = d->pages_per_pe;
   p.m = d->blocks_per_page;

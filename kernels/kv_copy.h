@@ -64,7 +64,20 @@ typedef struct skv__kv_copy_desc {
   const void *args_dev;  /* device-readable argument block, or NULL */
   const void *args_host; /* host-readable copy of it, or NULL */
   uint32_t *err;         /* [4], device-writable (host-mapped), 0 when clean */
+  /* a gated fetch (below), else gate NULL: the gate word (host memory, device-mapped), its mirror
+   * and lock (device memory, 0 at first), and the use's epoch (the word's upper 32 bits, not 0) */
+  const uint64_t *gate;
+  uint64_t *gate_mirror;
+  uint32_t *gate_lock;
+  uint32_t gate_epoch;
 } skv__kv_copy_desc_t;
+
+/* A gated fetch is launched before its pages are pinned: the host pins them in order and stores
+ * in the gate word (epoch << 32 | count) how many are pinned (pages [0, count) may be read), then
+ * count | SKV_KV_GATE_CLOSED once it is done, with the pages it pinned in all (fewer than n when
+ * a reference was stale). The kernels read page i once the count passed it, and skip it when the
+ * gate closed before it. Device-side, page data is only ever read behind the count. */
+#define SKV_KV_GATE_CLOSED 0x80000000u
 
 enum {
   SKV_KV_ARGS_AUTO =

@@ -730,6 +730,134 @@ Test(gpu_kv, bad_references_are_refused_on_the_host, .timeout = 120) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* ---- gated fetches: the copy launched first, the pages pinned while it waits ---- */
+
+/* Each PE publishes GF_PAGES pages of fresh data, then fetches its neighbour's (peer memory):
+ * whole (every page the host reference's), with a stale reference in the middle (SKV_ESTALE:
+ * the blocks of the runs before its run written and right, the others still poison), with the
+ * first reference stale (nothing written), and a batch under SKV_FETCH_GATE_PAGES (not gated:
+ * a stale reference leaves every block poison). No pin is left, and the caller's pins
+ * (SKV_FETCH_UNPIN) go with a copy that succeeded and stay with one that failed. */
+enum { GF_PAGES = 320, GF_RUN = 64, GF_BLOCKS = 1024 };
+
+static int gf_fetch(fix_t *f, dengine_t *ref, const skv_page_ref_t *refs, size_t n,
+                    const uint64_t *from_blocks, uint32_t flags, size_t stale_at, size_t written,
+                    const char *what) {
+  PE_CHECK(de_poison(&f->eng) == 0, "%s: poison", what);
+  uint64_t db[GF_PAGES], s = skv_test_seed();
+  pick_blocks(GF_BLOCKS, n, db, &s);
+  int rc = skv_kv_fetch(f->kv, refs, n, f->eng.lay, db, flags, f->st);
+  if (stale_at == SIZE_MAX)
+    PE_CHECK(rc == 0, "%s: fetch: %s", what, skv_last_error());
+  else
+    PE_CHECK(rc == SKV_ESTALE && strstr(skv_last_error(), "stale"), "%s: %s (%s)", what,
+             skv_err_name(rc), skv_last_error());
+  CU_OK(cudaStreamSynchronize(f->st));
+  PE_CHECK(skv_kv_sync(f->kv) == 0, "%s: sync: %s", what, skv_last_error());
+  PE_CHECK(de_download(&f->eng) == 0, "%s: download", what);
+  uint8_t used[GF_BLOCKS] = {0};
+  for (size_t i = 0; i < written; i++) {
+    PE_CHECK(pages_equal(ref, &from_blocks[i], &f->eng, &db[i]), "%s: page %zu differs", what, i);
+    used[db[i]] = 1;
+  }
+  PE_CHECK(untouched_outside(&f->eng, used), "%s: blocks past page %zu were written", what,
+           written);
+  return 0;
+}
+
+/* Pages of this PE pinned by some PE once every PE is at the same step (each PE fetches its
+ * neighbour's pages, so this counts the pins a neighbour holds after the step this one took). */
+static uint64_t pinned_at_step(fix_t *f) {
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
+  if (skv_ctx_barrier(f->ctx)) return UINT64_MAX;
+  skv_kv_get_stats(f->kv, &st);
+  if (skv_ctx_barrier(f->ctx)) return UINT64_MAX;
+  return st.pages_pinned;
+}
+
+static int pe_gated(int rank, int npes, void *arg) {
+  const int variant = *(const int *)arg;
+  fix_t f;
+  PE_CHECK(fix_init(&f, GF_PAGES + 16, GF_BLOCKS) == 0, "fixture: %s", skv_last_error());
+  PE_CHECK(set_variant(variant) == 0, "variant");
+  dengine_t ref;
+  PE_CHECK(de_new(&ref, &f.g, SKV_LAYOUT_CONTIGUOUS, 16, GF_BLOCKS, -1) == 0, "ref engine");
+  /* publish GF_PAGES keys of this rank from blocks 0.. of fresh data */
+  uint64_t seed = skv_test_seed(), seeds[SKV_TEST_MAX_PES];
+  PE_CHECK(skv_ctx_allgather(f.ctx, &seed, seeds, sizeof seed) == 0, "seeds");
+  PE_CHECK(de_fill(&f.eng, seed) == 0, "fill");
+  static skv_key_t keys[GF_PAGES];
+  static uint64_t blocks[GF_PAGES];
+  for (uint64_t i = 0; i < GF_PAGES; i++) keys[i] = key_of(&f, (uint64_t)rank * 100000 + i);
+  for (uint64_t i = 0; i < GF_PAGES; i++) blocks[i] = i;
+  size_t ins = 0;
+  PE_CHECK(skv_kv_publish(f.kv, f.ns, keys, GF_PAGES, f.eng.lay, blocks, f.st, &ins) == 0 &&
+               ins == GF_PAGES,
+           "publish: %zu: %s", ins, skv_last_error());
+  PE_CHECK(skv_kv_sync(f.kv) == 0, "sync");
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  /* the neighbour's pages */
+  const int from = (rank + 1) % npes;
+  for (uint64_t i = 0; i < GF_PAGES; i++) keys[i] = key_of(&f, (uint64_t)from * 100000 + i);
+  PE_CHECK(de_fill(&ref, seeds[from]) == 0, "reference");
+  static skv_page_ref_t refs[GF_PAGES], bad[GF_PAGES];
+  size_t nhit;
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, GF_PAGES, 0, refs, &nhit) == 0 && nhit == GF_PAGES,
+           "lookup %zu", nhit);
+  PE_CHECK(gf_fetch(&f, &ref, refs, GF_PAGES, blocks, 0, SIZE_MAX, GF_PAGES, "whole") == 0,
+           "see above");
+  const size_t mid = 200; /* in the run [192, 256) */
+  memcpy(bad, refs, sizeof refs);
+  bad[mid].gen ^= 2; /* a generation the page does not have: stale */
+  PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, 0, mid, mid / GF_RUN * GF_RUN,
+                    "stale in the middle") == 0,
+           "see above");
+  memcpy(bad, refs, sizeof refs);
+  bad[0].gen ^= 2;
+  PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, 0, 0, 0, "stale first") == 0, "see above");
+  memcpy(bad, refs, sizeof refs);
+  bad[100].gen ^= 2; /* 128 pages: under SKV_FETCH_GATE_PAGES, all or nothing */
+  PE_CHECK(gf_fetch(&f, &ref, bad, 128, blocks, 0, 100, 0, "small batch") == 0, "see above");
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
+  skv_kv_get_stats(f.kv, &st);
+  uint64_t pinned = pinned_at_step(&f);
+  PE_CHECK(st.stale == 3 && pinned == 0, "stale %llu pinned %llu", (unsigned long long)st.stale,
+           (unsigned long long)pinned);
+  /* the caller's pins: released with a copy that succeeded, kept with one that failed */
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, GF_PAGES, SKV_LOOKUP_PIN, refs, &nhit) == 0 &&
+               nhit == GF_PAGES,
+           "lookup and pin %zu", nhit);
+  memcpy(bad, refs, sizeof refs);
+  bad[mid].gen ^= 2;
+  PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, SKV_FETCH_UNPIN, mid, mid / GF_RUN * GF_RUN,
+                    "pinned, stale in the middle") == 0,
+           "see above");
+  pinned = pinned_at_step(&f);
+  PE_CHECK(pinned == GF_PAGES, "the caller's pins after a failed fetch: %llu",
+           (unsigned long long)pinned);
+  PE_CHECK(gf_fetch(&f, &ref, refs, GF_PAGES, blocks, SKV_FETCH_UNPIN, SIZE_MAX, GF_PAGES,
+                    "pinned") == 0,
+           "see above");
+  pinned = pinned_at_step(&f);
+  PE_CHECK(pinned == 0, "pins left after SKV_FETCH_UNPIN: %llu", (unsigned long long)pinned);
+  PE_CHECK(skv_ctx_barrier(f.ctx) == 0, "barrier");
+  de_free(&ref);
+  fix_fini(&f);
+  return 0;
+}
+
+ParameterizedTestParameters(gpu_kv, gated_fetches_read_what_is_pinned) {
+  static int v[] = {0, 1}; /* auto (vec at 5 MiB), bulk */
+  return cr_make_param_array(int, v, sizeof v / sizeof v[0]);
+}
+
+ParameterizedTest(int *v, gpu_kv, gated_fetches_read_what_is_pinned, .timeout = 240) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_gated, v, 200000);
+  cr_assert_eq(bad, 0, "variant %d: %s", *v, skv_test_statuses(&job));
+}
+
 /* ---- the device-side checks, through the kernel wrapper with bad descriptors ---- */
 
 enum { DC_PAGES = 4, DC_BLOCKS = 8, DC_GUARD = 65536, DC_BIG_REFS = 4096 };

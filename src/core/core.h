@@ -181,6 +181,7 @@ void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
   XX(FETCH_UNROLL, "4", "4 or 8", "KV copy kernels: 16-byte loads in flight per thread")          \
   XX(FETCH_CTAS, "4", "1..32 (occupancy caps it)", "KV copy kernels: CTAs per multiprocessor")    \
   XX(FETCH_THREADS, "256", "128, 256 or 512", "KV copy kernels: threads per CTA")                 \
+  XX(FETCH_GATE_PAGES, "256", "0..4096 (0: never)", "KV fetch into GPU blocks: a batch of this many pages or more starts its copy first and pins its pages while the copy waits for them (on SKV_ESTALE, blocks of references before the stale one may be written)") \
   XX(PIN_LEASE_MS, "30000", "0..86400000 (0: pins never expire)",                                \
      "a pin's lease: a live PE that makes no KV call for this long loses pins others need")     \
   XX(HASH_SECRET, "none", "any bytes", "deployment secret mixed into every key (when the caller passes none)") \

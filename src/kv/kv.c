@@ -595,6 +595,54 @@ static int pin_all(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t 
   return 0;
 }
 
+#ifdef SKV_WITH_CUDA
+/* Fetches of this many pages or more into GPU blocks are gated (SKV_FETCH_GATE_PAGES; 0: none). */
+static size_t gate_pages(void) {
+  static size_t pages = SIZE_MAX; /* not read yet */
+  size_t v = __atomic_load_n(&pages, __ATOMIC_RELAXED);
+  if (v == SIZE_MAX) {
+    long long x = 256;
+    if (skv__env_int(SKV_ENV_FETCH_GATE_PAGES, 0, SKV__KVC_GATE_MAX, 256, &x) != 0)
+      SKV_WARN(SKV_SUBSYS_KV, "SKV_FETCH_GATE_PAGES must be in 0..%d; using 256",
+               SKV__KVC_GATE_MAX);
+    v = x == 0 ? SIZE_MAX - 1 : (size_t)x;
+    __atomic_store_n(&pages, v, __ATOMIC_RELAXED);
+  }
+  return v;
+}
+
+/* Pages a gated fetch pins between two openings of its gate. */
+#define GATE_RUN 64
+
+/* A gated fetch's pins (kernels/kv_copy.h: its copy is launched and waits): in runs of
+ * GATE_RUN pages, each run opened to the copy once it is pinned. The gate closes with every
+ * page pinned, or, at the first stale reference, with the pages of the runs before its run:
+ * those are copied (their blocks written), its run's pins are given back and nothing after it
+ * is read. */
+static int pin_gated(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t *refs,
+                     struct skv__kvc_slot *s, const char *fn) {
+  size_t done = 0, bad = 0;
+  int rc = 0;
+  while (done < b->n) {
+    const size_t k = SKV_MIN(b->n - done, (size_t)GATE_RUN);
+    rc = skv__pool_pin_n(&kv->pool, b->pe + done * b->pe_step, b->pe_step,
+                         b->page + done * b->page_step, b->page_step, &refs[done].gen, 4, k, &bad);
+    if (rc) break;
+    done += k;
+    if (done < b->n) skv__kvc_gate_open(s, done);
+  }
+  skv__kvc_gate_close(s, done, b->unpin_caller && rc == 0); /* failed: the caller keeps its pins */
+  if (rc == 0) return 0;
+  __atomic_add_fetch(&kv->stale, 1, __ATOMIC_RELAXED);
+  const size_t i = done + bad;
+  return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
+                  "%s: reference %zu (PE %u, page %u, generation %u) is stale: the page was "
+                  "evicted or reused; the blocks of references %zu and later were not written "
+                  "(of the %zu before, they were). Look the keys up again (pin them to keep them)",
+                  fn, i, refs[i].pe, refs[i].page, refs[i].gen, done, done);
+}
+#endif
+
 /* Release the fetch's pins of pages [from, to) of the batch, and the caller's with `caller`. */
 static int release(skv_kv_t *kv, const skv__kv_batch_t *b, size_t from, size_t to, bool caller) {
   if (from >= to) return 0;
@@ -817,6 +865,19 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
         "nothing was copied. Pin with skv_kv_lookup(SKV_LOOKUP_PIN) first, or fetch "
         "without SKV_FETCH_UNPIN",
         fn, bad, refs[bad].pe, refs[bad].page);
+#ifdef SKV_WITH_CUDA
+  if (path == PATH_DEVICE && n >= gate_pages()) { /* the copy first, the pins while it waits */
+    struct skv__kvc_slot *s = NULL;
+    const int g = skv__kvc_copy_gated(kv->cuda, b, dst, block_ids, stream, &s, fn);
+    if (g < 0) return g; /* nothing enqueued, nothing pinned */
+    if (g == 0) {
+      t = skv__kp_now(P);
+      const int rc = pin_gated(kv, b, refs, s, fn);
+      (void)skv__kp_lap(P, SKV__KP_PIN, t);
+      return rc;
+    }
+  }
+#endif
   const uint64_t revoked0 = skv__pool_revoked(&kv->pool);
   SKV_CHECK(pin_all(kv, b, refs, fn));
   t = skv__kp_lap(P, SKV__KP_PIN, t);

@@ -27,6 +27,7 @@
 
 #define STAGE_BYTES (64ull << 20) /* host layouts over GPU pages: bytes per staging round */
 #define ERR_BYTES   256u
+#define GATE_BYTES  (64u * SKV__KVC_NSLOTS) /* gate words (host), mirrors and locks (device) */
 
 static void kc_free(skv__kvc_t *kc) {
   skv__kvc_ring_stop(kc);
@@ -62,7 +63,7 @@ int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out) {
   SKV_CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&kc->sms, cudaDevAttrMultiProcessorCount, kc->device),
                       SKV_SUBSYS_KV, rc, fail);
   SKV_CUDA_CHECK_GOTO((cudaError_t)skv__kv_copy_preload(), SKV_SUBSYS_KV, rc, fail);
-  size_t bytes = (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES + ERR_BYTES;
+  size_t bytes = (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES + ERR_BYTES + GATE_BYTES;
   SKV_CUDA_CHECK_GOTO(
       cudaHostAlloc((void **)&kc->pinned, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
       SKV_SUBSYS_KV, rc, fail);
@@ -70,7 +71,10 @@ int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out) {
   SKV_CUDA_CHECK_GOTO(cudaHostGetDevicePointer(&dev, kc->pinned, 0), SKV_SUBSYS_KV, rc, fail);
   kc->pinned_dev = dev;
   SKV_CUDA_CHECK_GOTO(
-      cudaMalloc((void **)&kc->mirrors, (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES),
+      cudaMalloc((void **)&kc->mirrors, (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES + GATE_BYTES),
+      SKV_SUBSYS_KV, rc, fail);
+  SKV_CUDA_CHECK_GOTO(
+      cudaMemset(kc->mirrors + (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES, 0, GATE_BYTES),
       SKV_SUBSYS_KV, rc, fail);
   memset(kc->pinned, 0, bytes);
   kc->err = (uint32_t *)(kc->pinned + (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES);
@@ -81,6 +85,12 @@ int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out) {
     s->args = kc->pinned + (size_t)i * SKV__KVC_SLOT_BYTES;
     s->args_dev = kc->pinned_dev + (size_t)i * SKV__KVC_SLOT_BYTES;
     s->mirror = kc->mirrors + (size_t)i * SKV__KVC_SLOT_BYTES;
+    const size_t g = (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES + ERR_BYTES + (size_t)i * 64;
+    s->gate = (uint64_t *)(kc->pinned + g); /* a line each, and a line of device memory */
+    s->gate_dev = (const uint64_t *)(kc->pinned_dev + g);
+    uint8_t *gm = kc->mirrors + (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES + (size_t)i * 64;
+    s->gate_mirror = (uint64_t *)gm;
+    s->gate_lock = (uint32_t *)(gm + 8);
     if (i < SKV__KVC_RING_SLOTS) {
       SKV_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming), SKV_SUBSYS_KV,
                           rc, fail);
@@ -176,6 +186,52 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
     }
   }
   return 0;
+}
+
+int skv__kvc_copy_gated(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
+                        const uint64_t *block_ids, void *stream, struct skv__kvc_slot **slot,
+                        const char *fn) {
+  skv__kvc_plan_t pl;
+  SKV_CHECK(skv__kvc_plan(kc, lay, SKV__KV_FETCH, &pl, fn));
+  if (b->n > pl.ppl || pl.ce) return 1;
+  skv__kv_prof_t *P = kc->p.prof;
+  uint64_t t = skv__kp_now(P);
+  skv__kvc_slot_t *s;
+  SKV_CHECK(skv__kvc_slot_get(kc, &s, fn));
+  t = skv__kp_lap(P, SKV__KP_SLOT, t);
+  s->unpin_caller = b->unpin_caller;
+  s->has_claims = false;
+  skv__kvc_fill(s, &pl, lay, b, 0, (uint32_t)b->n, block_ids, NULL);
+  if (++s->gate_epoch == 0) s->gate_epoch = 1; /* 0: what a mirror holds at first */
+  /* shut: the launch comes after this store */
+  __atomic_store_n(s->gate, (uint64_t)s->gate_epoch << 32, __ATOMIC_RELAXED);
+  __atomic_store_n(&s->gated, true, __ATOMIC_RELAXED); /* before the hand-off (under kc->mu) */
+  pl.d.gate = s->gate_dev;
+  pl.d.gate_mirror = s->gate_mirror;
+  pl.d.gate_lock = s->gate_lock;
+  pl.d.gate_epoch = s->gate_epoch;
+  (void)skv__kp_lap(P, SKV__KP_STAGE, t);
+  bool consumed;
+  int rc = skv__kvc_enqueue(kc, s, &pl, stream, &consumed, fn); /* closes the gate on failure */
+  if (rc) {
+    if (!consumed) s->gated = false, skv__kvc_slot_put(kc, s);
+    return rc;
+  }
+  *slot = s;
+  return 0;
+}
+
+void skv__kvc_gate_open(struct skv__kvc_slot *s, size_t pinned) {
+  __atomic_store_n(s->gate, (uint64_t)s->gate_epoch << 32 | pinned, __ATOMIC_RELEASE);
+}
+
+void skv__kvc_gate_close(struct skv__kvc_slot *s, size_t pinned, bool unpin_caller) {
+  /* what the completion releases, before the copy can complete (it waits for the gate) */
+  s->unpin_caller = unpin_caller;
+  __atomic_store_n(&s->n, (uint32_t)pinned, __ATOMIC_RELEASE);
+  __atomic_store_n(&s->gated, false, __ATOMIC_RELEASE); /* the completion may take it now */
+  __atomic_store_n(s->gate, (uint64_t)s->gate_epoch << 32 | SKV_KV_GATE_CLOSED | pinned,
+                   __ATOMIC_RELEASE);
 }
 
 int skv__kvc_capture_fetch(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,

@@ -75,6 +75,23 @@ int skv__kvc_check(skv__kvc_t *kc, const skv_layout_t *lay, int dir, const char 
 int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
                   const uint64_t *block_ids, const size_t *idx, void *stream, size_t *queued,
                   const char *fn);
+/* A gated fetch (kernels/kv_copy.h): the copy of `b` launched on `stream` before any of its
+ * pages is pinned, behind its gate (shut); *slot is the launch's, for skv__kvc_gate_open and
+ * skv__kvc_gate_close, one of which the caller must then call until it closed the gate (the
+ * copy never completes before). Returns 1 when the batch is not one launch of the kernels
+ * (nothing done: copy it the usual way), 0, or a failure (no copy is left waiting). */
+struct skv__kvc_slot;
+#define SKV__KVC_GATE_MAX 4096 /* pages of one launch, at most (SKV__KVC_MAX_PAGES) */
+int skv__kvc_copy_gated(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
+                        const uint64_t *block_ids, void *stream, struct skv__kvc_slot **slot,
+                        const char *fn);
+/* Pages [0, pinned) of a gated fetch are pinned: the copy may read them. */
+void skv__kvc_gate_open(struct skv__kvc_slot *s, size_t pinned);
+/* The last step of a gated fetch: pages [0, pinned) are pinned (all of them, or those before
+ * the first stale reference's run), the copy reads these and skips the others, and its
+ * completion releases them (and the caller's with unpin_caller). */
+void skv__kvc_gate_close(struct skv__kvc_slot *s, size_t pinned, bool unpin_caller);
+
 /* A fetch while `stream` is captured: no completion (a graph may be replayed at any time); its
  * arguments take graph slots for the cache's lifetime. */
 int skv__kvc_capture_fetch(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,

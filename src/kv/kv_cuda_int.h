@@ -26,7 +26,13 @@ typedef struct skv__kvc_slot {
   uint32_t n;        /* pages of the launch */
   uint32_t refs_off; /* byte offset of the (pe, page) pairs in args */
   bool unpin_caller; /* SKV_FETCH_UNPIN */
-  skv_key_t *keys;   /* publish: the pages' keys (ring slots only) */
+  uint64_t *gate;    /* its gate word (pinned, device-mapped: a gated fetch, kernels/kv_copy.h) */
+  const uint64_t *gate_dev;
+  uint64_t *gate_mirror; /* device memory: the word's mirror, and the lock of who reads it */
+  uint32_t *gate_lock;
+  uint32_t gate_epoch;        /* uses of the gate */
+  bool gated;                 /* this use is a gated fetch whose gate is not closed yet */
+  skv_key_t *keys;            /* publish: the pages' keys (ring slots only) */
   skv__index_claim_t *claims; /* publish: their index claims (ring slots only) */
   bool has_claims;
   struct skv__kvc_slot *next; /* in the free ring, or in the pending list */

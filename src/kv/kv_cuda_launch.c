@@ -280,8 +280,10 @@ int skv__kvc_enqueue(skv__kvc_t *kc, skv__kvc_slot_t *s, skv__kvc_plan_t *pl, vo
     (void)skv__kp_lap(P, SKV__KP_HANDOFF, t);
     return rc;
   }
-  /* the copy is enqueued but nothing marks its end: complete it here */
+  /* the copy is enqueued but nothing marks its end: complete it here (a gated fetch's copy
+   * reads nothing then, as no page is pinned yet: it would wait for the gate for ever) */
   (void)cudaGetLastError();
+  if (s->gated) skv__kvc_gate_close(s, 0, false);
   int r2 = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV,
                     "%s: recording the event that marks the end of a copy failed: %s (%s); "
                     "waited for the stream instead",
