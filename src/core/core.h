@@ -35,6 +35,17 @@
 #define SKV_CPU_RELAX() ((void)0)
 #endif
 
+/* Bring a line in to be written (a CAS, a store): exclusive, so that the locked op that follows
+ * does not wait for the other cores' copies to be invalidated (a read prefetch leaves a line
+ * that another core holds shared). __builtin_prefetch(p, 1) is a read prefetch on x86-64 unless
+ * the compiler is told the CPU has PREFETCHW (every x86-64 CPU since 2014 does; older ones run
+ * it as a NOP). */
+#if defined(__x86_64__) || defined(__i386__)
+#define SKV_PREFETCH_W(p) __asm__ __volatile__("prefetchw %0" ::"m"(*(const char *)(p)))
+#else
+#define SKV_PREFETCH_W(p) __builtin_prefetch((p), 1)
+#endif
+
 /* ---- error.c ------------------------------------------------------------------------------ */
 
 /* Record `err` with a formatted message as the thread's last error, log it at INFO (subsys),

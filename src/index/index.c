@@ -313,7 +313,7 @@ static void claim_group(skv__index_t *ix, const skv_key_t *keys, size_t from, si
   enum { AHEAD = 8 };
   size_t m = 0;
   for (size_t i = from; i < to; i++) {
-    if (i + AHEAD < n) skv__index_prefetch(ix, keys[i + AHEAD]);
+    if (i + AHEAD < n) skv__index_prefetch_w(ix, keys[i + AHEAD]);
     raced[i] = false;
     rc[i] = claim_slot(ix, keys[i], my_pe, &c[i]);
     m += rc[i] == 0;

@@ -192,6 +192,13 @@ static inline void skv__index_prefetch(const skv__index_t *ix, skv_key_t k) {
   __builtin_prefetch(&ix->slots[sh][h]);
   __builtin_prefetch(&skv__index_reach(ix, sh)[h]); /* a miss reads it */
 }
+/* The same for a claim of `k`: its home slot to be written (the claim's CAS). */
+static inline void skv__index_prefetch_w(const skv__index_t *ix, skv_key_t k) {
+  const int sh = skv__index_shard(ix, k);
+  const uint64_t h = k.lo & (ix->slots_per_shard - 1);
+  SKV_PREFETCH_W(&ix->slots[sh][h]);
+  __builtin_prefetch(&skv__index_reach(ix, sh)[h]);
+}
 /* Batched prefix lookup: vals[0..*nhit) of the leading keys found (prefetches ahead). */
 void skv__index_lookup_prefix(const skv__index_t *ix, const skv_key_t *keys, size_t n,
                               uint64_t *vals, size_t *nhit);
@@ -238,10 +245,10 @@ static inline uint64_t skv__index_islot(const skv__index_claim_t *c) {
 static inline void skv__index_islot_prefetch(const skv__index_t *ix, uint64_t islot) {
   const uint64_t sh = (islot - 1) >> 32;
   if (islot && sh < (uint64_t)ix->nshards)
-    __builtin_prefetch(&ix->slots[sh][(uint32_t)(islot - 1) & (ix->slots_per_shard - 1)], 1);
+    SKV_PREFETCH_W(&ix->slots[sh][(uint32_t)(islot - 1) & (ix->slots_per_shard - 1)]);
 }
 static inline void skv__index_claim_prefetch(const skv__index_t *ix, const skv__index_claim_t *c) {
-  __builtin_prefetch(&ix->slots[c->shard][c->slot], 1);
+  SKV_PREFETCH_W(&ix->slots[c->shard][c->slot]);
 }
 int skv__index_publish(skv__index_t *ix, const skv__index_claim_t *c, uint64_t val);
 /* Count n keys published (skv__index_publish does not, so that a batch counts with one atomic

@@ -75,7 +75,7 @@ static void kv_evict_hint(void *arg, uint64_t key_hi, uint64_t key_lo, uint64_t 
   if (islot)
     skv__index_islot_prefetch(&((skv_kv_t *)arg)->index, islot);
   else
-    skv__index_prefetch(&((skv_kv_t *)arg)->index, (skv_key_t){key_hi, key_lo});
+    skv__index_prefetch_w(&((skv_kv_t *)arg)->index, (skv_key_t){key_hi, key_lo});
 }
 
 #ifdef SKV_WITH_CUDA
@@ -701,7 +701,7 @@ static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step
   size_t nins = 0, inserted = 0;
   for (size_t i = 0; i < n; i++) {
     if (i + PUB_AHEAD < n) {
-      __builtin_prefetch(&meta[pages[(i + PUB_AHEAD) * page_step]], 1);
+      SKV_PREFETCH_W(&meta[pages[(i + PUB_AHEAD) * page_step]]);
       if (cl)
         skv__index_claim_prefetch(&kv->index, &cl[i + PUB_AHEAD]);
       else

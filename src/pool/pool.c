@@ -426,8 +426,8 @@ int skv__pool_unpin(skv__pool_t *p, uint32_t pe, uint32_t page) {
 #define PIN_AHEAD 8
 
 static inline void pin_prefetch(const skv__pool_t *p, uint32_t pe, uint32_t page) {
-  __builtin_prefetch(&p->meta[pe][page], 1);
-  __builtin_prefetch(&p->pins[(uint64_t)pe * p->pages + page], 1);
+  SKV_PREFETCH_W(&p->meta[pe][page]);
+  SKV_PREFETCH_W(&p->pins[(uint64_t)pe * p->pages + page]);
 }
 
 /* Pages [i, end) of a batch with pin bytes (PE < SKV_PIN_BYTE_PES), pin_mu held: every page's
@@ -681,7 +681,7 @@ static bool try_evict(skv__pool_t *p, uint32_t page, uint32_t gen, skv__pool_evi
 
 static void evict_prefetch(skv__pool_t *p, const skv__lru_ent_t *e, void *arg) {
   const skv__page_meta_t *m = &p->meta[p->me][e->page];
-  __builtin_prefetch(m, 1);
+  SKV_PREFETCH_W(m);
   if (p->evict_hint) /* the key's index slot: the record is warm by now (prefetched earlier) */
     p->evict_hint(arg, __atomic_load_n(&m->key_hi, __ATOMIC_RELAXED),
                   __atomic_load_n(&m->key_lo, __ATOMIC_RELAXED),
@@ -699,7 +699,7 @@ static uint64_t evict_lru_n(skv__pool_t *p, uint64_t want, skv__pool_evict_cb ev
      * entry is half way (its record has arrived meanwhile) */
     while (qn < ahead && qn < want - done + ahead / 2 && p->nlru > 0) {
       skv__lru_ent_t e = lru_pop(p);
-      __builtin_prefetch(&p->meta[p->me][e.page], 1);
+      SKV_PREFETCH_W(&p->meta[p->me][e.page]);
       q[(qh + qn++) % EVICT_AHEAD] = e;
     }
     if (qn == 0) break;
