@@ -608,11 +608,13 @@ enum { SKV_FETCH_UNPIN = 1u };
  * are range-checked, not checked for duplicates: a block named twice ends up with either page's
  * bytes, on a GPU possibly a mix of both). Each page is pinned (its
  * generation checked) for the copy: a stale reference fails with SKV_ESTALE, and neither its
- * blocks nor those of the references after it are written. A fetch into a GPU layout of fewer
- * than SKV_FETCH_GATE_PAGES pages (default 256) writes nothing then; a larger one launches its
- * copy first and pins while the copy waits for the pages (the pins then cost the call no time
- * before the copy), so the blocks of the references pinned before the stale one's run of 64
- * may be written, with their pages' bytes (the message says which). `stream`: a cudaStream_t for
+ * blocks nor those of the references after it are written. A GPU fetch of fewer than
+ * SKV_FETCH_GATE_PAGES pages (default 256) writes nothing then. A larger one that is one launch
+ * of the copy kernels (up to 4096 pages, not SKV_FETCH_KERNEL=ce, not under
+ * CUDA_LAUNCH_BLOCKING) launches its copy first and pins while the copy waits for the pages (the
+ * pins then cost the call no time before the copy): on SKV_ESTALE the blocks of the references
+ * pinned before the stale one's run of 64 may be written, with their pages' bytes, by the copy
+ * still enqueued on `stream` (the message says which). `stream`: a cudaStream_t for
  * GPU layouts (NULL: the legacy default stream): the copy is one kernel launch per batch of up to
  * 4096 pages, stream-ordered, and the pins are released by the cache's completion thread once it
  * completes (the stream carries only the copy and an event); host layouts copy synchronously. While

@@ -84,7 +84,7 @@ template <uint32_t INL> struct kp_t {
   const uint64_t *gate;  /* a gated fetch's word in host memory (kv_copy.h), or NULL */
   uint64_t *gate_mirror; /* its mirror in device memory */
   uint32_t *gate_lock;   /* who reads the host's word */
-  uint32_t gate_epoch;
+  uint32_t gate_epoch, gate_ms;
   uint32_t npes, pages, m, slab, items, bid64, refs_off, bids_off, ninl, l2_256;
   fdiv_t cpu, nt, row, heads, bt, run;
   alignas(16) uint8_t inl[INL];
@@ -221,13 +221,31 @@ __device__ __forceinline__ uint64_t ld_host(const uint64_t *a) {
 template <class P> __device__ __forceinline__ uint32_t gate_of(const P &p, uint64_t v) {
   return (uint32_t)(v >> 32) == p.gate_epoch ? (uint32_t)v : 0u;
 }
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 template <class P> __device__ bool gate_wait(const P &p, uint32_t i, uint32_t &seen) {
+  uint64_t t0 = 0;
   for (unsigned spin = 0; i >= (seen & ~SKV_KV_GATE_CLOSED); spin++) {
     if (seen & SKV_KV_GATE_CLOSED) return false;
-    if (spin) __nanosleep(256);
+    if (spin) {
+      /* bounded: a host that never closes (its thread stopped between the launch and the pins:
+       * CUDA_LAUNCH_BLOCKING, a debugger) costs gate_ms, then this page and the rest go */
+      const uint64_t t = now_ns();
+      if (!t0) t0 = t;
+      if (t - t0 > (uint64_t)p.gate_ms * 1000000u) {
+        report(p.err, SKV_KV_DEVERR_GATE, i, 0, seen);
+        seen = (seen & ~SKV_KV_GATE_CLOSED) | SKV_KV_GATE_CLOSED;
+        return false;
+      }
+      __nanosleep(256);
+    }
     uint32_t v = gate_of(p, ld_acq_gpu(p.gate_mirror));
     if (i >= (v & ~SKV_KV_GATE_CLOSED) && !(v & SKV_KV_GATE_CLOSED) &&
         *(volatile uint32_t *)p.gate_lock == 0 && atomicCAS(p.gate_lock, 0u, 1u) == 0u) {
+      __threadfence(); /* the lock taken before the host's word is read (acquire) */
       const uint64_t h = ld_host(p.gate);
       if (gate_of(p, h) != 0u) {
         asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p.gate_mirror), "l"(h) : "memory");
@@ -380,7 +398,11 @@ __device__ __forceinline__ uint32_t bulk_issue(const P &p, const uint8_t *a, uin
   const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
   const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[i];
   if (ref.x >= p.npes || ref.y >= p.pages) return 0;
-  if (p.gate && !gate_wait(p, i, seen)) return 0;
+  if (p.gate && i >= (seen & ~SKV_KV_GATE_CLOSED)) {
+    if (!gate_wait(p, i, seen)) return 0;
+    /* the bulk copy (the async proxy) after the gate's acquire (the generic proxy) */
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
   const uint32_t o0 = ch * BK_CHUNK, len = min(BK_CHUNK, p.slab - o0);
   const char *src =
       p.heap + ref.x * p.pe_stride + ref.y * p.page_stride + (uint64_t)t * p.slab + o0;
@@ -646,6 +668,7 @@ int launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg, bool inl
   p.gate_mirror = d->gate_mirror;
   p.gate_lock = d->gate_lock;
   p.gate_epoch = d->gate_epoch;
+  p.gate_ms = d->gate_ms;
   p.npes = d->npes;
   p.pages = d->pages_per_pe;
   p.m = d->blocks_per_page;

@@ -16,6 +16,9 @@ enum { SKV_KV_COPY_FETCH = 0, SKV_KV_COPY_PUBLISH = 1 };
  * batch, tensor, and the offending value). The host checked everything before the launch:
  * these only fire for corrupted arguments, and then nothing outside the heap is touched. */
 enum { SKV_KV_DEVERR_PE = 1, SKV_KV_DEVERR_PAGE = 2, SKV_KV_DEVERR_BLOCK = 3 };
+/* A gated fetch's copy that waited gate_ms for its pins gave up (err[1]: the page it waited for,
+ * err[3]: the gate it saw); the pages from there on are not read. */
+enum { SKV_KV_DEVERR_GATE = 4 };
 
 /* Argument bytes a launch can carry inside its kernel parameters: every kernel takes this many,
  * and BULK and the 16-byte VEC kernels also the larger amount where the driver takes kernel
@@ -70,6 +73,7 @@ typedef struct skv__kv_copy_desc {
   uint64_t *gate_mirror;
   uint32_t *gate_lock;
   uint32_t gate_epoch;
+  uint32_t gate_ms; /* the longest wait for the host, then SKV_KV_DEVERR_GATE */
 } skv__kv_copy_desc_t;
 
 /* A gated fetch is launched before its pages are pinned: the host pins them in order and stores

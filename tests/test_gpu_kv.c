@@ -777,9 +777,12 @@ static uint64_t pinned_at_step(fix_t *f) {
 
 static int pe_gated(int rank, int npes, void *arg) {
   const int variant = *(const int *)arg;
+  /* whatever the environment says: gated from 256 pages, auto (vec at 5 MiB) or bulk */
+  setenv("SKV_FETCH_GATE_PAGES", "256", 1);
   fix_t f;
   PE_CHECK(fix_init(&f, GF_PAGES + 16, GF_BLOCKS) == 0, "fixture: %s", skv_last_error());
-  PE_CHECK(set_variant(variant) == 0, "variant");
+  const skv__kv_variant_t autov = {SKV_KV_KERNEL_AUTO, 4, 4, 256, SKV_KV_ARGS_AUTO, 0};
+  PE_CHECK((variant ? set_variant(variant) : skv__kv_variant_set(&autov)) == 0, "variant");
   dengine_t ref;
   PE_CHECK(de_new(&ref, &f.g, SKV_LAYOUT_CONTIGUOUS, 16, GF_BLOCKS, -1) == 0, "ref engine");
   /* publish GF_PAGES keys of this rank from blocks 0.. of fresh data */
@@ -806,29 +809,66 @@ static int pe_gated(int rank, int npes, void *arg) {
            "lookup %zu", nhit);
   PE_CHECK(gf_fetch(&f, &ref, refs, GF_PAGES, blocks, 0, SIZE_MAX, GF_PAGES, "whole") == 0,
            "see above");
+  /* pins slowed down (200 us a run): the copy starts long before the gate closes and reads
+   * each run as it opens */
+  skv__kv_gate_delay_us = 200;
+  PE_CHECK(gf_fetch(&f, &ref, refs, GF_PAGES, blocks, 0, SIZE_MAX, GF_PAGES, "slow pins") == 0,
+           "see above");
   const size_t mid = 200; /* in the run [192, 256) */
   memcpy(bad, refs, sizeof refs);
-  bad[mid].gen ^= 2; /* a generation the page does not have: stale */
+  bad[mid].gen ^= 0x40000000u; /* a generation the page does not have: stale */
+  PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, 0, mid, mid / GF_RUN * GF_RUN,
+                    "slow pins, stale in the middle") == 0,
+           "see above");
+  skv__kv_gate_delay_us = 0;
   PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, 0, mid, mid / GF_RUN * GF_RUN,
                     "stale in the middle") == 0,
            "see above");
   memcpy(bad, refs, sizeof refs);
-  bad[0].gen ^= 2;
+  bad[0].gen ^= 0x40000000u;
   PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, 0, 0, 0, "stale first") == 0, "see above");
   memcpy(bad, refs, sizeof refs);
-  bad[100].gen ^= 2; /* 128 pages: under SKV_FETCH_GATE_PAGES, all or nothing */
+  bad[100].gen ^= 0x40000000u; /* 128 pages: under SKV_FETCH_GATE_PAGES, all or nothing */
   PE_CHECK(gf_fetch(&f, &ref, bad, 128, blocks, 0, 100, 0, "small batch") == 0, "see above");
   skv_kv_stats_t st = SKV_KV_STATS_INIT;
   skv_kv_get_stats(f.kv, &st);
   uint64_t pinned = pinned_at_step(&f);
-  PE_CHECK(st.stale == 3 && pinned == 0, "stale %llu pinned %llu", (unsigned long long)st.stale,
+  PE_CHECK(st.stale == 4 && pinned == 0, "stale %llu pinned %llu", (unsigned long long)st.stale,
            (unsigned long long)pinned);
+  /* a copy whose pins do not come within its time limit (50 ms here; the host sleeps 300 ms
+   * after each run) gives up after the first run: the fetch returns, skv_kv_sync says
+   * SKV_ETIMEDOUT, only the first run's blocks are written, and every pin goes */
+  skv__kvc_gate_ms = 50;
+  skv__kv_gate_delay_us = 300000;
+  PE_CHECK(de_poison(&f.eng) == 0, "poison");
+  {
+    uint64_t db[GF_PAGES], sd = skv_test_seed();
+    pick_blocks(GF_BLOCKS, GF_PAGES, db, &sd);
+    PE_CHECK(skv_kv_fetch(f.kv, refs, GF_PAGES, f.eng.lay, db, 0, f.st) == 0, "late pins: %s",
+             skv_last_error());
+    CU_OK(cudaStreamSynchronize(f.st));
+    const int rc = skv_kv_sync(f.kv);
+    PE_CHECK(rc == SKV_ETIMEDOUT && strstr(skv_last_error(), "gated"),
+             "late pins: sync gave %s (%s)", skv_err_name(rc), skv_last_error());
+    PE_CHECK(skv_kv_sync(f.kv) == 0, "the error is reported once: %s", skv_last_error());
+    PE_CHECK(de_download(&f.eng) == 0, "download");
+    uint8_t used[GF_BLOCKS] = {0};
+    for (size_t i = 0; i < GF_RUN; i++) {
+      PE_CHECK(pages_equal(&ref, &blocks[i], &f.eng, &db[i]), "late pins: page %zu differs", i);
+      used[db[i]] = 1;
+    }
+    PE_CHECK(untouched_outside(&f.eng, used), "late pins: blocks past the first run written");
+  }
+  skv__kvc_gate_ms = 0;
+  skv__kv_gate_delay_us = 0;
+  pinned = pinned_at_step(&f);
+  PE_CHECK(pinned == 0, "pins left after the late pins: %llu", (unsigned long long)pinned);
   /* the caller's pins: released with a copy that succeeded, kept with one that failed */
   PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, GF_PAGES, SKV_LOOKUP_PIN, refs, &nhit) == 0 &&
                nhit == GF_PAGES,
            "lookup and pin %zu", nhit);
   memcpy(bad, refs, sizeof refs);
-  bad[mid].gen ^= 2;
+  bad[mid].gen ^= 0x40000000u;
   PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, SKV_FETCH_UNPIN, mid, mid / GF_RUN * GF_RUN,
                     "pinned, stale in the middle") == 0,
            "see above");

@@ -40,7 +40,7 @@
  * that another core holds shared). __builtin_prefetch(p, 1) is a read prefetch on x86-64 unless
  * the compiler is told the CPU has PREFETCHW (every x86-64 CPU since 2014 does; older ones run
  * it as a NOP). */
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__)
 #define SKV_PREFETCH_W(p) __asm__ __volatile__("prefetchw %0" ::"m"(*(const char *)(p)))
 #else
 #define SKV_PREFETCH_W(p) __builtin_prefetch((p), 1)

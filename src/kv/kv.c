@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define KV_CHECK_NULL(kv, fn)                                                 \
   do {                                                                        \
@@ -517,6 +518,7 @@ enum { PATH_HOST, PATH_STAGED, PATH_DEVICE };
  * where it did not before. */
 #define PUB_CHUNK 256
 int skv__kv_pub_split = 4;
+int skv__kv_gate_delay_us = 0;
 /* Keys ahead whose index home slot is prefetched while one is looked up (misses of a
  * publish's keys are independent: their memory latencies overlap). */
 #define PUB_AHEAD 8
@@ -605,6 +607,9 @@ static size_t gate_pages(void) {
     if (skv__env_int(SKV_ENV_FETCH_GATE_PAGES, 0, SKV__KVC_GATE_MAX, 256, &x) != 0)
       SKV_WARN(SKV_SUBSYS_KV, "SKV_FETCH_GATE_PAGES must be in 0..%d; using 256",
                SKV__KVC_GATE_MAX);
+    /* launches that return once their kernel ended would end a gated one by its time limit */
+    const char *lb = getenv("CUDA_LAUNCH_BLOCKING");
+    if (lb && strcmp(lb, "0") != 0) x = 0;
     v = x == 0 ? SIZE_MAX - 1 : (size_t)x;
     __atomic_store_n(&pages, v, __ATOMIC_RELAXED);
   }
@@ -620,7 +625,7 @@ static size_t gate_pages(void) {
  * those are copied (their blocks written), its run's pins are given back and nothing after it
  * is read. */
 static int pin_gated(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t *refs,
-                     struct skv__kvc_slot *s, const char *fn) {
+                     struct skv__kvc_slot *s, void *stream, const char *fn) {
   size_t done = 0, bad = 0;
   int rc = 0;
   while (done < b->n) {
@@ -630,9 +635,15 @@ static int pin_gated(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_
     if (rc) break;
     done += k;
     if (done < b->n) skv__kvc_gate_open(s, done);
+    const int delay = __atomic_load_n(&skv__kv_gate_delay_us, __ATOMIC_RELAXED);
+    if (SKV_UNLIKELY(delay > 0)) {
+      const struct timespec ts = {0, (long)delay * 1000};
+      nanosleep(&ts, NULL);
+    }
   }
-  skv__kvc_gate_close(s, done, b->unpin_caller && rc == 0); /* failed: the caller keeps its pins */
-  if (rc == 0) return 0;
+  /* failed: the caller keeps its pins */
+  const int rc2 = skv__kvc_gate_close(s, done, b->unpin_caller && rc == 0, stream, fn);
+  if (rc == 0) return rc2;
   __atomic_add_fetch(&kv->stale, 1, __ATOMIC_RELAXED);
   const size_t i = done + bad;
   return SKV_FAIL(SKV_ESTALE, SKV_SUBSYS_KV,
@@ -872,7 +883,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
     if (g < 0) return g; /* nothing enqueued, nothing pinned */
     if (g == 0) {
       t = skv__kp_now(P);
-      const int rc = pin_gated(kv, b, refs, s, fn);
+      const int rc = pin_gated(kv, b, refs, s, stream, fn);
       (void)skv__kp_lap(P, SKV__KP_PIN, t);
       return rc;
     }

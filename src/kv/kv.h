@@ -41,6 +41,9 @@ static inline void *skv__kv_page(const skv_kv_t *kv, uint32_t pe, uint32_t page)
 /* Device publish: the launches a large batch is split into, at most (kv.c, PUB_CHUNK); 1: one
  * launch per argument slot's worth of pages, as before. symkv-bench fetch compares the two. */
 extern int skv__kv_pub_split;
+/* Tests: microseconds a gated fetch sleeps between two runs of pins (0), so that its copy is
+ * seen to read the runs opened before the gate closes. */
+extern int skv__kv_gate_delay_us;
 
 /* Evict callback for the pool: erase the page's index entry. */
 void skv__kv_evict_cb(void *arg, uint32_t page, uint32_t gen, uint64_t key_hi, uint64_t key_lo);

@@ -76,6 +76,8 @@ int skv__kvc_create(const skv__kvc_params_t *p, skv__kvc_t **out) {
   SKV_CUDA_CHECK_GOTO(
       cudaMemset(kc->mirrors + (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES, 0, GATE_BYTES),
       SKV_SUBSYS_KV, rc, fail);
+  /* landed before any kernel reads a lock (cudaMemset may return before it did) */
+  SKV_CUDA_CHECK_GOTO(cudaStreamSynchronize(0), SKV_SUBSYS_KV, rc, fail);
   memset(kc->pinned, 0, bytes);
   kc->err = (uint32_t *)(kc->pinned + (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES);
   kc->err_dev = (uint32_t *)(kc->pinned_dev + (size_t)SKV__KVC_NSLOTS * SKV__KVC_SLOT_BYTES);
@@ -188,6 +190,8 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
   return 0;
 }
 
+int skv__kvc_gate_ms = 0;
+
 int skv__kvc_copy_gated(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
                         const uint64_t *block_ids, void *stream, struct skv__kvc_slot **slot,
                         const char *fn) {
@@ -205,16 +209,19 @@ int skv__kvc_copy_gated(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layo
   if (++s->gate_epoch == 0) s->gate_epoch = 1; /* 0: what a mirror holds at first */
   /* shut: the launch comes after this store */
   __atomic_store_n(s->gate, (uint64_t)s->gate_epoch << 32, __ATOMIC_RELAXED);
-  __atomic_store_n(&s->gated, true, __ATOMIC_RELAXED); /* before the hand-off (under kc->mu) */
   pl.d.gate = s->gate_dev;
   pl.d.gate_mirror = s->gate_mirror;
   pl.d.gate_lock = s->gate_lock;
   pl.d.gate_epoch = s->gate_epoch;
-  (void)skv__kp_lap(P, SKV__KP_STAGE, t);
-  bool consumed;
-  int rc = skv__kvc_enqueue(kc, s, &pl, stream, &consumed, fn); /* closes the gate on failure */
+  const int ms = __atomic_load_n(&skv__kvc_gate_ms, __ATOMIC_RELAXED);
+  pl.d.gate_ms = (uint32_t)(ms > 0 ? ms : kc->p.ctx->cfg.timeout_ms);
+  t = skv__kp_lap(P, SKV__KP_STAGE, t);
+  /* the kernel only: its event and hand-off come with the close (skv__kvc_gate_close), so that
+   * no CUDA call, which could wait for room in a stream queued behind this kernel, comes before */
+  const int rc = skv__kvc_launch(s, &pl, stream, fn);
+  (void)skv__kp_lap(P, SKV__KP_LAUNCH, t);
   if (rc) {
-    if (!consumed) s->gated = false, skv__kvc_slot_put(kc, s);
+    skv__kvc_slot_put(kc, s);
     return rc;
   }
   *slot = s;
@@ -225,13 +232,13 @@ void skv__kvc_gate_open(struct skv__kvc_slot *s, size_t pinned) {
   __atomic_store_n(s->gate, (uint64_t)s->gate_epoch << 32 | pinned, __ATOMIC_RELEASE);
 }
 
-void skv__kvc_gate_close(struct skv__kvc_slot *s, size_t pinned, bool unpin_caller) {
-  /* what the completion releases, before the copy can complete (it waits for the gate) */
-  s->unpin_caller = unpin_caller;
-  __atomic_store_n(&s->n, (uint32_t)pinned, __ATOMIC_RELEASE);
-  __atomic_store_n(&s->gated, false, __ATOMIC_RELEASE); /* the completion may take it now */
+int skv__kvc_gate_close(struct skv__kvc_slot *s, size_t pinned, bool unpin_caller, void *stream,
+                        const char *fn) {
+  s->unpin_caller = unpin_caller; /* what the completion releases */
+  s->n = (uint32_t)pinned;
   __atomic_store_n(s->gate, (uint64_t)s->gate_epoch << 32 | SKV_KV_GATE_CLOSED | pinned,
                    __ATOMIC_RELEASE);
+  return skv__kvc_handoff(s->kc, s, stream, fn);
 }
 
 int skv__kvc_capture_fetch(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
@@ -581,6 +588,15 @@ int skv__kvc_sync(skv__kvc_t *kc) {
     e[1] = e[2] = e[3] = 0;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     e[0] = 0;
+    if (code == SKV_KV_DEVERR_GATE)
+      return SKV_FAIL(SKV_ETIMEDOUT, SKV_SUBSYS_KV,
+                      "skv_kv_sync: a gated fetch's copy waited longer than SKV_TIMEOUT_MS for its "
+                      "pins and gave up at page %u (%u pinned by then): the blocks of that page "
+                      "and later ones were not written. The host thread stopped between the "
+                      "launch and the pins: CUDA_LAUNCH_BLOCKING, or a debugger or profiler that "
+                      "runs each launch to its end (set SKV_FETCH_GATE_PAGES=0 under Nsight "
+                      "Compute or cuda-gdb)",
+                      i, v & ~SKV_KV_GATE_CLOSED);
     const char *what = code == SKV_KV_DEVERR_PE     ? "PE"
                        : code == SKV_KV_DEVERR_PAGE ? "page"
                                                     : "block id";

@@ -77,20 +77,25 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
                   const char *fn);
 /* A gated fetch (kernels/kv_copy.h): the copy of `b` launched on `stream` before any of its
  * pages is pinned, behind its gate (shut); *slot is the launch's, for skv__kvc_gate_open and
- * skv__kvc_gate_close, one of which the caller must then call until it closed the gate (the
- * copy never completes before). Returns 1 when the batch is not one launch of the kernels
- * (nothing done: copy it the usual way), 0, or a failure (no copy is left waiting). */
+ * skv__kvc_gate_close, which the caller must call next, making no CUDA call before it (the copy
+ * waits for the close; its event is recorded then). Returns 1 when the batch is not one launch
+ * of the kernels (nothing done: copy it the usual way), 0, or a failure (nothing enqueued). */
 struct skv__kvc_slot;
 #define SKV__KVC_GATE_MAX 4096 /* pages of one launch, at most (SKV__KVC_MAX_PAGES) */
 int skv__kvc_copy_gated(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
                         const uint64_t *block_ids, void *stream, struct skv__kvc_slot **slot,
                         const char *fn);
+/* Tests: a gated copy's longest wait for its pins, in ms (0: SKV_TIMEOUT_MS). */
+extern int skv__kvc_gate_ms;
 /* Pages [0, pinned) of a gated fetch are pinned: the copy may read them. */
 void skv__kvc_gate_open(struct skv__kvc_slot *s, size_t pinned);
 /* The last step of a gated fetch: pages [0, pinned) are pinned (all of them, or those before
- * the first stale reference's run), the copy reads these and skips the others, and its
- * completion releases them (and the caller's with unpin_caller). */
-void skv__kvc_gate_close(struct skv__kvc_slot *s, size_t pinned, bool unpin_caller);
+ * the first stale reference's run); the copy reads these and skips the others, and its
+ * completion releases them (and the caller's with unpin_caller). Then the copy's event and its
+ * hand-off to the completion thread (skv__kvc_handoff: SKV_ECUDA when the event could not be
+ * recorded, the copy waited for and completed here). */
+int skv__kvc_gate_close(struct skv__kvc_slot *s, size_t pinned, bool unpin_caller, void *stream,
+                        const char *fn);
 
 /* A fetch while `stream` is captured: no completion (a graph may be replayed at any time); its
  * arguments take graph slots for the cache's lifetime. */

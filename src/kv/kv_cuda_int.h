@@ -31,7 +31,6 @@ typedef struct skv__kvc_slot {
   uint64_t *gate_mirror; /* device memory: the word's mirror, and the lock of who reads it */
   uint32_t *gate_lock;
   uint32_t gate_epoch;        /* uses of the gate */
-  bool gated;                 /* this use is a gated fetch whose gate is not closed yet */
   skv_key_t *keys;            /* publish: the pages' keys (ring slots only) */
   skv__index_claim_t *claims; /* publish: their index claims (ring slots only) */
   bool has_claims;
@@ -113,6 +112,10 @@ void skv__kvc_fill(skv__kvc_slot_t *s, skv__kvc_plan_t *pl, const skv_layout_t *
                    const size_t *idx);
 /* Launch the kernel of slot `s` (graph slots too: no event). */
 int skv__kvc_launch(skv__kvc_slot_t *s, skv__kvc_plan_t *pl, void *stream, const char *fn);
+/* Record the end of ring slot `s`'s copy (enqueued on `stream`) and hand the slot to the
+ * completion thread; when the event cannot be recorded, wait for the stream and complete it
+ * here (SKV_ECUDA). */
+int skv__kvc_handoff(skv__kvc_t *kc, skv__kvc_slot_t *s, void *stream, const char *fn);
 /* Start the copy of ring slot `s` (copy engines or kernel) and hand it to the completion thread.
  * *consumed: the slot (and the launch's pins or pages) now belong to its completion. */
 int skv__kvc_enqueue(skv__kvc_t *kc, skv__kvc_slot_t *s, skv__kvc_plan_t *pl, void *stream,

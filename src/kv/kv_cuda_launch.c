@@ -273,22 +273,27 @@ int skv__kvc_enqueue(skv__kvc_t *kc, skv__kvc_slot_t *s, skv__kvc_plan_t *pl, vo
   }
   if (!pl->ce) SKV_CHECK(skv__kvc_launch(s, pl, stream, fn));
   *consumed = true;
-  t = skv__kp_lap(P, SKV__KP_LAUNCH, t);
+  (void)skv__kp_lap(P, SKV__KP_LAUNCH, t);
+  const int r2 = skv__kvc_handoff(kc, s, stream, fn);
+  return rc ? rc : r2;
+}
+
+int skv__kvc_handoff(skv__kvc_t *kc, skv__kvc_slot_t *s, void *stream, const char *fn) {
+  skv__kv_prof_t *P = kc->p.prof;
+  const uint64_t t = skv__kp_now(P);
   cudaError_t e = cudaEventRecord(s->done, (cudaStream_t)stream);
   if (e == cudaSuccess) {
     skv__kvc_slot_pending(kc, s);
     (void)skv__kp_lap(P, SKV__KP_HANDOFF, t);
-    return rc;
+    return 0;
   }
-  /* the copy is enqueued but nothing marks its end: complete it here (a gated fetch's copy
-   * reads nothing then, as no page is pinned yet: it would wait for the gate for ever) */
+  /* the copy is enqueued but nothing marks its end: complete it here */
   (void)cudaGetLastError();
-  if (s->gated) skv__kvc_gate_close(s, 0, false);
-  int r2 = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV,
-                    "%s: recording the event that marks the end of a copy failed: %s (%s); "
-                    "waited for the stream instead",
-                    fn, cudaGetErrorString(e), cudaGetErrorName(e));
+  const int rc = SKV_FAIL(SKV_ECUDA, SKV_SUBSYS_KV,
+                          "%s: recording the event that marks the end of a copy failed: %s (%s); "
+                          "waited for the stream instead",
+                          fn, cudaGetErrorString(e), cudaGetErrorName(e));
   if (cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess) (void)cudaGetLastError();
   skv__kvc_slot_done(s);
-  return rc ? rc : r2;
+  return rc;
 }

@@ -85,9 +85,8 @@ void skv__kvc_slot_put(skv__kvc_t *kc, skv__kvc_slot_t *s) {
  * list, so nothing else touches it). Returns 0 or the step's failure. */
 static int slot_complete(skv__kvc_t *kc, skv__kvc_slot_t *s) {
   const uint32_t *pp = (const uint32_t *)(s->args + s->refs_off);
-  const uint32_t n = __atomic_load_n(&s->n, __ATOMIC_ACQUIRE); /* a gated fetch's: its close */
   skv__kv_batch_t b = {
-      s->dir, n, pp, 2, pp + 1, 2, s->keys, s->unpin_caller, s->has_claims ? s->claims : NULL};
+      s->dir, s->n, pp, 2, pp + 1, 2, s->keys, s->unpin_caller, s->has_claims ? s->claims : NULL};
   const uint64_t t = skv__kp_now(kc->p.prof);
   int r = kc->p.done(kc->p.done_arg, &b);
   (void)skv__kp_lap(kc->p.prof, SKV__KP_COMPLETE, t);
@@ -123,8 +122,7 @@ int skv__kvc_reap_locked(skv__kvc_t *kc) {
   uint64_t seq[SKV__KVC_RING_SLOTS];
   int n = 0;
   for (skv__kvc_slot_t *s = kc->pending; s && n < SKV__KVC_RING_SLOTS; s = s->next)
-    if (!__atomic_load_n(&s->gated, __ATOMIC_ACQUIRE)) /* a gated fetch's: once it closed */
-      snap[n] = s, seq[n++] = s->seq;
+    snap[n] = s, seq[n++] = s->seq;
   if (n == 0) return 0;
   pthread_mutex_unlock(&kc->mu);
   cudaError_t st[SKV__KVC_RING_SLOTS];

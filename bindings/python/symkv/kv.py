@@ -741,7 +741,8 @@ class KVCache(CollectiveResource):
         """Copy pages `refs` (a Lookup or (n, 4) rows) into the engine's blocks: page i fills
         block_ids[i*m : i*m+m], m = page_tokens / block_size. A stale reference fails
         with StaleReference; neither its blocks nor later ones are written (a CUDA fetch of
-        SKV_FETCH_GATE_PAGES pages or more may have written earlier ones). Host layouts copy synchronously; CUDA
+        SKV_FETCH_GATE_PAGES pages or more in one launch may still write earlier ones, in order
+        on `stream`). Host layouts copy synchronously; CUDA
         ones are ordered on `stream` (default: torch's current stream of the layout's
         device). unpin=True also releases the lookup's pins once copied: a Lookup must
         hold them (InvalidState otherwise); raw refs must be pins this caller took."""
