@@ -604,9 +604,9 @@ static size_t gate_pages(void) {
   size_t v = __atomic_load_n(&pages, __ATOMIC_RELAXED);
   if (v == SIZE_MAX) {
     long long x = 256;
-    if (skv__env_int(SKV_ENV_FETCH_GATE_PAGES, 0, SKV__KVC_GATE_MAX, 256, &x) != 0)
-      SKV_WARN(SKV_SUBSYS_KV, "SKV_FETCH_GATE_PAGES must be in 0..%d; using 256",
-               SKV__KVC_GATE_MAX);
+    if (skv__env_int(SKV_ENV_FETCH_GATE_PAGES, 0, SKV__KVC_MAX_PAGES, 256, &x) != 0)
+      SKV_WARN(SKV_SUBSYS_KV, "SKV_FETCH_GATE_PAGES must be in 0..%u; using 256",
+               SKV__KVC_MAX_PAGES);
     /* launches that return once their kernel ended would end a gated one by its time limit */
     const char *lb = getenv("CUDA_LAUNCH_BLOCKING");
     if (lb && strcmp(lb, "0") != 0) x = 0;

@@ -157,6 +157,26 @@ uint32_t *skv__kvc_err_word(skv__kvc_t *kc) {
 
 /* ---- stream-ordered copies ------------------------------------------------------------------ */
 
+/* A ring slot (waited for, bounded) holding the arguments of pages [off, off + k) of `b`, and
+ * their keys and claims for a publish; the wait and the staging timed. */
+static int slot_take(skv__kvc_t *kc, skv__kvc_plan_t *pl, const skv_layout_t *lay,
+                     const skv__kv_batch_t *b, size_t off, uint32_t k, const uint64_t *bids,
+                     const size_t *idx, skv__kvc_slot_t **out, const char *fn) {
+  skv__kv_prof_t *P = kc->p.prof;
+  uint64_t t = skv__kp_now(P);
+  skv__kvc_slot_t *s;
+  SKV_CHECK(skv__kvc_slot_get(kc, &s, fn));
+  t = skv__kp_lap(P, SKV__KP_SLOT, t);
+  s->unpin_caller = b->unpin_caller;
+  if (b->keys) memcpy(s->keys, b->keys + off, k * sizeof *s->keys);
+  s->has_claims = b->claims != NULL;
+  if (b->claims) memcpy(s->claims, b->claims + off, k * sizeof *s->claims);
+  skv__kvc_fill(s, pl, lay, b, off, k, bids, idx);
+  (void)skv__kp_lap(P, SKV__KP_STAGE, t);
+  *out = s;
+  return 0;
+}
+
 int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
                   const uint64_t *block_ids, const size_t *idx, void *stream, size_t *queued,
                   const char *fn) {
@@ -165,20 +185,11 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
   SKV_CHECK(
       skv__kvc_plan(kc, lay, b->dir == SKV__KV_FETCH ? SKV__KV_FETCH : SKV__KV_PUBLISH, &pl, fn));
   const uint32_t m = lay->blocks_per_page;
-  skv__kv_prof_t *P = kc->p.prof;
   for (size_t off = 0; off < b->n; off += pl.ppl) {
     uint32_t k = (uint32_t)SKV_MIN((size_t)pl.ppl, b->n - off);
     skv__kvc_slot_t *s;
-    uint64_t t = skv__kp_now(P);
-    SKV_CHECK(skv__kvc_slot_get(kc, &s, fn));
-    t = skv__kp_lap(P, SKV__KP_SLOT, t);
-    s->unpin_caller = b->unpin_caller;
-    if (b->keys) memcpy(s->keys, b->keys + off, k * sizeof *s->keys);
-    s->has_claims = b->claims != NULL;
-    if (b->claims) memcpy(s->claims, b->claims + off, k * sizeof *s->claims);
-    skv__kvc_fill(s, &pl, lay, b, off, k, idx ? block_ids : block_ids + off * m,
-                  idx ? idx + off : NULL);
-    (void)skv__kp_lap(P, SKV__KP_STAGE, t);
+    SKV_CHECK(slot_take(kc, &pl, lay, b, off, k, idx ? block_ids : block_ids + off * m,
+                        idx ? idx + off : NULL, &s, fn));
     bool consumed;
     int rc = skv__kvc_enqueue(kc, s, &pl, stream, &consumed, fn); /* laps launch, handoff */
     if (consumed) *queued = off + k;
@@ -198,14 +209,8 @@ int skv__kvc_copy_gated(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layo
   skv__kvc_plan_t pl;
   SKV_CHECK(skv__kvc_plan(kc, lay, SKV__KV_FETCH, &pl, fn));
   if (b->n > pl.ppl || pl.ce) return 1;
-  skv__kv_prof_t *P = kc->p.prof;
-  uint64_t t = skv__kp_now(P);
   skv__kvc_slot_t *s;
-  SKV_CHECK(skv__kvc_slot_get(kc, &s, fn));
-  t = skv__kp_lap(P, SKV__KP_SLOT, t);
-  s->unpin_caller = b->unpin_caller;
-  s->has_claims = false;
-  skv__kvc_fill(s, &pl, lay, b, 0, (uint32_t)b->n, block_ids, NULL);
+  SKV_CHECK(slot_take(kc, &pl, lay, b, 0, (uint32_t)b->n, block_ids, NULL, &s, fn));
   if (++s->gate_epoch == 0) s->gate_epoch = 1; /* 0: what a mirror holds at first */
   /* shut: the launch comes after this store */
   __atomic_store_n(s->gate, (uint64_t)s->gate_epoch << 32, __ATOMIC_RELAXED);
@@ -215,7 +220,8 @@ int skv__kvc_copy_gated(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layo
   pl.d.gate_epoch = s->gate_epoch;
   const int ms = __atomic_load_n(&skv__kvc_gate_ms, __ATOMIC_RELAXED);
   pl.d.gate_ms = (uint32_t)(ms > 0 ? ms : kc->p.ctx->cfg.timeout_ms);
-  t = skv__kp_lap(P, SKV__KP_STAGE, t);
+  skv__kv_prof_t *P = kc->p.prof;
+  const uint64_t t = skv__kp_now(P);
   /* the kernel only: its event and hand-off come with the close (skv__kvc_gate_close), so that
    * no CUDA call, which could wait for room in a stream queued behind this kernel, comes before */
   const int rc = skv__kvc_launch(s, &pl, stream, fn);

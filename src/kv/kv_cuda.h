@@ -81,7 +81,7 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
  * waits for the close; its event is recorded then). Returns 1 when the batch is not one launch
  * of the kernels (nothing done: copy it the usual way), 0, or a failure (nothing enqueued). */
 struct skv__kvc_slot;
-#define SKV__KVC_GATE_MAX 4096 /* pages of one launch, at most (SKV__KVC_MAX_PAGES) */
+#define SKV__KVC_MAX_PAGES 4096u /* pages of one launch, at most */
 int skv__kvc_copy_gated(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
                         const uint64_t *block_ids, void *stream, struct skv__kvc_slot **slot,
                         const char *fn);

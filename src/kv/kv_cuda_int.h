@@ -13,7 +13,6 @@
 #define SKV__KVC_RING_SLOTS  8
 #define SKV__KVC_GRAPH_SLOTS 8
 #define SKV__KVC_NSLOTS      (SKV__KVC_RING_SLOTS + SKV__KVC_GRAPH_SLOTS)
-#define SKV__KVC_MAX_PAGES   4096u /* pages of one launch */
 
 /* One launch's arguments (pinned, device-mapped host memory) and what completing it takes. */
 typedef struct skv__kvc_slot {
