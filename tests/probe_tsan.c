@@ -16,7 +16,10 @@
  * is what every PE maps). Until the deadline each thread, at random: publishes a key of a small
  * key space (allocate a page, evicting the least recently used one through the index, fill it
  * with a pattern derived from the key, READY, insert, commit or free), looks a key up, pins the
- * page, reads and checks every byte, unpins; evicts a page. Keys are fewer than the pages of all
+ * page, reads and checks every byte, unpins; evicts a page; or publishes a batch of BATCH keys as
+ * skv_kv_publish does with its helper: the keys' index slots claimed by the PE's helper thread
+ * (core/helper.c) while the PE allocates their pages, then the claims published or given up.
+ * Keys are fewer than the pages of all
  * PEs and more than one PE's, so pages are evicted, reused and raced for all the time.
  * ThreadSanitizer reports every data race (exit code 66); a byte that differs from its key's
  * pattern is counted as wrong. */
@@ -26,6 +29,7 @@
 #define PAGE_BYTES 512
 #define KEYS       400
 #define SLOTS      256 /* per shard */
+#define BATCH      4
 
 typedef struct pe {
   int me;
@@ -33,7 +37,9 @@ typedef struct pe {
   skv__index_t ix;
   skv__index_shard_hdr_t *hdr[NPES];
   skv__index_slot_t *slots[NPES];
+  skv__helper_t *helper;
   uint64_t seed, published, deduplicated, hits, verified, stale, evicted, wrong;
+  uint64_t batches, helped; /* batches published, and of these claimed by the helper */
 } pe_t;
 
 static pe_t pes[NPES];
@@ -88,6 +94,59 @@ static void publish(pe_t *p, uint64_t id) {
   }
 }
 
+/* A batch claimed by the helper (skv__index_claim_n, as skv_kv_publish's helper does). */
+typedef struct batch {
+  pe_t *p;
+  pthread_t caller;
+  bool by_helper; /* the helper ran the claims (not its caller) */
+  skv_key_t keys[BATCH];
+  skv__index_claim_t cl[BATCH];
+  int crc[BATCH];
+  bool raced[BATCH];
+} batch_t;
+
+static void claim_batch(void *arg) {
+  batch_t *b = arg;
+  b->by_helper = !pthread_equal(pthread_self(), b->caller);
+  skv__index_claim_n(&b->p->ix, b->keys, BATCH, b->p->me, b->cl, b->crc, b->raced);
+}
+
+static void publish_batch(pe_t *p) {
+  batch_t b = {.p = p, .caller = pthread_self()};
+  uint64_t ids[BATCH];
+  for (int q = 0; q < BATCH; q++) ids[q] = (rnd(&p->seed) >> 8) % KEYS, b.keys[q] = key_of(ids[q]);
+  const bool posted = skv__helper_post(p->helper, claim_batch, &b);
+  if (!posted) claim_batch(&b);
+  uint32_t pages[BATCH];
+  size_t got = 0;
+  uint64_t ev = 0;
+  (void)skv__pool_alloc_n(&p->pool, evict_cb, p, pages, BATCH, &got, &ev); /* meanwhile */
+  if (posted) skv__helper_join(p->helper);
+  p->batches++;
+  p->helped += b.by_helper;
+  size_t used = 0;
+  for (int q = 0; q < BATCH; q++) {
+    if (b.crc[q] != 0) continue;
+    if (used == got) { /* no page for it */
+      skv__index_release(&p->ix, b.keys[q], &b.cl[q]);
+      continue;
+    }
+    const uint32_t page = pages[used++];
+    uint8_t *d = data[p->me] + (size_t)page * PAGE_BYTES;
+    for (size_t i = 0; i < PAGE_BYTES; i++) d[i] = pattern(ids[q], i);
+    skv__pool_ready(&p->pool, page, b.keys[q].hi, b.keys[q].lo);
+    const uint32_t gen = skv__pool_gen(&p->pool, (uint32_t)p->me, page);
+    if (skv__index_publish(&p->ix, &b.cl[q], skv__val_pack((uint32_t)p->me, page, gen)) == 0) {
+      skv__pool_commit(&p->pool, page);
+      p->published++;
+    } else {
+      skv__pool_release(&p->pool, page);
+      p->deduplicated++;
+    }
+  }
+  for (; used < got; used++) skv__pool_release(&p->pool, pages[used]);
+}
+
 static void fetch(pe_t *p, uint64_t id) {
   skv_key_t k = key_of(id);
   uint64_t val;
@@ -115,20 +174,24 @@ static void fetch(pe_t *p, uint64_t id) {
 
 static void *pe_main(void *arg) {
   pe_t *p = arg;
+  skv__helper_burst(p->helper, true);
   while (skv__now_ms() < deadline_ms) {
     /* as every KV call does: a PE making progress renews its pins' lease (pool.h, Leases);
      * without it every pin would be revoked once the run outlasts SKV_PIN_LEASE_MS */
     (void)skv__pool_renew(&p->pool);
     for (int i = 0; i < 256; i++) {
       uint64_t r = rnd(&p->seed), id = (r >> 8) % KEYS;
-      if (r % 16 < 5)
+      if (r % 16 < 4)
         publish(p, id);
+      else if (r % 16 < 5)
+        publish_batch(p);
       else if (r % 16 < 15)
         fetch(p, id);
       else
         (void)skv__pool_evict(&p->pool, 1, evict_cb, p); /* counted by evict_cb */
     }
   }
+  skv__helper_burst(p->helper, false);
   return NULL;
 }
 
@@ -159,31 +222,38 @@ int main(int argc, char **argv) {
     p->ix.hdr = p->hdr;
     p->ix.slots = p->slots;
     skv__index_bind(&p->ix, NPES, SLOTS, shard_seg, alive, p);
+    if (skv__helper_create(SKV_SUBSYS_KV, "probe_tsan", &p->helper) != 0) return 2;
   }
   deadline_ms = skv__now_ms() + (uint64_t)seconds * 1000;
   pthread_t th[NPES];
   for (int i = 0; i < NPES; i++)
     if (pthread_create(&th[i], NULL, pe_main, &pes[i]) != 0) return 2;
-  uint64_t pub = 0, dedup = 0, hits = 0, ver = 0, stale = 0, ev = 0, wrong = 0;
+  uint64_t pub = 0, dedup = 0, hits = 0, ver = 0, stale = 0, ev = 0, wrong = 0, nb = 0, helped = 0;
   for (int i = 0; i < NPES; i++) {
     pthread_join(th[i], NULL);
     pe_t *p = &pes[i];
     pub += p->published, dedup += p->deduplicated, hits += p->hits, ver += p->verified;
     stale += p->stale, ev += p->evicted, wrong += p->wrong;
+    nb += p->batches, helped += p->helped;
   }
+  /* the helpers must have run some batches' claims, or their races were not looked at */
+  const bool unhelped = nb > 0 && helped == 0;
   int64_t valid = skv__index_check(&pes[0].ix);
   printf("probe_tsan: %llu pages published (%llu deduplicated or lost), %llu evicted, %llu lookup "
-         "hits, %llu pages pinned and verified (%llu stale), %llu wrong bytes; index check: "
-         "%lld valid keys%s\n",
+         "hits, %llu pages pinned and verified (%llu stale), %llu wrong bytes; %llu batches, the "
+         "claims of %llu by a helper thread; index check: %lld valid keys%s\n",
          (unsigned long long)pub, (unsigned long long)dedup, (unsigned long long)ev,
          (unsigned long long)hits, (unsigned long long)ver, (unsigned long long)stale,
-         (unsigned long long)wrong, (long long)valid,
-         wrong || valid < 0 ? "; FAILED" : "; races: see ThreadSanitizer above (none: exit 0)");
+         (unsigned long long)wrong, (unsigned long long)nb, (unsigned long long)helped,
+         (long long)valid,
+         wrong || valid < 0 || unhelped ? "; FAILED"
+                                        : "; races: see ThreadSanitizer above (none: exit 0)");
+  for (int i = 0; i < NPES; i++) skv__helper_destroy(pes[i].helper);
   for (int i = 0; i < NPES; i++) skv__pool_fini(&pes[i].pool);
   for (int i = 0; i < NPES; i++) {
     free(pool_seg[i]);
     free(shard_seg[i]);
     free(data[i]);
   }
-  return wrong || valid < 0 ? 1 : 0;
+  return wrong || valid < 0 || unhelped ? 1 : 0;
 }

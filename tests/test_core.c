@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 TestSuite(core, .timeout = 30);
@@ -386,6 +387,78 @@ Test(core, rate_limited_logging) {
 }
 
 /* The names before 0.2 still link and call the functions that replaced them (one release). */
+/* ---- the helper thread (core/helper.c) ---- */
+
+typedef struct hjob {
+  pthread_t caller;
+  int runs;      /* how often the job ran (once, whoever ran it) */
+  bool helped;   /* the helper ran it */
+  useconds_t us; /* how long it takes */
+} hjob_t;
+
+static void hjob_run(void *arg) {
+  hjob_t *j = arg;
+  j->helped = !pthread_equal(pthread_self(), j->caller);
+  if (j->us) usleep(j->us);
+  j->runs++;
+}
+
+Test(core, helper_runs_each_job_once_by_whoever_comes_first) {
+  skv__helper_t *h;
+  cr_assert_eq(skv__helper_create(SKV_SUBSYS_KV, "test", &h), 0, "%s", skv_last_error());
+  /* a burst: the helper spins for jobs and takes most of them while the caller is busy */
+  skv__helper_burst(h, true);
+  int helped = 0;
+  for (int i = 0; i < 200; i++) {
+    hjob_t j = {pthread_self(), 0, false, 0};
+    cr_assert(skv__helper_post(h, hjob_run, &j));
+    usleep(200); /* the caller's other work */
+    skv__helper_join(h);
+    cr_assert_eq(j.runs, 1, "job %d ran %d times", i, j.runs);
+    helped += j.helped;
+  }
+  cr_assert_gt(helped, 0, "the helper took none of 200 jobs posted 200 us before their join");
+  /* joined at once: taken back and run by the caller, or waited for; once either way */
+  for (int i = 0; i < 2000; i++) {
+    hjob_t j = {pthread_self(), 0, false, (useconds_t)(i % 3 == 0)};
+    cr_assert(skv__helper_post(h, hjob_run, &j));
+    skv__helper_join(h);
+    cr_assert_eq(j.runs, 1, "job %d ran %d times", i, j.runs);
+  }
+  /* no burst: the helper sleeps after its linger; a posted job wakes it, or its caller runs it */
+  skv__helper_burst(h, false);
+  usleep(20000);
+  hjob_t j = {pthread_self(), 0, false, 0};
+  cr_assert(skv__helper_post(h, hjob_run, &j));
+  usleep(20000);
+  skv__helper_join(h);
+  cr_assert_eq(j.runs, 1);
+  cr_assert(j.helped, "a job posted to a sleeping helper 20 ms before its join was not taken");
+  skv__helper_destroy(h);
+  skv__helper_destroy(NULL);
+}
+
+Test(core, helper_refuses_jobs_in_a_forked_child) {
+  skv__helper_t *h;
+  cr_assert_eq(skv__helper_create(SKV_SUBSYS_KV, "test", &h), 0, "%s", skv_last_error());
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) { /* no helper thread here: post says so, destroy does not wait for one */
+    hjob_t j = {pthread_self(), 0, false, 0};
+    const bool posted = skv__helper_post(h, hjob_run, &j);
+    skv__helper_destroy(h);
+    _exit(posted ? 1 : 0);
+  }
+  int st = 0;
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child's post was accepted (status %d)", st);
+  hjob_t j = {pthread_self(), 0, false, 0};
+  cr_assert(skv__helper_post(h, hjob_run, &j));
+  skv__helper_join(h);
+  cr_assert_eq(j.runs, 1);
+  skv__helper_destroy(h);
+}
+
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 Test(core, deprecated_names_call_their_replacements) {

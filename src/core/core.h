@@ -193,6 +193,7 @@ void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
   XX(FETCH_CTAS, "4", "1..32 (occupancy caps it)", "KV copy kernels: CTAs per multiprocessor")    \
   XX(FETCH_THREADS, "256", "128, 256 or 512", "KV copy kernels: threads per CTA")                 \
   XX(FETCH_GATE_PAGES, "256", "0..4096 (0: never)", "KV fetch into GPU blocks: a batch of this many pages or more starts its copy first and pins its pages while the copy waits for them (on SKV_ESTALE, blocks of references before the stale one may be written)") \
+  XX(PUBLISH_HELPER, "1", "0 or 1", "KV publish of more than one window of pages (over 256): a helper thread claims the next window's index slots while the caller allocates and copies this one; 0: the caller does it all") \
   XX(PIN_LEASE_MS, "30000", "0..86400000 (0: pins never expire)",                                \
      "a pin's lease: a live PE that makes no KV call for this long loses pins others need")     \
   XX(HASH_SECRET, "none", "any bytes", "deployment secret mixed into every key (when the caller passes none)") \
@@ -242,6 +243,20 @@ typedef struct skv__cfg_resolved {
 int skv__config_resolve(const skv_config_t *cfg, skv__cfg_resolved_t *out);
 /* Parse "tcp://HOST:PORT" (HOST may be [IPv6]); `what` names the source in errors. */
 int skv__parse_bootstrap(const char *addr, const char *what, char *host, size_t hcap, int *port);
+
+/* ---- helper.c ----------------------------------------------------------------------------- */
+
+/* A helper thread that may run one job at a time for a caller who could run it too: the caller
+ * posts a job, does other work, then joins it (runs it itself if the helper has not taken it,
+ * else waits for it to end). While a burst is on the helper spins for jobs; between bursts it
+ * sleeps. One caller at a time; a forked child's post() is refused (no thread there). */
+typedef struct skv__helper skv__helper_t;
+int skv__helper_create(unsigned subsys, const char *what, skv__helper_t **out);
+void skv__helper_destroy(skv__helper_t *h);
+void skv__helper_burst(skv__helper_t *h, bool on);
+/* false: not posted (no helper, or another process's): run fn yourself. */
+bool skv__helper_post(skv__helper_t *h, void (*fn)(void *), void *arg);
+void skv__helper_join(skv__helper_t *h);
 
 /* ---- util.c ------------------------------------------------------------------------------- */
 

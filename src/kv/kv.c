@@ -208,6 +208,7 @@ fail:
 int skv_kv_destroy(skv_kv_t *kv) {
   if (!kv) return 0;
   if (kv->domain) return skv_kv_detach(kv);
+  skv__helper_destroy(kv->helper);
   int rc = 0;
 #ifdef SKV_WITH_CUDA
   rc = skv__kvc_sync(kv->cuda);
@@ -322,6 +323,7 @@ int skv_kv_detach(skv_kv_t *kv) {
   SKV_ARG_CHECK(kv->domain, SKV_SUBSYS_KV,
                 "skv_kv_detach: this cache was made by skv_kv_create (collective): destroy it "
                 "with skv_kv_destroy");
+  skv__helper_destroy(kv->helper);
   int rc = 0;
 #ifdef SKV_WITH_CUDA
   rc = skv__kvc_sync(kv->cuda); /* this owner's publishes are indexed, its fetches done */
@@ -485,6 +487,11 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
  * is (islot: its eviction erases it there). A claim whose page was not allocated, whose copy
  * was not queued, or whose synchronous copy failed is released; a queued copy is published
  * once its launch completes (a CUDA error there is reported by skv__kvc_sync, as before).
+ * A batch of several windows (over PUB_CHUNK keys, or over one launch's) has its next window's
+ * keys claimed by the cache's helper thread (core/helper.c, SKV_PUBLISH_HELPER) while this
+ * window's pages are allocated and copied; the caller claims them itself when the helper has
+ * not started on them by then, and gives them back when it goes back to keys it found no page
+ * for (claim_job_drop). The claims of one batch still come window after window.
  * The copy is one of three, by where the pages and the engine's blocks are:
  *  - host: memcpy between host blocks and host pages (host or cuda_host backend), runs of
  *    PUB_CHUNK pages, synchronous;
@@ -973,6 +980,73 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   return rc;
 }
 
+/* ---- publish's helper: the next window's claims while this one is allocated and copied ---- */
+
+/* A window's claims (skv__index_claim_n's arguments). */
+typedef struct claim_job {
+  skv__index_t *ix;
+  const skv_key_t *keys;
+  size_t n;
+  int me;
+  skv__index_claim_t *cl;
+  int *crc;
+  bool *craced;
+} claim_job_t;
+
+static void claim_job_run(void *arg) {
+  const claim_job_t *j = arg;
+  skv__index_claim_n(j->ix, j->keys, j->n, j->me, j->cl, j->crc, j->craced);
+}
+
+/* Give up a window's claims that were made and not used (the publish stopped before it, or went
+ * back to an earlier key). */
+static void claim_job_drop(skv_kv_t *kv, const claim_job_t *j) {
+  for (size_t q = 0; q < j->n; q++)
+    if (j->crc[q] == 0) skv__index_release(&kv->index, j->keys[q], &j->cl[q]);
+}
+
+/* SKV_PUBLISH_HELPER (read once). */
+static bool helper_wanted(void) {
+  static int on = -1; /* not read yet */
+  int v = __atomic_load_n(&on, __ATOMIC_RELAXED);
+  if (v < 0) {
+    long long x = 1;
+    if (skv__env_int(SKV_ENV_PUBLISH_HELPER, 0, 1, 1, &x) != 0)
+      SKV_WARN(SKV_SUBSYS_KV, "SKV_PUBLISH_HELPER must be 0 or 1; using 1");
+    v = (int)x;
+    __atomic_store_n(&on, v, __ATOMIC_RELAXED);
+  }
+  return v != 0;
+}
+
+/* The cache's helper for one publish of several windows, its burst on; NULL (the caller claims
+ * every window itself) when switched off, another publish of this cache uses it, or it cannot
+ * be started (warned once). Started at the first publish that wants it. */
+static skv__helper_t *helper_take(skv_kv_t *kv) {
+  if (!helper_wanted()) return NULL;
+  int expect = 0;
+  if (!__atomic_compare_exchange_n(&kv->helper_busy, &expect, 1, false, __ATOMIC_ACQUIRE,
+                                   __ATOMIC_RELAXED))
+    return NULL;
+  if (!kv->helper && !kv->helper_off &&
+      skv__helper_create(SKV_SUBSYS_KV, "skv_kv_publish", &kv->helper) != 0) {
+    SKV_WARN(SKV_SUBSYS_KV, "%s; publishes claim their keys without it", skv_last_error());
+    kv->helper_off = true;
+  }
+  if (!kv->helper) {
+    __atomic_store_n(&kv->helper_busy, 0, __ATOMIC_RELEASE);
+    return NULL;
+  }
+  skv__helper_burst(kv->helper, true);
+  return kv->helper;
+}
+
+static void helper_give(skv_kv_t *kv, skv__helper_t *h) {
+  if (!h) return;
+  skv__helper_burst(h, false);
+  __atomic_store_n(&kv->helper_busy, 0, __ATOMIC_RELEASE);
+}
+
 int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
                    const skv_layout_t *src, const uint64_t *block_ids, void *stream,
                    size_t *ninserted) {
@@ -1020,27 +1094,42 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   uint32_t pages_s[PUB_CHUNK];
   size_t idx_s[PUB_CHUNK];
   skv_key_t pkeys_s[PUB_CHUNK];
-  skv__index_claim_t cl_s[PUB_CHUNK];
-  int crc_s[PUB_CHUNK];
-  bool craced_s[PUB_CHUNK];
+  /* claims, their results and races: two sets with a helper (it fills the next window's) */
+  skv__index_claim_t cl_s[2][PUB_CHUNK];
+  int crc_s[2][PUB_CHUNK];
+  bool craced_s[2][PUB_CHUNK];
   const bool on_stack = chunk <= PUB_CHUNK; /* no allocation per call */
+  skv__helper_t *helper = n > chunk ? helper_take(kv) : NULL;
+  const int nsets = helper ? 2 : 1;
   uint32_t *pages = on_stack ? pages_s : malloc(chunk * sizeof *pages);
   size_t *idx = on_stack ? idx_s : malloc(chunk * sizeof *idx);
-  skv__index_claim_t *cl = on_stack ? cl_s : malloc(chunk * sizeof *cl);
-  int *crc = on_stack ? crc_s : malloc(chunk * sizeof *crc);
-  bool *craced = on_stack ? craced_s : malloc(chunk * sizeof *craced);
+  skv__index_claim_t *cls[2] = {NULL, NULL};
+  int *crcs[2] = {NULL, NULL};
+  bool *raceds[2] = {NULL, NULL};
+  bool sets_ok = true;
+  for (int q = 0; q < nsets; q++) {
+    cls[q] = on_stack ? cl_s[q] : malloc(chunk * sizeof *cls[q]);
+    crcs[q] = on_stack ? crc_s[q] : malloc(chunk * sizeof *crcs[q]);
+    raceds[q] = on_stack ? craced_s[q] : malloc(chunk * sizeof *raceds[q]);
+    sets_ok = sets_ok && cls[q] && crcs[q] && raceds[q];
+  }
   skv_key_t *pkeys = path != PATH_DEVICE ? NULL
                      : on_stack          ? pkeys_s
                                          : malloc(chunk * sizeof *pkeys);
   char *buf = path == PATH_STAGED ? malloc(chunk * kv->page_bytes) : NULL;
   int rc = 0;
-  if (!pages || !idx || !cl || !crc || !craced || (path == PATH_DEVICE && !pkeys) ||
+  if (!pages || !idx || !sets_ok || (path == PATH_DEVICE && !pkeys) ||
       (path == PATH_STAGED && !buf))
     rc = SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory for %zu pages", fn, chunk);
   const bool nt = path == PATH_HOST && (uint64_t)n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
   const int me = kv->pool.me;
   size_t inserted = 0;
   uint64_t lost = 0;
+  /* with a helper: the claims of the window after this one, in the other set, while this one is
+   * allocated and copied (pending: posted, not joined yet) */
+  claim_job_t job = {&kv->index, NULL, 0, me, NULL, NULL, NULL};
+  bool pending = false;
+  int set = 0;
   for (size_t i = 0; i < n && rc == 0;) {
     size_t k = 0, got = 0;
     t = skv__kp_now(P);
@@ -1048,7 +1137,25 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
      * another PE's publish of the key loses to it): a key cached already, or whose copy by
      * another publish is older, is skipped before anything is allocated or copied */
     const size_t w = SKV_MIN(chunk, n - i), i0 = i;
-    skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
+    skv__index_claim_t *cl = cls[set];
+    int *crc = crcs[set];
+    bool *craced = raceds[set];
+    if (pending) {
+      skv__helper_join(helper);
+      pending = false;
+      if (job.keys != keys + i || job.n != w) { /* the publish went back (no pages): not these */
+        claim_job_drop(kv, &job);
+        skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
+      }
+    } else {
+      skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
+    }
+    if (helper && i + w < n) { /* the next window's claims meanwhile (in the other set) */
+      set ^= 1;
+      job = (claim_job_t){&kv->index, keys + i + w, SKV_MIN(chunk, n - i - w), me, cls[set],
+                          crcs[set],  raceds[set]};
+      pending = skv__helper_post(helper, claim_job_run, &job);
+    }
     for (size_t q = 0; q < w; q++) {
       if (crc[q] == 0) {
         cl[k] = cl[q];    /* k <= q: the claims packed in place */
@@ -1095,13 +1202,20 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     }
     if (r) rc = r;
   }
+  if (pending) { /* stopped before the window claimed meanwhile */
+    skv__helper_join(helper);
+    claim_job_drop(kv, &job);
+  }
+  helper_give(kv, helper);
   if (lost) __atomic_add_fetch(&kv->deduplicated, lost, __ATOMIC_RELAXED);
   if (!on_stack) {
     free(pages);
     free(idx);
-    free(cl);
-    free(crc);
-    free(craced);
+    for (int q = 0; q < nsets; q++) {
+      free(cls[q]);
+      free(crcs[q]);
+      free(raceds[q]);
+    }
     free(pkeys);
   }
   free(buf);

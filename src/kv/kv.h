@@ -30,6 +30,11 @@ struct skv_kv {
   /* evictions and index erases an eviction pass has not counted yet (under the pool's mu) */
   uint64_t evicted_backlog, erased_backlog;
   skv__kv_prof_t prof; /* where the data path's time goes (off unless switched on) */
+  /* publish's helper thread (claims the next window's keys), made at the first publish that
+   * uses it; helper_busy: a publish uses it (one at a time), helper_off: none (off, or failed) */
+  skv__helper_t *helper;
+  int helper_busy;
+  bool helper_off;
 };
 
 /* Address of a page (host-visible for host heaps, device address for cuda heaps). */
