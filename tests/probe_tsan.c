@@ -115,6 +115,7 @@ static void publish_batch(pe_t *p) {
   batch_t b = {.p = p, .caller = pthread_self()};
   uint64_t ids[BATCH];
   for (int q = 0; q < BATCH; q++) ids[q] = (rnd(&p->seed) >> 8) % KEYS, b.keys[q] = key_of(ids[q]);
+  skv__helper_burst(p->helper, true); /* per batch, as per publish: the helper also sleeps */
   const bool posted = skv__helper_post(p->helper, claim_batch, &b);
   if (!posted) claim_batch(&b);
   uint32_t pages[BATCH];
@@ -122,6 +123,7 @@ static void publish_batch(pe_t *p) {
   uint64_t ev = 0;
   (void)skv__pool_alloc_n(&p->pool, evict_cb, p, pages, BATCH, &got, &ev); /* meanwhile */
   if (posted) skv__helper_join(p->helper);
+  skv__helper_burst(p->helper, false);
   p->batches++;
   p->helped += b.by_helper;
   size_t used = 0;
@@ -174,7 +176,6 @@ static void fetch(pe_t *p, uint64_t id) {
 
 static void *pe_main(void *arg) {
   pe_t *p = arg;
-  skv__helper_burst(p->helper, true);
   while (skv__now_ms() < deadline_ms) {
     /* as every KV call does: a PE making progress renews its pins' lease (pool.h, Leases);
      * without it every pin would be revoked once the run outlasts SKV_PIN_LEASE_MS */
@@ -191,7 +192,6 @@ static void *pe_main(void *arg) {
         (void)skv__pool_evict(&p->pool, 1, evict_cb, p); /* counted by evict_cb */
     }
   }
-  skv__helper_burst(p->helper, false);
   return NULL;
 }
 

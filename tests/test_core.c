@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -394,6 +395,7 @@ typedef struct hjob {
   int runs;      /* how often the job ran (once, whoever ran it) */
   bool helped;   /* the helper ran it */
   useconds_t us; /* how long it takes */
+  int ran;       /* set (atomic) once it ran */
 } hjob_t;
 
 static void hjob_run(void *arg) {
@@ -401,6 +403,7 @@ static void hjob_run(void *arg) {
   j->helped = !pthread_equal(pthread_self(), j->caller);
   if (j->us) usleep(j->us);
   j->runs++;
+  __atomic_store_n(&j->ran, 1, __ATOMIC_RELEASE);
 }
 
 Test(core, helper_runs_each_job_once_by_whoever_comes_first) {
@@ -410,7 +413,7 @@ Test(core, helper_runs_each_job_once_by_whoever_comes_first) {
   skv__helper_burst(h, true);
   int helped = 0;
   for (int i = 0; i < 200; i++) {
-    hjob_t j = {pthread_self(), 0, false, 0};
+    hjob_t j = {pthread_self(), 0, false, 0, 0};
     cr_assert(skv__helper_post(h, hjob_run, &j));
     usleep(200); /* the caller's other work */
     skv__helper_join(h);
@@ -420,20 +423,20 @@ Test(core, helper_runs_each_job_once_by_whoever_comes_first) {
   cr_assert_gt(helped, 0, "the helper took none of 200 jobs posted 200 us before their join");
   /* joined at once: taken back and run by the caller, or waited for; once either way */
   for (int i = 0; i < 2000; i++) {
-    hjob_t j = {pthread_self(), 0, false, (useconds_t)(i % 3 == 0)};
+    hjob_t j = {pthread_self(), 0, false, (useconds_t)(i % 3 == 0), 0};
     cr_assert(skv__helper_post(h, hjob_run, &j));
     skv__helper_join(h);
     cr_assert_eq(j.runs, 1, "job %d ran %d times", i, j.runs);
   }
-  /* no burst: the helper sleeps after its linger; a posted job wakes it, or its caller runs it */
+  /* no burst: the helper sleeps after its linger; a posted job wakes it */
   skv__helper_burst(h, false);
   usleep(20000);
-  hjob_t j = {pthread_self(), 0, false, 0};
+  hjob_t j = {pthread_self(), 0, false, 0, 0};
   cr_assert(skv__helper_post(h, hjob_run, &j));
-  usleep(20000);
+  for (int ms = 0; ms < 10000 && !__atomic_load_n(&j.ran, __ATOMIC_ACQUIRE); ms++) usleep(1000);
   skv__helper_join(h);
   cr_assert_eq(j.runs, 1);
-  cr_assert(j.helped, "a job posted to a sleeping helper 20 ms before its join was not taken");
+  cr_assert(j.helped, "a job posted to a sleeping helper was not taken in 10 s");
   skv__helper_destroy(h);
   skv__helper_destroy(NULL);
 }
@@ -442,20 +445,49 @@ Test(core, helper_refuses_jobs_in_a_forked_child) {
   skv__helper_t *h;
   cr_assert_eq(skv__helper_create(SKV_SUBSYS_KV, "test", &h), 0, "%s", skv_last_error());
   pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) { /* no helper thread here: post says so, destroy does not wait for one */
-    hjob_t j = {pthread_self(), 0, false, 0};
+  if (pid == 0) {
+    /* no helper thread here: post and usable say so, burst and destroy touch no lock of the
+     * parent's; and no Criterion call (the child is not a test process of the runner's) */
+    hjob_t j = {pthread_self(), 0, false, 0, 0};
+    skv__helper_burst(h, true);
+    const bool usable = skv__helper_usable(h);
     const bool posted = skv__helper_post(h, hjob_run, &j);
     skv__helper_destroy(h);
-    _exit(posted ? 1 : 0);
+    _exit(posted || usable ? 1 : 0);
   }
+  cr_assert_geq(pid, 0, "fork: %s", strerror(errno));
   int st = 0;
   cr_assert_eq(waitpid(pid, &st, 0), pid);
-  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child's post was accepted (status %d)", st);
-  hjob_t j = {pthread_self(), 0, false, 0};
+  cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child's helper was usable (status %d)", st);
+  hjob_t j = {pthread_self(), 0, false, 0, 0};
   cr_assert(skv__helper_post(h, hjob_run, &j));
   skv__helper_join(h);
   cr_assert_eq(j.runs, 1);
+  skv__helper_destroy(h);
+}
+
+/* A thread that may run on one CPU only would share it with the spinning helper. */
+static void *usable_on_one_cpu(void *arg) {
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(sched_getcpu() >= 0 ? sched_getcpu() : 0, &one);
+  if (sched_setaffinity(0, sizeof one, &one) != 0) return (void *)2;
+  return (void *)(uintptr_t)(skv__helper_usable(arg) ? 1 : 0);
+}
+
+Test(core, helper_is_not_used_by_a_thread_pinned_to_one_cpu) {
+  skv__helper_t *h;
+  cr_assert_eq(skv__helper_create(SKV_SUBSYS_KV, "test", &h), 0, "%s", skv_last_error());
+  cpu_set_t cs;
+  CPU_ZERO(&cs);
+  cr_assert_eq(sched_getaffinity(0, sizeof cs, &cs), 0);
+  cr_assert_eq(skv__helper_usable(h), CPU_COUNT(&cs) >= 2, "usable with %d CPUs", CPU_COUNT(&cs));
+  pthread_t t;
+  void *r = NULL;
+  cr_assert_eq(pthread_create(&t, NULL, usable_on_one_cpu, h), 0);
+  cr_assert_eq(pthread_join(t, &r), 0);
+  cr_assert_eq((uintptr_t)r, 0, "pinned to one CPU: %s", r == (void *)2 ? "no affinity" : "usable");
+  cr_assert_not(skv__helper_usable(NULL));
   skv__helper_destroy(h);
 }
 

@@ -453,6 +453,9 @@ static int pe_windows(int rank, int npes, void *arg) {
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.index_entries == 500 && st.pages_used == 500, "entries %llu, pages %llu",
            (unsigned long long)st.index_entries, (unsigned long long)st.pages_used);
+  /* a repeat of a key of the window before is cached by then, as without the helper: not a
+   * publish that lost a race (deduplicated counts those) */
+  PE_CHECK(st.deduplicated == 0, "deduplicated %llu", (unsigned long long)st.deduplicated);
   PE_CHECK(found_intact(&f, ids, 500, &intact) == 500 && intact, "the 500 keys read back");
   fix_fini(&f);
   /* 2. a window that finds too few pages (200 of 300 pinned): the publish goes back to the keys
@@ -481,6 +484,43 @@ static int pe_windows(int rank, int npes, void *arg) {
   PE_CHECK(publish_many(&f, ids + 256, 200, &ins) == 0 && ins == 200,
            "keys of the window claimed meanwhile, again: %zu inserted", ins);
   PE_CHECK(skv__index_check(&f.kv->index) == 300, "index walker");
+  /* 3. no page at all (every page pinned): the publish stops at its first window, and the claims
+   * of the second, made meanwhile, are given back */
+  static skv_page_ref_t all[300];
+  static skv_key_t allk[300];
+  for (size_t i = 0; i < 300; i++) /* what is cached now: the last two publishes' keys */
+    allk[i] = key_of(&f, i < 200 ? ids[256 + i] : ids[600 + i - 200]);
+  size_t nhit2 = 0; /* a lookup finds a prefix: the two runs apart */
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, allk, 200, SKV_LOOKUP_PIN, all, &nhit) == 0 &&
+               skv_kv_lookup(f.kv, f.ns, allk + 200, 100, SKV_LOOKUP_PIN, all + 200, &nhit2) == 0,
+           "pin all: %s", skv_last_error());
+  PE_CHECK(nhit == 200 && nhit2 == 100, "300 pinned: %zu + %zu", nhit, nhit2);
+  for (size_t i = 0; i < WIN_N; i++) ids[i] = 50000 + i;
+  PE_CHECK(publish_many(&f, ids, WIN_N, &ins) == SKV_ENOSPC && ins == 0,
+           "no page: %zu inserted (%s)", ins, skv_last_error());
+  PE_CHECK(skv_kv_unpin(f.kv, all, 300) == 0, "unpin: %s", skv_last_error());
+  PE_CHECK(publish_many(&f, ids + 256, 256, &ins) == 0 && ins == 256,
+           "the second window's keys, again: %zu inserted", ins);
+  fix_fini(&f);
+  /* 4. keys cached at the back of the batch, on the least recently used pages: the first
+   * window's allocation evicts them, and they are cached again by the batch, as when each
+   * window's claims came after the allocation before (a helper claims them meanwhile and may
+   * find them still cached: in the opposite order of their eviction, so that it does) */
+  PE_CHECK(fix_init(&f, 512, WIN_N, 30000) == 0, "fixture: %s", skv_last_error());
+  static uint64_t b_ids[256];
+  for (size_t i = 0; i < 256; i++) b_ids[i] = 60000 + i;
+  PE_CHECK(publish_many(&f, b_ids, 256, &ins) == 0 && ins == 256, "B: %zu", ins);
+  for (int round = 0; round < 4; round++) {
+    for (size_t i = 0; i < 256; i++) ids[i] = 70000 + 1000 * (uint64_t)round + i;
+    PE_CHECK(publish_many(&f, ids, 256, &ins) == 0 && ins == 256, "C: %zu", ins); /* B older */
+    for (size_t i = 0; i < 512; i++)
+      ids[i] = i < 256 ? 80000 + 1000 * (uint64_t)round + i : b_ids[511 - i];
+    PE_CHECK(publish_many(&f, ids, 512, &ins) == 0 && ins == 512,
+             "round %d: 256 new keys and B: %zu inserted", round, ins);
+    PE_CHECK(found_intact(&f, ids, 256, &intact) == 256 && intact, "round %d: the new keys", round);
+    PE_CHECK(found_intact(&f, b_ids, 256, &intact) == 256 && intact,
+             "round %d: B is cached after its publish", round); /* and the most recent */
+  }
   fix_fini(&f);
   return 0;
 }

@@ -253,6 +253,10 @@ int skv__parse_bootstrap(const char *addr, const char *what, char *host, size_t 
 typedef struct skv__helper skv__helper_t;
 int skv__helper_create(unsigned subsys, const char *what, skv__helper_t **out);
 void skv__helper_destroy(skv__helper_t *h);
+/* Worth using from this thread: the helper is this process's, and the thread may run on more
+ * than one CPU (the helper spins beside it). */
+bool skv__helper_usable(const skv__helper_t *h);
+/* A burst of jobs begins (the helper spins for them) or ends (it sleeps after a linger). */
 void skv__helper_burst(skv__helper_t *h, bool on);
 /* false: not posted (no helper, or another process's): run fn yourself. */
 bool skv__helper_post(skv__helper_t *h, void (*fn)(void *), void *arg);

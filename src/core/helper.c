@@ -13,8 +13,11 @@
  *
  * What can go wrong
  * -----------------
- * - A fork: the child has no helper thread. post() refuses in a process other than the one that
- *   created the helper (its caller then runs the job itself).
+ * - A fork: the child has no helper thread. post() refuses, and burst() and destroy() touch
+ *   no lock, in a process other than the one that created the helper (its caller then runs the
+ *   job itself; the mutex may have been copied locked).
+ * - A caller pinned to one CPU would share it with the spinning helper (a publish took twice as
+ *   long so): skv__helper_usable() says no then.
  * - A job that fails: the job reports into its argument; the helper knows nothing of it.
  * - Spinning costs a core while a burst is on: the caller switches bursts on only for work worth
  *   more than a wake-up (SKV_PUBLISH_HELPER=0 turns the publish helper off). */
@@ -38,11 +41,11 @@ struct skv__helper {
   pthread_t thread;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  pid_t pid;      /* the process whose thread it is */
-  int job;        /* JOB_* (atomic) */
-  int burst;      /* the caller's burst is on (atomic) */
-  int sleeping;   /* the helper waits on cv (atomic; set under mu) */
-  int stop;       /* (atomic; set under mu) */
+  pid_t pid;    /* the process whose thread it is */
+  int job;      /* JOB_* (atomic) */
+  int burst;    /* the caller's burst is on (atomic) */
+  int sleeping; /* the helper waits on cv (atomic; set under mu) */
+  int stop;     /* (atomic; set under mu) */
   void (*fn)(void *);
   void *arg;
 };
@@ -101,8 +104,7 @@ int skv__helper_create(unsigned subsys, const char *what, skv__helper_t **out) {
     pthread_cond_destroy(&h->cv);
     pthread_mutex_destroy(&h->mu);
     free(h);
-    return SKV_FAIL(-te, subsys, "%s: starting a helper thread failed: %s", what,
-                    strerror(te));
+    return SKV_FAIL(-te, subsys, "%s: starting a helper thread failed: %s", what, strerror(te));
   }
   *out = h;
   return 0;
@@ -133,8 +135,16 @@ static void wake(skv__helper_t *h) {
   pthread_mutex_unlock(&h->mu);
 }
 
+bool skv__helper_usable(const skv__helper_t *h) {
+  if (!h || getpid() != h->pid) return false; /* a forked child: no thread */
+  /* a caller that may run on one CPU only would share it with the spinning helper */
+  cpu_set_t cs;
+  CPU_ZERO(&cs);
+  return sched_getaffinity(0, sizeof cs, &cs) != 0 || CPU_COUNT(&cs) >= 2;
+}
+
 void skv__helper_burst(skv__helper_t *h, bool on) {
-  if (!h) return;
+  if (!h || getpid() != h->pid) return; /* a child's mutex may hold the parent's thread's state */
   __atomic_store_n(&h->burst, on ? 1 : 0, __ATOMIC_SEQ_CST);
   if (on) wake(h);
 }

@@ -1005,6 +1005,16 @@ static void claim_job_drop(skv_kv_t *kv, const claim_job_t *j) {
     if (j->crc[q] == 0) skv__index_release(&kv->index, j->keys[q], &j->cl[q]);
 }
 
+/* A window claimed while the one before was allocated and copied, made what claiming it after
+ * them would have made: a key found cached may have been evicted by that allocation (evicted),
+ * and a key that lost to the window before's own claim is cached by now when that window was
+ * copied synchronously (synced): these keys are claimed again. */
+static void claim_job_redo(const claim_job_t *j, bool evicted, bool synced) {
+  for (size_t q = 0; q < j->n; q++)
+    if (j->crc[q] == SKV_EEXIST && (j->craced[q] ? synced : evicted))
+      skv__index_claim_n(j->ix, &j->keys[q], 1, j->me, &j->cl[q], &j->crc[q], &j->craced[q]);
+}
+
 /* SKV_PUBLISH_HELPER (read once). */
 static bool helper_wanted(void) {
   static int on = -1; /* not read yet */
@@ -1033,7 +1043,7 @@ static skv__helper_t *helper_take(skv_kv_t *kv) {
     SKV_WARN(SKV_SUBSYS_KV, "%s; publishes claim their keys without it", skv_last_error());
     kv->helper_off = true;
   }
-  if (!kv->helper) {
+  if (!skv__helper_usable(kv->helper)) {
     __atomic_store_n(&kv->helper_busy, 0, __ATOMIC_RELEASE);
     return NULL;
   }
@@ -1130,6 +1140,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   claim_job_t job = {&kv->index, NULL, 0, me, NULL, NULL, NULL};
   bool pending = false;
   int set = 0;
+  uint64_t ev_last = 0; /* pages the last window's allocation evicted */
   for (size_t i = 0; i < n && rc == 0;) {
     size_t k = 0, got = 0;
     t = skv__kp_now(P);
@@ -1146,15 +1157,19 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
       if (job.keys != keys + i || job.n != w) { /* the publish went back (no pages): not these */
         claim_job_drop(kv, &job);
         skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
+      } else {
+        claim_job_redo(&job, ev_last > 0, path != PATH_DEVICE);
       }
     } else {
       skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
     }
+    ev_last = 0;
     if (helper && i + w < n) { /* the next window's claims meanwhile (in the other set) */
       set ^= 1;
       job = (claim_job_t){&kv->index, keys + i + w, SKV_MIN(chunk, n - i - w), me, cls[set],
                           crcs[set],  raceds[set]};
       pending = skv__helper_post(helper, claim_job_run, &job);
+      if (i + w + job.n >= n) skv__helper_burst(helper, false); /* the last job: stop spinning */
     }
     for (size_t q = 0; q < w; q++) {
       if (crc[q] == 0) {
@@ -1166,6 +1181,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     t = skv__kp_lap(P, SKV__KP_LOOKUP, t);
     uint64_t ev = 0;
     rc = skv__pool_alloc_n(&kv->pool, skv__kv_evict_cb, kv, pages, k, &got, &ev);
+    ev_last = ev;
     /* on a failure, what was allocated is still published */
     t = skv__kp_lap(P, SKV__KP_ALLOC, t);
     release_claims(kv, keys, idx + got, cl + got, k - got); /* no page for these */
