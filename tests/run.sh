@@ -41,7 +41,7 @@ if [ -z "$san" ] && [ -d bindings/python/tests ]; then
       status=1
   fi
   SKV_LIBRARY="$PWD/$build/libsymkv.so" SKV_RUN="$PWD/$build/symkv-run" \
-    .venv/bin/python3 -m pytest -q -rs bindings/python/tests 2>&1 | tee "$build/pytest.log" ||
+    .venv/bin/python3 -m pytest -q -rs --durations=15 bindings/python/tests 2>&1 | tee "$build/pytest.log" ||
     status=1
   py_summary=$(grep -E "^=*.*[0-9]+ (passed|failed|error)" "$build/pytest.log" | tail -1 | tr -d '=' |
     sed 's/^ *//; s/ *$//')
