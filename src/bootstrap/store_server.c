@@ -9,7 +9,6 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1078,11 +1077,7 @@ int skv__store_server_start(const char *bind_addr, int port, const char *token, 
                                        : ntohs(((struct sockaddr_in *)&ss)->sin_port);
   /* The server thread takes no signals (SIGPIPE from a write to a dead peer included: with it
    * blocked, the write fails with EPIPE instead of killing the process). */
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  int prc = pthread_create(&srv->thread, NULL, server_main, srv);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  int prc = skv__thread_start(&srv->thread, server_main, srv);
   if (prc != 0) {
     rc = SKV_FAIL(-prc, SKV_SUBSYS_BOOT, "bootstrap store: cannot start its thread: %s",
                   strerror(prc));

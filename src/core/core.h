@@ -5,6 +5,7 @@
 
 #include "symkv.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -264,6 +265,10 @@ void skv__helper_join(skv__helper_t *h);
 
 /* ---- util.c ------------------------------------------------------------------------------- */
 
+/* pthread_create for symkv's background threads: the thread starts with every signal blocked,
+ * so that signals stay the engine's threads' (and a write to a dead peer fails with EPIPE there
+ * instead of raising SIGPIPE). Returns pthread_create's result. */
+int skv__thread_start(pthread_t *t, void *(*fn)(void *), void *arg);
 /* Monotonic clock in nanoseconds / milliseconds. */
 uint64_t skv__now_ns(void);
 static inline uint64_t skv__now_ms(void) {

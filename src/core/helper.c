@@ -27,7 +27,6 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -94,12 +93,7 @@ int skv__helper_create(unsigned subsys, const char *what, skv__helper_t **out) {
   h->pid = getpid();
   pthread_mutex_init(&h->mu, NULL);
   pthread_cond_init(&h->cv, NULL);
-  /* the helper takes no signals: they stay the engine's threads' */
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  int te = pthread_create(&h->thread, NULL, helper_main, h);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  int te = skv__thread_start(&h->thread, helper_main, h); /* it takes no signals */
   if (te) {
     pthread_cond_destroy(&h->cv);
     pthread_mutex_destroy(&h->mu);

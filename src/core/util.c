@@ -7,12 +7,22 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
+
+int skv__thread_start(pthread_t *t, void *(*fn)(void *), void *arg) {
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  const int te = pthread_create(t, NULL, fn, arg);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  return te;
+}
 
 uint64_t skv__now_ns(void) {
   struct timespec ts;

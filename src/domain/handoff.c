@@ -6,7 +6,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
-#include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
@@ -132,12 +131,7 @@ int skv__dom_handoff_start(skv__domain_t *d) {
     d->listen_fd = -1;
     return SKV_FAIL(-e, SKV_SUBSYS_KV, "domain '%s': pipe failed: %s", d->name, strerror(e));
   }
-  /* the thread takes no signals: they stay the engine's threads' */
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  int te = pthread_create(&d->handoff, NULL, handoff_main, d);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  int te = skv__thread_start(&d->handoff, handoff_main, d); /* it takes no signals */
   if (te) {
     close(d->listen_fd);
     close(d->stop_pipe[0]);

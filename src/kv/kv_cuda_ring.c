@@ -4,7 +4,6 @@
 #include "kv/kv_cuda_int.h"
 
 #include <errno.h>
-#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -236,12 +235,7 @@ int skv__kvc_ring_init(skv__kvc_t *kc) {
   pthread_cond_init(&kc->work, &ca);
   pthread_condattr_destroy(&ca);
   kc->sync_init = true;
-  /* the completion thread takes no signals: they stay the engine's threads' */
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  int te = pthread_create(&kc->reaper, NULL, reaper_main, kc);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  int te = skv__thread_start(&kc->reaper, reaper_main, kc); /* it takes no signals */
   if (te)
     return SKV_FAIL(-te, SKV_SUBSYS_KV, "skv_kv_create: starting the completion thread failed: %s",
                     strerror(te));
