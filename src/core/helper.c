@@ -24,7 +24,6 @@
 #define _GNU_SOURCE
 #include "core/core.h"
 
-#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>

@@ -1151,19 +1151,17 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     skv__index_claim_t *cl = cls[set];
     int *crc = crcs[set];
     bool *craced = raceds[set];
+    bool claimed = false; /* by the helper, while the window before was allocated and copied */
     if (pending) {
       skv__helper_join(helper);
       pending = false;
-      if (job.keys != keys + i || job.n != w) { /* the publish went back (no pages): not these */
-        claim_job_drop(kv, &job);
-        skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
-      } else {
+      claimed = job.keys == keys + i && job.n == w;
+      if (claimed)
         claim_job_redo(&job, ev_last > 0, path != PATH_DEVICE);
-      }
-    } else {
-      skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
+      else /* the publish went back (no pages): not these */
+        claim_job_drop(kv, &job);
     }
-    ev_last = 0;
+    if (!claimed) skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
     if (helper && i + w < n) { /* the next window's claims meanwhile (in the other set) */
       set ^= 1;
       job = (claim_job_t){&kv->index, keys + i + w, SKV_MIN(chunk, n - i - w), me, cls[set],
