@@ -7,20 +7,10 @@
  *
  *   nvcc -O2 -arch=sm_90 -o args_probe bench/gpu/args_probe.cu && ./args_probe
  */
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <cuda_runtime.h>
-#include <vector>
+#include "probe.cuh"
 
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
+#include <cstdint>
+#include <vector>
 
 __device__ __forceinline__ uint4 ld_volatile(const uint4 *p) {
   uint4 v;
@@ -68,21 +58,15 @@ int main() {
     for (int nw : warps) {
       float med[3];
       for (int u = 0; u < 3; u++) {
-        std::vector<float> t;
-        for (int r = 0; r < 23; r++) {
-          CK(cudaMemset(dev, 0, cap));
-          CK(cudaEventRecord(e0, st));
-          if (u == 0) copier<4><<<nw, 32, 0, st>>>(hdev, dev, b);
-          if (u == 1) copier<8><<<nw, 32, 0, st>>>(hdev, dev, b);
-          if (u == 2) copier<16><<<nw, 32, 0, st>>>(hdev, dev, b);
-          CK(cudaEventRecord(e1, st));
-          CK(cudaEventSynchronize(e1));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          if (r >= 3) t.push_back(ms * 1000.f);
-        }
-        std::sort(t.begin(), t.end());
-        med[u] = t[t.size() / 2];
+        if (median_us(
+                st, e0, e1, [&] { return cudaMemset(dev, 0, cap); },
+                [&] {
+                  if (u == 0) copier<4><<<nw, 32, 0, st>>>(hdev, dev, b);
+                  if (u == 1) copier<8><<<nw, 32, 0, st>>>(hdev, dev, b);
+                  if (u == 2) copier<16><<<nw, 32, 0, st>>>(hdev, dev, b);
+                },
+                &med[u]))
+          return 1;
         std::vector<uint4> back(b / 16);
         CK(cudaMemcpy(back.data(), dev, b, cudaMemcpyDeviceToHost));
         for (uint32_t i = 0; i < b / 16; i++)

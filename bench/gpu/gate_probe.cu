@@ -5,20 +5,9 @@
  *
  *   nvcc -O2 -arch=sm_90 -o gate_probe bench/gpu/gate_probe.cu && ./gate_probe
  */
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <cuda_runtime.h>
-#include <vector>
+#include "probe.cuh"
 
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
+#include <cstdint>
 
 enum { NONE, ACQ_SYS, VOLATILE, RELAXED_SYS, ACQ_GPU_DEV, NKIND };
 static const char *names[NKIND] = {"nothing", "ld.acquire.sys (host)", "ld.volatile (host)",
@@ -60,20 +49,15 @@ int main() {
   for (int shape = 0; shape < 2; shape++)
     for (int per_cta = 0; per_cta < 2; per_cta++)
       for (int kind = 0; kind < NKIND; kind++) {
-        std::vector<float> t;
-        for (int r = 0; r < 23; r++) {
-          CK(cudaEventRecord(e0, st));
-          reader<<<grids[shape], threads[shape], 0, st>>>(kind == ACQ_GPU_DEV ? dev : hdev, kind,
-                                                          per_cta, out);
-          CK(cudaEventRecord(e1, st));
-          CK(cudaEventSynchronize(e1));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          if (r >= 3) t.push_back(ms * 1000.f);
-        }
-        std::sort(t.begin(), t.end());
+        float us;
+        const uint32_t *word = kind == ACQ_GPU_DEV ? dev : hdev;
+        if (median_us(
+                st, e0, e1, [] { return cudaSuccess; },
+                [&] { reader<<<grids[shape], threads[shape], 0, st>>>(word, kind, per_cta, out); },
+                &us))
+          return 1;
         printf("grid %4d x %3d, one read per %-4s %-30s %8.2f\n", grids[shape], threads[shape],
-               per_cta ? "CTA" : "warp", names[kind], t[t.size() / 2]);
+               per_cta ? "CTA" : "warp", names[kind], us);
       }
   return 0;
 }
