@@ -263,6 +263,9 @@ static int bench_fetch(bench_t *b) {
 #define GATE_MIN_NS (1000ull * 1000)       /* and holds 1 ms at least: the GPU's clocks come up */
 #define WARM        2
 #define MAX_REPS    64
+/* The engine's work between two publishes in the *_gap and *_reserve rows: a forward pass takes
+ * milliseconds; 1 ms keeps the run short. */
+#define PUB_GAP_US  1000.0
 
 enum {
   M_FETCH,
@@ -604,7 +607,16 @@ static int time_b2b(fb_t *f, int method, const batch_t *bt, int reps, double *se
 
 /* Wall time (seconds) of a call and its completion (host enqueue, GPU, stream synchronised;
  * for publish, the keys inserted too). */
-static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
+/* The engine's work between two calls (a forward pass): the calling thread busy for `us`. */
+static void busy_gap(double us) {
+  const double end = bench_now() + us * 1e-6;
+  while (us > 0 && bench_now() < end) {
+  }
+}
+
+/* Calls to completion, wall time (median), with `gap_us` of busy work after each (untimed). */
+static int time_e2e_gap(fb_t *f, int method, const batch_t *bt, int reps, double gap_us,
+                        double *sec) {
   double t[MAX_REPS];
   for (int r = 0; r < WARM + reps; r++) {
     BCUDA(cudaStreamSynchronize(f->st));
@@ -613,14 +625,20 @@ static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *se
     BCUDA(cudaStreamSynchronize(f->st));
     if (method == M_PUBLISH) SKV_CHECK(skv_kv_sync(f->kv)); /* the keys are in the index */
     if (r >= WARM) t[r - WARM] = bench_now() - h0;
+    busy_gap(gap_us);
   }
   *sec = bench_median(t, (size_t)reps);
   return 0;
 }
 
+static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
+  return time_e2e_gap(f, method, bt, reps, 0, sec);
+}
+
 /* time_e2e's calls again (the same pages; for publish, fresh keys) with the cache's phase
  * counters on: where the time of a call and its completion goes, per call. */
-static int breakdown_e2e(fb_t *f, int method, const batch_t *bt, int reps, breakdown_t *bd) {
+static int breakdown_e2e_gap(fb_t *f, int method, const batch_t *bt, int reps, double gap_us,
+                             breakdown_t *bd) {
   double gpu = 0, comp = 0;
   SKV_CHECK(skv_kv_sync(f->kv));
   for (int r = 0; r < WARM + reps; r++) {
@@ -633,12 +651,17 @@ static int breakdown_e2e(fb_t *f, int method, const batch_t *bt, int reps, break
     if (method == M_PUBLISH) SKV_CHECK(skv_kv_sync(f->kv));
     gpu += h2 - h1;
     comp += bench_now() - h2;
+    busy_gap(gap_us);
   }
   breakdown_take(f->kv, bd, reps);
   skv__kp_reset(&f->kv->prof, false);
   bd->gpu_wait = gpu / reps;
   bd->completion_wait = method == M_PUBLISH ? comp / reps : -1;
   return skv_kv_sync(f->kv);
+}
+
+static int breakdown_e2e(fb_t *f, int method, const batch_t *bt, int reps, breakdown_t *bd) {
+  return breakdown_e2e_gap(f, method, bt, reps, 0, bd);
 }
 
 /* ---- the command ---------------------------------------------------------------------------- */
@@ -773,6 +796,12 @@ static int bench_fetch(bench_t *b) {
   int have_lat = 0;
   breakdown_t bd_big_fetch, bd_fetch, bd_big_pub;
   double e2e_big_pub_one = 0, t_pub_one = 0; /* publish of 64 KiB x1024 as one launch */
+  /* the same publish with PUB_GAP_US of the engine's work after each call, without and with a
+   * free reserve of its pages (skv_kv_set_free_reserve) */
+  double e2e_pub_gap = 0, e2e_pub_reserve = 0;
+  breakdown_t bd_pub_gap, bd_pub_reserve;
+  memset(&bd_pub_gap, 0, sizeof bd_pub_gap);
+  memset(&bd_pub_reserve, 0, sizeof bd_pub_reserve);
   memset(&bd_big_fetch, 0, sizeof bd_big_fetch);
   memset(&bd_fetch, 0, sizeof bd_fetch);
   memset(&bd_big_pub, 0, sizeof bd_big_pub);
@@ -866,6 +895,12 @@ static int bench_fetch(bench_t *b) {
         if (rc == 0) rc = time_op(&f, M_PUBLISH, &bt, reps, &t_pub_one);
         if (rc == 0) rc = skv_kv_sync(f.kv);
         skv__kv_pub_split = split;
+        if (rc == 0) rc = time_e2e_gap(&f, M_PUBLISH, &bt, reps, PUB_GAP_US, &e2e_pub_gap);
+        if (rc == 0) rc = breakdown_e2e_gap(&f, M_PUBLISH, &bt, reps, PUB_GAP_US, &bd_pub_gap);
+        if (rc == 0) rc = skv_kv_set_free_reserve(f.kv, c->n);
+        if (rc == 0) rc = time_e2e_gap(&f, M_PUBLISH, &bt, reps, PUB_GAP_US, &e2e_pub_reserve);
+        if (rc == 0) rc = breakdown_e2e_gap(&f, M_PUBLISH, &bt, reps, PUB_GAP_US, &bd_pub_reserve);
+        if (rc == 0) rc = skv_kv_set_free_reserve(f.kv, 0);
         if (rc == 0) rc = time_e2e(&f, M_CE_LOCAL, &bt, reps, &e2e_big_ce_local);
       }
       batch_free(&bt, reps);
@@ -980,6 +1015,14 @@ static int bench_fetch(bench_t *b) {
       bench_row(b, "publish_e2e_one_launch/64KiB/x1024",
                 (64.0 * 1024 * 1024) / e2e_big_pub_one / 1e9, "GB/s", "higher",
                 "publish_e2e (split into launches)", (64.0 * 1024 * 1024) / e2e_big_pub / 1e9);
+    if (e2e_pub_gap > 0)
+      bench_row(b, "publish_e2e_gap/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_pub_gap / 1e9, "GB/s",
+                "higher", "cudaMemcpyAsync 64 MiB contiguous local + sync, wall",
+                (64.0 * 1024 * 1024) / e2e_big_ce_local / 1e9);
+    if (e2e_pub_reserve > 0)
+      bench_row(b, "publish_e2e_reserve/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_pub_reserve / 1e9,
+                "GB/s", "higher", "cudaMemcpyAsync 64 MiB contiguous local + sync, wall",
+                (64.0 * 1024 * 1024) / e2e_big_ce_local / 1e9);
     for (int i = 0; i < ncells && t_pub_one > 0; i++)
       if (cells[i].ps == (64u << 10) && cells[i].n == 1024 && cells[i].t_pub > 0)
         bench_row(b, "publish_one_launch/64KiB/x1024", (64.0 * 1024 * 1024) / t_pub_one / 1e9,
@@ -989,6 +1032,8 @@ static int bench_fetch(bench_t *b) {
     breakdown_rows(b, "fetch_e2e/64KiB/x1024", &bd_big_fetch);
     breakdown_rows(b, "fetch_latency_e2e/64KiB/x16", &bd_fetch);
     breakdown_rows(b, "publish_e2e/64KiB/x1024", &bd_big_pub);
+    breakdown_rows(b, "publish_e2e_gap/64KiB/x1024", &bd_pub_gap);
+    breakdown_rows(b, "publish_e2e_reserve/64KiB/x1024", &bd_pub_reserve);
     char base[64], vn[48];
     snprintf(base, sizeof base, "variant %s",
              skv__kv_variant_name(&variants_list[0], vn, sizeof vn));

@@ -18,7 +18,9 @@
  * with a pattern derived from the key, READY, insert, commit or free), looks a key up, pins the
  * page, reads and checks every byte, unpins; evicts a page; or publishes a batch of BATCH keys as
  * skv_kv_publish does with its helper: the keys' index slots claimed by the PE's helper thread
- * (core/helper.c) while the PE allocates their pages, then the claims published or given up.
+ * (core/helper.c) while the PE allocates their pages, then the claims published or given up,
+ * and then, as skv_kv_publish does with a free reserve, the helper evicts pages until RESERVE
+ * are free (skv__pool_reclaim) while the PE goes on, until its next batch stops it.
  * Keys are fewer than the pages of all
  * PEs and more than one PE's, so pages are evicted, reused and raced for all the time.
  * ThreadSanitizer reports every data race (exit code 66); a byte that differs from its key's
@@ -30,6 +32,7 @@
 #define KEYS       400
 #define SLOTS      256 /* per shard */
 #define BATCH      4
+#define RESERVE    8
 
 typedef struct pe {
   int me;
@@ -40,6 +43,9 @@ typedef struct pe {
   skv__helper_t *helper;
   uint64_t seed, published, deduplicated, hits, verified, stale, evicted, wrong;
   uint64_t batches, helped; /* batches published, and of these claimed by the helper */
+  int reclaim_stop;         /* atomic */
+  bool reclaim_pending;     /* a reclaim posted and not joined */
+  uint64_t reclaimed;       /* pages the helper's reclaims evicted (written by the helper) */
 } pe_t;
 
 static pe_t pes[NPES];
@@ -111,7 +117,22 @@ static void claim_batch(void *arg) {
   skv__index_claim_n(&b->p->ix, b->keys, BATCH, b->p->me, b->cl, b->crc, b->raced);
 }
 
+static void reclaim_job(void *arg) {
+  pe_t *p = arg;
+  p->reclaimed += skv__pool_reclaim(&p->pool, RESERVE, evict_cb, p, &p->reclaim_stop);
+}
+
+/* Stop the helper's reclaim, as kv.c's reclaim_end does. */
+static void reclaim_end(pe_t *p) {
+  if (!p->reclaim_pending) return;
+  __atomic_store_n(&p->reclaim_stop, 1, __ATOMIC_RELEASE);
+  skv__helper_join(p->helper);
+  __atomic_store_n(&p->reclaim_stop, 0, __ATOMIC_RELAXED);
+  p->reclaim_pending = false;
+}
+
 static void publish_batch(pe_t *p) {
+  reclaim_end(p);
   batch_t b = {.p = p, .caller = pthread_self()};
   uint64_t ids[BATCH];
   for (int q = 0; q < BATCH; q++) ids[q] = (rnd(&p->seed) >> 8) % KEYS, b.keys[q] = key_of(ids[q]);
@@ -147,6 +168,7 @@ static void publish_batch(pe_t *p) {
     }
   }
   for (; used < got; used++) skv__pool_release(&p->pool, pages[used]);
+  p->reclaim_pending = skv__helper_post(p->helper, reclaim_job, p);
 }
 
 static void fetch(pe_t *p, uint64_t id) {
@@ -228,24 +250,29 @@ int main(int argc, char **argv) {
   pthread_t th[NPES];
   for (int i = 0; i < NPES; i++)
     if (pthread_create(&th[i], NULL, pe_main, &pes[i]) != 0) return 2;
-  uint64_t pub = 0, dedup = 0, hits = 0, ver = 0, stale = 0, ev = 0, wrong = 0, nb = 0, helped = 0;
+  uint64_t pub = 0, dedup = 0, hits = 0, ver = 0, stale = 0, ev = 0, wrong = 0, nb = 0, helped = 0,
+           recl = 0;
   for (int i = 0; i < NPES; i++) {
     pthread_join(th[i], NULL);
     pe_t *p = &pes[i];
+    reclaim_end(p);
+    recl += p->reclaimed;
     pub += p->published, dedup += p->deduplicated, hits += p->hits, ver += p->verified;
     stale += p->stale, ev += p->evicted, wrong += p->wrong;
     nb += p->batches, helped += p->helped;
   }
-  /* the helpers must have run some batches' claims, or their races were not looked at */
-  const bool unhelped = nb > 0 && helped == 0;
+  /* the helpers must have run some batches' claims and reclaims, or their races were not looked
+   * at */
+  const bool unhelped = nb > 0 && (helped == 0 || recl == 0);
   int64_t valid = skv__index_check(&pes[0].ix);
   printf("probe_tsan: %llu pages published (%llu deduplicated or lost), %llu evicted, %llu lookup "
          "hits, %llu pages pinned and verified (%llu stale), %llu wrong bytes; %llu batches, the "
-         "claims of %llu by a helper thread; index check: %lld valid keys%s\n",
+         "claims of %llu by a helper thread, %llu pages evicted ahead by it; index check: %lld "
+         "valid keys%s\n",
          (unsigned long long)pub, (unsigned long long)dedup, (unsigned long long)ev,
          (unsigned long long)hits, (unsigned long long)ver, (unsigned long long)stale,
          (unsigned long long)wrong, (unsigned long long)nb, (unsigned long long)helped,
-         (long long)valid,
+         (unsigned long long)recl, (long long)valid,
          wrong || valid < 0 || unhelped ? "; FAILED"
                                         : "; races: see ThreadSanitizer above (none: exit 0)");
   for (int i = 0; i < NPES; i++) skv__helper_destroy(pes[i].helper);

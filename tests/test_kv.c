@@ -531,6 +531,110 @@ Test(kv, publishes_of_several_windows_insert_every_key_once) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* skv_kv_set_free_reserve: after a publish, the helper thread evicts the least recently used
+ * pages until the reserve is free; publishes coming while it runs stop it and lose nothing. */
+static bool helper_can_run(void) { /* kv.c's helper needs a thread allowed on 2 CPUs */
+  cpu_set_t cs;
+  CPU_ZERO(&cs);
+  return sched_getaffinity(0, sizeof cs, &cs) != 0 || CPU_COUNT(&cs) >= 2;
+}
+
+/* This PE's pages in use once they reach `want` (or 5 s passed). */
+static uint64_t used_reaching(fix_t *f, uint64_t want) {
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
+  for (int i = 0; i < 5000; i++) {
+    skv_kv_get_stats(f->kv, &st);
+    if (st.pages_used == want) break;
+    usleep(1000);
+  }
+  return st.pages_used;
+}
+
+static size_t hits_of(fix_t *f, uint64_t first, size_t n) {
+  skv_key_t keys[64];
+  skv_page_ref_t refs[64];
+  size_t nhit = 0, hits = 0;
+  for (size_t i = 0; i < n; i++) {
+    keys[0] = key_of(f, first + i);
+    if (skv_kv_lookup(f->kv, f->ns, keys, 1, 0, refs, &nhit) == 0) hits += nhit;
+  }
+  return hits;
+}
+
+static int pe_free_reserve(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  PE_CHECK(fix_init(&f, 64, 64, 30000) == 0, "fixture: %s", skv_last_error());
+  PE_CHECK(skv_kv_set_free_reserve(NULL, 1) == SKV_EINVAL, "NULL cache refused");
+  PE_CHECK(skv_kv_set_free_reserve(f.kv, 33) == SKV_EINVAL && strstr(skv_last_error(), "half"),
+           "over half the pool refused: %s", skv_last_error());
+  uint64_t ids[64];
+  size_t ins = 0;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
+  /* 1. no reserve: the pool stays full, a publish evicts what it needs */
+  for (int i = 0; i < 64; i++) ids[i] = 100 + (uint64_t)i;
+  PE_CHECK(publish_ids(&f, ids, 64, &ins) == 0 && ins == 64, "fill: %zu", ins);
+  for (int i = 0; i < 32; i++) ids[i] = 200 + (uint64_t)i;
+  PE_CHECK(publish_ids(&f, ids, 32, &ins) == 0 && ins == 32, "32 more: %zu", ins);
+  usleep(20000);
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.pages_used == 64 && st.evicted == 32, "no reserve: used %llu, evicted %llu",
+           (unsigned long long)st.pages_used, (unsigned long long)st.evicted);
+  /* 2. a reserve of 16: after the next publish (which evicts 32 itself), 16 more go */
+  const bool ahead = helper_can_run();
+  const uint64_t kept = ahead ? 48 : 64; /* without a helper nothing is evicted ahead */
+  PE_CHECK(skv_kv_set_free_reserve(f.kv, 16) == 0, "reserve 16: %s", skv_last_error());
+  for (int i = 0; i < 32; i++) ids[i] = 300 + (uint64_t)i;
+  PE_CHECK(publish_ids(&f, ids, 32, &ins) == 0 && ins == 32, "publish with a reserve: %zu", ins);
+  PE_CHECK(used_reaching(&f, kept) == kept, "pages used: %llu, want %llu (helper %d)",
+           (unsigned long long)used_reaching(&f, kept), (unsigned long long)kept, (int)ahead);
+  usleep(20000); /* and no further */
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.pages_used == kept && st.evicted == 64 + (64 - kept) && st.index_entries == kept &&
+               skv__index_check(&f.kv->index) == (int64_t)kept,
+           "settled: used %llu, evicted %llu, entries %llu", (unsigned long long)st.pages_used,
+           (unsigned long long)st.evicted, (unsigned long long)st.index_entries);
+  /* the least recently used went: the batch of 300s stays whole, 16 of the 200s go */
+  PE_CHECK(hits_of(&f, 300, 32) == 32 && hits_of(&f, 200, 32) == kept - 32 &&
+               hits_of(&f, 100, 64) == 0,
+           "LRU: 300s %zu, 200s %zu, 100s %zu", hits_of(&f, 300, 32), hits_of(&f, 200, 32),
+           hits_of(&f, 100, 64));
+  /* 3. publishes back to back, each stopping the eviction the one before posted: every key
+   * inserted once, found at once and read back intact */
+  for (uint64_t r = 0; r < 40; r++) {
+    for (int i = 0; i < 16; i++) ids[i] = 1000 + 16 * r + (uint64_t)i;
+    PE_CHECK(publish_ids(&f, ids, 16, &ins) == 0 && ins == 16, "round %llu: %zu inserted (%s)",
+             (unsigned long long)r, ins, skv_last_error());
+    PE_CHECK(hits_of(&f, 1000 + 16 * r, 16) == 16, "round %llu: keys found", (unsigned long long)r);
+  }
+  bool intact = false;
+  for (int i = 0; i < 16; i++) ids[i] = 1000 + 16 * 39 + (uint64_t)i;
+  PE_CHECK(found_intact(&f, ids, 16, &intact) == 16 && intact, "the last round reads back");
+  PE_CHECK(used_reaching(&f, kept) == kept, "settled again: %llu",
+           (unsigned long long)used_reaching(&f, kept));
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.index_entries == kept && skv__index_check(&f.kv->index) == (int64_t)kept &&
+               st.published == 64 + 32 + 32 + 40 * 16,
+           "entries %llu, published %llu", (unsigned long long)st.index_entries,
+           (unsigned long long)st.published);
+  /* 4. a reserve of 0 stops evicting ahead */
+  PE_CHECK(skv_kv_set_free_reserve(f.kv, 0) == 0, "reserve 0");
+  for (int i = 0; i < 32; i++) ids[i] = 5000 + (uint64_t)i;
+  PE_CHECK(publish_ids(&f, ids, 32, &ins) == 0 && ins == 32, "publish without: %zu", ins);
+  usleep(20000);
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(st.pages_used == 64, "reserve 0: the pool fills again: %llu",
+           (unsigned long long)st.pages_used);
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, a_free_reserve_is_evicted_ahead_and_publishes_meanwhile_lose_nothing) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_free_reserve, NULL, 120000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 static int pe_lru_and_pins(int rank, int npes, void *arg) {
   fix_t f;
   PE_CHECK(fix_init(&f, 8, 64, 30000) == 0, "fixture: %s", skv_last_error());

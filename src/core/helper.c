@@ -13,9 +13,10 @@
  *
  * What can go wrong
  * -----------------
- * - A fork: the child has no helper thread. post() refuses, and burst() and destroy() touch
- *   no lock, in a process other than the one that created the helper (its caller then runs the
- *   job itself; the mutex may have been copied locked).
+ * - A fork: the child has no helper thread. post() refuses, join() returns at once (a job
+ *   there is the parent's), and burst() and destroy() touch no lock, in a process other than the
+ *   one that created the helper (its caller then runs the job itself; the mutex may have been
+ *   copied locked).
  * - A caller pinned to one CPU would share it with the spinning helper (a publish took twice as
  *   long so): skv__helper_usable() says no then.
  * - A job that fails: the job reports into its argument; the helper knows nothing of it.
@@ -153,6 +154,7 @@ bool skv__helper_post(skv__helper_t *h, void (*fn)(void *), void *arg) {
 }
 
 void skv__helper_join(skv__helper_t *h) {
+  if (getpid() != h->pid) return; /* a forked child posted nothing: a job there is the parent's */
   int expect = JOB_POSTED;
   if (__atomic_compare_exchange_n(&h->job, &expect, JOB_IDLE, false, __ATOMIC_ACQUIRE,
                                   __ATOMIC_RELAXED)) {

@@ -15,6 +15,8 @@
     if (!(kv)) return SKV_FAIL(SKV_EINVAL, SKV_SUBSYS_KV, fn ": kv is NULL"); \
   } while (0)
 
+static void reclaim_end(skv_kv_t *kv);
+
 static uint64_t next_pow2(uint64_t x) {
   uint64_t p = 1;
   while (p < x) p <<= 1;
@@ -208,6 +210,7 @@ fail:
 int skv_kv_destroy(skv_kv_t *kv) {
   if (!kv) return 0;
   if (kv->domain) return skv_kv_detach(kv);
+  reclaim_end(kv);
   skv__helper_destroy(kv->helper);
   int rc = 0;
 #ifdef SKV_WITH_CUDA
@@ -323,6 +326,7 @@ int skv_kv_detach(skv_kv_t *kv) {
   SKV_ARG_CHECK(kv->domain, SKV_SUBSYS_KV,
                 "skv_kv_detach: this cache was made by skv_kv_create (collective): destroy it "
                 "with skv_kv_destroy");
+  reclaim_end(kv);
   skv__helper_destroy(kv->helper);
   int rc = 0;
 #ifdef SKV_WITH_CUDA
@@ -982,7 +986,10 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
 
 /* ---- publish's helper: the next window's claims while this one is allocated and copied ---- */
 
-/* A window's claims (skv__index_claim_n's arguments). */
+/* A window's claims (skv__index_claim_n's arguments), in groups of CLAIM_SHARE keys that the
+ * helper takes from the front and the caller from the back once it has nothing else to do
+ * (span: the groups not taken yet, the first in the low 32 bits, the end in the high 32). */
+#define CLAIM_SHARE 32
 typedef struct claim_job {
   skv__index_t *ix;
   const skv_key_t *keys;
@@ -991,11 +998,32 @@ typedef struct claim_job {
   skv__index_claim_t *cl;
   int *crc;
   bool *craced;
+  uint64_t span; /* atomic */
 } claim_job_t;
 
+static claim_job_t claim_job_make(skv_kv_t *kv, const skv_key_t *keys, size_t n,
+                                  skv__index_claim_t *cl, int *crc, bool *craced) {
+  const uint64_t groups = (n + CLAIM_SHARE - 1) / CLAIM_SHARE;
+  return (claim_job_t){&kv->index, keys, n, kv->pool.me, cl, crc, craced, groups << 32};
+}
+
+/* Claim the groups not taken yet, from the front (the helper) or the back (the caller). */
+static void claim_job_take(claim_job_t *j, bool back) {
+  uint64_t s = __atomic_load_n(&j->span, __ATOMIC_ACQUIRE);
+  for (;;) {
+    const uint64_t f = (uint32_t)s, b = s >> 32;
+    if (f >= b) return;
+    const uint64_t g = back ? b - 1 : f, ns = back ? (g << 32) | f : (b << 32) | (f + 1);
+    if (!__atomic_compare_exchange_n(&j->span, &s, ns, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+      continue; /* s is the new span */
+    const size_t a = (size_t)g * CLAIM_SHARE, z = SKV_MIN(j->n, a + CLAIM_SHARE);
+    skv__index_claim_n(j->ix, j->keys + a, z - a, j->me, j->cl + a, j->crc + a, j->craced + a);
+    s = __atomic_load_n(&j->span, __ATOMIC_ACQUIRE);
+  }
+}
+
 static void claim_job_run(void *arg) {
-  const claim_job_t *j = arg;
-  skv__index_claim_n(j->ix, j->keys, j->n, j->me, j->cl, j->crc, j->craced);
+  claim_job_take(arg, false);
 }
 
 /* Give up a window's claims that were made and not used (the publish stopped before it, or went
@@ -1029,15 +1057,77 @@ static bool helper_wanted(void) {
   return v != 0;
 }
 
-/* The cache's helper for one publish of several windows, its burst on; NULL (the caller claims
- * every window itself) when switched off, another publish of this cache uses it, or it cannot
- * be started (warned once). Started at the first publish that wants it. */
-static skv__helper_t *helper_take(skv_kv_t *kv) {
+/* ---- the free reserve: evicting ahead on the helper, between publishes --------------------- */
+
+/* How it works
+ * ------------
+ * With skv_kv_set_free_reserve(kv, R), each publish ends by posting a job to its helper: evict
+ * least recently used unpinned pages until R are free (skv__pool_reclaim: runs of a few dozen,
+ * the pool's lock released between runs). The publish does not wait for it; the next user of the
+ * helper (a publish, a detach) stops it first (reclaim_end: the job checks the flag before each
+ * run, so the wait is one run at most, or none when the helper had not begun it). The next
+ * publish then takes its pages from the free stack, without an index erase per page.
+ *
+ * What can go wrong
+ * -----------------
+ * - Publishes back to back leave the job no time: each stops the one before, and allocation
+ *   evicts the rest itself, as without a reserve.
+ * - No helper (switched off, one CPU, a forked child): nothing is posted, nothing evicted ahead.
+ * - The reserve costs its pages: up to R fewer pages cached (the least recently used). */
+
+static void reclaim_run(void *arg) {
+  skv_kv_t *kv = arg;
+  const uint64_t want = __atomic_load_n(&kv->free_reserve, __ATOMIC_RELAXED);
+  if (!want) return;
+#ifdef SKV_WITH_CUDA
+  /* After the publish's completion, not beside it: its inserts and LRU pushes (the completion
+   * thread) and these evictions would take the pool's lock in turns, and the publish, timed to
+   * its completion, took twice as long so on one H100. Looked at every 5 us or so. */
+  while (!skv__kvc_idle(kv->cuda)) {
+    for (int i = 0; i < 100; i++) {
+      if (__atomic_load_n(&kv->reclaim_stop, __ATOMIC_ACQUIRE)) return;
+      SKV_CPU_RELAX();
+    }
+  }
+#endif
+  (void)skv__pool_reclaim(&kv->pool, want, skv__kv_evict_cb, kv, &kv->reclaim_stop);
+}
+
+/* Stop the helper's eviction ahead, if one was posted (by the holder of helper_busy, or at a
+ * detach). */
+static void reclaim_end(skv_kv_t *kv) {
+  if (!kv->reclaim_pending) return;
+  __atomic_store_n(&kv->reclaim_stop, 1, __ATOMIC_RELEASE);
+  skv__helper_join(kv->helper);
+  __atomic_store_n(&kv->reclaim_stop, 0, __ATOMIC_RELAXED);
+  kv->reclaim_pending = false;
+}
+
+int skv_kv_set_free_reserve(skv_kv_t *kv, uint64_t npages) {
+  KV_CHECK_NULL(kv, "skv_kv_set_free_reserve");
+  if (kv->domain && skv__domain_role(kv->domain) != SKV_ROLE_OWNER)
+    return SKV_FAIL(SKV_ESTATE, SKV_SUBSYS_KV,
+                    "skv_kv_set_free_reserve: a reader of a domain publishes nothing; attach as "
+                    "SKV_ROLE_OWNER");
+  SKV_ARG_CHECK(npages <= kv->pool.pages / 2, SKV_SUBSYS_KV,
+                "skv_kv_set_free_reserve: npages=%" PRIu64 " is over half of this PE's %" PRIu64
+                " pages",
+                npages, kv->pool.pages);
+  __atomic_store_n(&kv->free_reserve, npages, __ATOMIC_RELAXED);
+  return 0;
+}
+
+/* The cache's helper for one publish, its burst on when the publish has several windows to
+ * claim; NULL (the caller claims every window itself, nothing is evicted ahead) when switched
+ * off, another publish of this cache uses it, or it cannot be started (warned once). Started at
+ * the first publish that wants it. An eviction ahead still running is stopped first. */
+static skv__helper_t *helper_take(skv_kv_t *kv, bool burst) {
   if (!helper_wanted()) return NULL;
   int expect = 0;
   if (!__atomic_compare_exchange_n(&kv->helper_busy, &expect, 1, false, __ATOMIC_ACQUIRE,
                                    __ATOMIC_RELAXED))
     return NULL;
+  reclaim_end(kv);
   if (!kv->helper && !kv->helper_off &&
       skv__helper_create(SKV_SUBSYS_KV, "skv_kv_publish", &kv->helper) != 0) {
     SKV_WARN(SKV_SUBSYS_KV, "%s; publishes claim their keys without it", skv_last_error());
@@ -1047,7 +1137,7 @@ static skv__helper_t *helper_take(skv_kv_t *kv) {
     __atomic_store_n(&kv->helper_busy, 0, __ATOMIC_RELEASE);
     return NULL;
   }
-  skv__helper_burst(kv->helper, true);
+  if (burst) skv__helper_burst(kv->helper, true);
   return kv->helper;
 }
 
@@ -1109,8 +1199,10 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   int crc_s[2][PUB_CHUNK];
   bool craced_s[2][PUB_CHUNK];
   const bool on_stack = chunk <= PUB_CHUNK; /* no allocation per call */
-  skv__helper_t *helper = n > chunk ? helper_take(kv) : NULL;
-  const int nsets = helper ? 2 : 1;
+  const bool reserve = __atomic_load_n(&kv->free_reserve, __ATOMIC_RELAXED) > 0;
+  skv__helper_t *helper = n > chunk || reserve ? helper_take(kv, n > chunk) : NULL;
+  const bool sharing = helper && n > chunk; /* several windows: claims shared with the helper */
+  const int nsets = sharing ? 2 : 1;
   uint32_t *pages = on_stack ? pages_s : malloc(chunk * sizeof *pages);
   size_t *idx = on_stack ? idx_s : malloc(chunk * sizeof *idx);
   skv__index_claim_t *cls[2] = {NULL, NULL};
@@ -1137,7 +1229,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   uint64_t lost = 0;
   /* with a helper: the claims of the window after this one, in the other set, while this one is
    * allocated and copied (pending: posted, not joined yet) */
-  claim_job_t job = {&kv->index, NULL, 0, me, NULL, NULL, NULL};
+  claim_job_t job = claim_job_make(kv, NULL, 0, NULL, NULL, NULL);
   bool pending = false;
   int set = 0;
   uint64_t ev_last = 0; /* pages the last window's allocation evicted */
@@ -1162,10 +1254,10 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
         claim_job_drop(kv, &job);
     }
     if (!claimed) skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
-    if (helper && i + w < n) { /* the next window's claims meanwhile (in the other set) */
+    if (sharing && i + w < n) { /* the next window's claims meanwhile (in the other set) */
       set ^= 1;
-      job = (claim_job_t){&kv->index, keys + i + w, SKV_MIN(chunk, n - i - w), me, cls[set],
-                          crcs[set],  raceds[set]};
+      job = claim_job_make(kv, keys + i + w, SKV_MIN(chunk, n - i - w), cls[set], crcs[set],
+                           raceds[set]);
       pending = skv__helper_post(helper, claim_job_run, &job);
       if (i + w + job.n >= n) skv__helper_burst(helper, false); /* the last job: stop spinning */
     }
@@ -1220,6 +1312,8 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     skv__helper_join(helper);
     claim_job_drop(kv, &job);
   }
+  if (helper && reserve) /* the next publish's pages freed meanwhile */
+    kv->reclaim_pending = skv__helper_post(helper, reclaim_run, kv);
   helper_give(kv, helper);
   if (lost) __atomic_add_fetch(&kv->deduplicated, lost, __ATOMIC_RELAXED);
   if (!on_stack) {

@@ -35,6 +35,12 @@ struct skv_kv {
   skv__helper_t *helper;
   int helper_busy;
   bool helper_off;
+  /* pages kept free by evicting ahead (skv_kv_set_free_reserve; atomic), the helper's eviction
+   * posted and not joined yet (reclaim_pending: owned by whoever holds helper_busy), and the
+   * flag that stops it (atomic) */
+  uint64_t free_reserve;
+  bool reclaim_pending;
+  int reclaim_stop;
 };
 
 /* Address of a page (host-visible for host heaps, device address for cuda heaps). */

@@ -561,6 +561,14 @@ static int copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, boo
 
 /* ---- sync ----------------------------------------------------------------------------------- */
 
+bool skv__kvc_idle(skv__kvc_t *kc) {
+  if (!kc) return true;
+  pthread_mutex_lock(&kc->mu);
+  const bool idle = kc->inflight == 0;
+  pthread_mutex_unlock(&kc->mu);
+  return idle;
+}
+
 int skv__kvc_sync(skv__kvc_t *kc) {
   if (!kc) return 0;
   int ms = kc->p.ctx->cfg.timeout_ms;

@@ -156,6 +156,8 @@ void skv__kvc_dev_free(void *p);
 /* Wait until every stream-ordered copy completed and its `done` ran (bounded by the timeout);
  * returns the first failure since the last sync, or a reference a kernel refused. */
 int skv__kvc_sync(skv__kvc_t *kc);
+/* No launch of this cache is waiting for its completion (a look, not a wait; true for NULL). */
+bool skv__kvc_idle(skv__kvc_t *kc);
 /* The device-side error word (tests): 4 words of pinned host memory, mapped for the device. */
 uint32_t *skv__kvc_err_word(skv__kvc_t *kc);
 

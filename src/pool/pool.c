@@ -889,6 +889,21 @@ uint64_t skv__pool_evict(skv__pool_t *p, uint64_t n, skv__pool_evict_cb evict, v
   return done;
 }
 
+uint64_t skv__pool_reclaim(skv__pool_t *p, uint64_t nfree, skv__pool_evict_cb evict, void *arg,
+                           const int *stop) {
+  uint64_t done = 0;
+  while (!__atomic_load_n(stop, __ATOMIC_ACQUIRE)) {
+    pthread_mutex_lock(&p->mu);
+    if (p->nfree < nfree && p->nretired) recycle_retired(p);
+    const uint64_t ask = p->nfree < nfree ? SKV_MIN(nfree - p->nfree, (uint64_t)POOL_RUN) : 0;
+    const uint64_t d = ask ? evict_lru_n(p, ask, evict, arg) : 0;
+    pthread_mutex_unlock(&p->mu);
+    done += d;
+    if (ask == 0 || d < ask) break; /* enough free, or nothing more to evict */
+  }
+  return done;
+}
+
 uint64_t skv__pool_drain(skv__pool_t *p, skv__pool_evict_cb evict, void *arg,
                          uint64_t deadline_ms) {
   uint64_t still = 0;

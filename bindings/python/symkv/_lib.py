@@ -344,6 +344,7 @@ FUNCTIONS = {
                               P(c_size_t)], "rc"),
     "skv_kv_abort": (c_int, [c_void_p, P(PageRef), c_size_t, c_void_p], "rc"),
     "skv_kv_evict": (c_int, [c_void_p, c_uint64, P(c_uint64)], "rc"),
+    "skv_kv_set_free_reserve": (c_int, [c_void_p, c_uint64], "rc"),
     "skv_kv_sync": (c_int, [c_void_p], "rc"),
     # across nodes (docs/cluster.md): declared for completeness, no Python wrapper yet
     "skv_cluster_join": (c_int, [c_void_p, P(ClusterOpts), P(c_void_p)], "rc"),

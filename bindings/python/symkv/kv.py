@@ -842,6 +842,13 @@ class KVCache(CollectiveResource):
         lib.skv_kv_evict(self.handle, check_uint("npages", npages), byref(out))
         return out.value
 
+    def set_free_reserve(self, npages):
+        """Keep `npages` of this PE's pages free for the next publish (0: none, the default):
+        after each publish a helper thread evicts least recently used unpinned pages in the
+        background until that many are free, so the next publish of up to `npages` pages does
+        not evict on its way. Costs up to `npages` cached pages; at most half the pool."""
+        lib.skv_kv_set_free_reserve(self.handle, check_uint("npages", npages))
+
     def sync(self):
         """Wait until this PE's stream-ordered publishes and fetches finished their host-side
         steps (index inserts, pin releases)."""

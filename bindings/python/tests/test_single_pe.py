@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -195,6 +196,36 @@ def test_kv_bad_input(ctx):
     kv.close()
     kv.close()
 
+
+
+def test_free_reserve_is_evicted_ahead(ctx):
+    """set_free_reserve: after a publish into a full pool, the helper thread frees the reserve
+    (the least recently used pages) without another call; 0 stops it; bad values are refused."""
+    g = symkv.Geometry(**G)
+    with ctx.kv_cache(g, pages_per_pe=8) as kv, symkv.Namespace("r", g) as ns:
+        lay = symkv.Layout.from_tensors(g, [np.ones((2, 16, 4, 2, 16), np.float16)
+                                            for _ in range(2)], "vllm_flash")
+        with pytest.raises(symkv.InvalidArgument, match="over half"):
+            kv.set_free_reserve(5)
+        with pytest.raises(symkv.InvalidArgument, match="npages=-1"):
+            kv.set_free_reserve(-1)
+        first, second = ns.hash_tokens(np.arange(8 * 8)), ns.hash_tokens(np.arange(4 * 8) + 999)
+        assert kv.publish(ns, first, lay, np.arange(16)) == 8 and kv.stats().pages_used == 8
+        kv.set_free_reserve(2)
+        assert kv.publish(ns, second, lay, np.arange(8)) == 4
+        one_cpu = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < 2
+        want = 8 if one_cpu else 6  # the helper needs a second CPU
+        for _ in range(5000):
+            if kv.stats().pages_used == want:
+                break
+            time.sleep(0.001)
+        st = kv.stats()
+        assert st.pages_used == want and st.evicted == 4 + (8 - want)
+        assert kv.lookup(ns, second).nhit == 4  # the newest stay
+        kv.set_free_reserve(0)
+        assert kv.publish(ns, ns.hash_tokens(np.arange(2 * 8) + 5000), lay, np.arange(4)) == 2
+        time.sleep(0.02)
+        assert kv.stats().pages_used == want + 2
 
 
 def test_fetch_into_read_only_preset_and_custom_layouts(ctx):
