@@ -493,9 +493,11 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
  * once its launch completes (a CUDA error there is reported by skv__kvc_sync, as before).
  * A batch of several windows (over PUB_CHUNK keys, or over one launch's) has its next window's
  * keys claimed by the cache's helper thread (core/helper.c, SKV_PUBLISH_HELPER) while this
- * window's pages are allocated and copied; the caller claims them itself when the helper has
- * not started on them by then, and gives them back when it goes back to keys it found no page
- * for (claim_job_drop). The claims of one batch still come window after window.
+ * window's pages are allocated and copied; the caller, once this window is launched, claims
+ * the groups of 32 keys the helper has not come to yet from the window's back (claim_job_take),
+ * and gives them back when it goes back to keys it found no page for (claim_job_drop). The
+ * first window's claims are shared so too. The claims of one batch still come window after
+ * window.
  * The copy is one of three, by where the pages and the engine's blocks are:
  *  - host: memcpy between host blocks and host pages (host or cuda_host backend), runs of
  *    PUB_CHUNK pages, synchronous;
@@ -1245,6 +1247,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     bool *craced = raceds[set];
     bool claimed = false; /* by the helper, while the window before was allocated and copied */
     if (pending) {
+      claim_job_take(&job, true); /* the groups the helper has not come to yet: ours */
       skv__helper_join(helper);
       pending = false;
       claimed = job.keys == keys + i && job.n == w;
@@ -1252,6 +1255,14 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
         claim_job_redo(&job, ev_last > 0, path != PATH_DEVICE);
       else /* the publish went back (no pages): not these */
         claim_job_drop(kv, &job);
+    }
+    if (!claimed && sharing) { /* the first window: its claims shared with the helper */
+      job = claim_job_make(kv, keys + i, w, cl, crc, craced);
+      if (skv__helper_post(helper, claim_job_run, &job)) {
+        claim_job_take(&job, true);
+        skv__helper_join(helper);
+        claimed = true;
+      }
     }
     if (!claimed) skv__index_claim_n(&kv->index, keys + i, w, me, cl, crc, craced);
     if (sharing && i + w < n) { /* the next window's claims meanwhile (in the other set) */
