@@ -846,8 +846,15 @@ class KVCache(CollectiveResource):
         """Keep `npages` of this PE's pages free for the next publish (0: none, the default):
         after each publish a helper thread evicts least recently used unpinned pages in the
         background until that many are free, so the next publish of up to `npages` pages does
-        not evict on its way. Costs up to `npages` cached pages; at most half the pool."""
+        not evict on its way. Costs up to `npages` cached pages; at most half the pool.
+        `free_reserve` reads back what was set."""
         lib.skv_kv_set_free_reserve(self.handle, check_uint("npages", npages))
+        self._free_reserve = int(npages)
+
+    @property
+    def free_reserve(self):
+        """The pages set_free_reserve keeps free (0: none)."""
+        return getattr(self, "_free_reserve", 0)
 
     def sync(self):
         """Wait until this PE's stream-ordered publishes and fetches finished their host-side

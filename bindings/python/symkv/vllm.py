@@ -110,7 +110,7 @@ def connector_config(vllm_config, kv_cache_config):
     ktc = vllm_config.kv_transfer_config
     extra = dict(ktc.kv_connector_extra_config or {})
     known = {"domain", "cache_gb", "pages_per_pe", "backend", "salt", "model_id", "timeout_ms",
-             "max_slots", "load_async", "layerwise"}
+             "max_slots", "load_async", "layerwise", "free_reserve_pages"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError("SymkvConnector: unknown kv_connector_extra_config key(s) %s; known: %s"
@@ -172,6 +172,10 @@ def connector_config(vllm_config, kv_cache_config):
     if pages < 1:
         raise ValueError("SymkvConnector: cache_gb / pages_per_pe gives %d pages of %d bytes "
                          "per worker; give at least one" % (pages, geom.page_bytes))
+    reserve = extra.get("free_reserve_pages", 0)
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 <= reserve <= pages // 2:
+        raise ValueError("SymkvConnector: free_reserve_pages must be an integer from 0 to half "
+                         "the pages per worker (%d), not %r" % (pages // 2, reserve))
     name = extra.get("domain")
     if not name:
         base = re.sub(r"[^A-Za-z0-9._-]", "-", os.path.basename(str(mc.model).rstrip("/")))[:20]
@@ -183,7 +187,7 @@ def connector_config(vllm_config, kv_cache_config):
                 shards=shards, load_async=load_async, layerwise=layerwise, backend=backend,
                 salt=str(extra.get("salt", "")), layers=layers, spec=spec,
                 timeout_ms=int(extra.get("timeout_ms", _DEFAULT_TIMEOUT_MS)),
-                max_slots=int(extra.get("max_slots", 0)))
+                max_slots=int(extra.get("max_slots", 0)), free_reserve_pages=reserve)
 
 
 def namespace_model(cfg, shard):
@@ -507,6 +511,8 @@ class SymkvConnector(KVConnectorBase_V1):
         layout, ratio = _layout_over(cfg["geometry"], cfg["spec"], tensors)
         self._kv = _attach(cfg, "owner")
         self._shard, self._publisher = shard_of(cfg, rank)
+        if self._publisher and cfg["free_reserve_pages"]:
+            self._kv.set_free_reserve(cfg["free_reserve_pages"])  # saves allocate without evicting
         self._ns = _namespace(cfg, self._shard)
         self._layout, self._ratio, self._kv_caches = layout, ratio, dict(zip(names, tensors))
         self._rank = rank

@@ -211,8 +211,9 @@ def test_free_reserve_is_evicted_ahead(ctx):
             kv.set_free_reserve(-1)
         first, second = ns.hash_tokens(np.arange(8 * 8)), ns.hash_tokens(np.arange(4 * 8) + 999)
         assert kv.publish(ns, first, lay, np.arange(16)) == 8 and kv.stats().pages_used == 8
+        assert kv.free_reserve == 0
         kv.set_free_reserve(2)
-        assert kv.publish(ns, second, lay, np.arange(8)) == 4
+        assert kv.free_reserve == 2 and kv.publish(ns, second, lay, np.arange(8)) == 4
         one_cpu = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < 2
         want = 8 if one_cpu else 6  # the helper needs a second CPU
         for _ in range(5000):

@@ -70,8 +70,10 @@ class Engine:
 
     def __init__(self, model, domain, layout=KVCacheLayout.LBHNC, kernel=None, fill=None,
                  timeout_ms=30000, load_async=False, mla=False, tp=1, log_stats=False,
-                 layerwise=False):
+                 layerwise=False, free_reserve=None):
         extra = {"domain": domain, "cache_gb": 0.05, "timeout_ms": timeout_ms}
+        if free_reserve is not None:
+            extra["free_reserve_pages"] = free_reserve
         if load_async:
             extra["load_async"] = True
         if layerwise:
@@ -190,12 +192,21 @@ P1 = list(range(4, 204))
 P2 = P1[:150] + list(range(600, 640))
 
 
-def case_share(model, layout=KVCacheLayout.LBHNC, kernel=None):
+def case_share(model, layout=KVCacheLayout.LBHNC, kernel=None, reserve=True):
     """A saves P1 after its prefill; B (another scheduler and worker) gets P2: exactly the 4
     shared blocks are reported, loaded byte for byte into B's blocks, pinned until B's
     workers report the load, then unpinned."""
     dom = "t-case-%s" % uuid.uuid4().hex[:10]
-    a = Engine(model, dom, layout, kernel, fill=1)
+    for bad in (-1, True, "8", 1 << 40) if reserve else ():
+        try:
+            Engine(model, dom, layout, kernel, free_reserve=bad)
+        except ValueError as e:
+            check("free_reserve_pages must be an integer" in str(e), "refusal %r" % e)
+        else:
+            check(False, "free_reserve_pages=%r accepted" % (bad,))
+    a = Engine(model, dom, layout, kernel, fill=1, free_reserve=4 if reserve else None)
+    check(a.worker._kv.free_reserve == (4 if reserve else 0),
+          "A's reserve %r" % a.worker._kv.free_reserve)
     try:
         b = Engine(model, dom, layout, kernel)
     except BaseException:
@@ -404,7 +415,7 @@ def case_layouts(model):
     for layout in KVCacheLayout:
         for kernel in (None, 16):
             try:
-                case_share(model, layout, kernel)
+                case_share(model, layout, kernel, reserve=False)
                 result = "round trip"
             except ValueError as e:
                 if "cannot be split into" in str(e):
