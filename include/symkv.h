@@ -681,12 +681,12 @@ SKV_EXTERN int skv_kv_abort(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, 
 /* Evict up to `npages` of this PE's least recently used unpinned pages. */
 SKV_EXTERN int skv_kv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted);
 /* Keep `npages` of this PE's pages free for the next publish (0, the default: none). After each
- * skv_kv_publish, the cache's publish helper thread evicts least recently used unpinned pages in
- * the background until that many are free, so that the next publish of up to `npages` pages
- * allocates without evicting (an eviction is an index erase per page, on the publish's critical
- * path otherwise). A publish that comes while it runs stops it at once and evicts what it still
- * needs itself. The cost: up to `npages` fewer pages cached. An engine sets it to the pages it
- * publishes after one forward pass. Nothing is evicted ahead without the helper
+ * skv_kv_publish and skv_kv_commit, the cache's publish helper thread evicts least recently used
+ * unpinned pages in the background until that many are free, so that the next publish of up to
+ * `npages` pages allocates without evicting (an eviction is an index erase per page, on the
+ * publish's critical path otherwise). A publish that comes while it runs stops it at once and
+ * evicts what it still needs itself. The cost: up to `npages` fewer pages cached. An engine sets it
+ * to the pages it publishes after one forward pass. Nothing is evicted ahead without the helper
  * (SKV_PUBLISH_HELPER=0, a thread allowed on one CPU only, a forked child). SKV_EINVAL over
  * half the pages of a PE; SKV_ESTATE for a reader of a domain (it publishes nothing). */
 SKV_EXTERN int skv_kv_set_free_reserve(skv_kv_t *kv, uint64_t npages);

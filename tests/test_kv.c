@@ -625,6 +625,23 @@ static int pe_free_reserve(int rank, int npes, void *arg) {
   skv_kv_get_stats(f.kv, &st);
   PE_CHECK(st.pages_used == 64, "reserve 0: the pool fills again: %llu",
            (unsigned long long)st.pages_used);
+  /* 5. a publish in parts (reserve, write, commit) ends with the eviction ahead too */
+  PE_CHECK(skv_kv_set_free_reserve(f.kv, 16) == 0, "reserve 16 again");
+  skv_key_t rk[8];
+  skv_page_ref_t rr[8];
+  uint64_t rb[8];
+  size_t nres = 0;
+  for (int i = 0; i < 8; i++) {
+    rk[i] = key_of(&f, 6000 + (uint64_t)i);
+    rb[i] = (uint64_t)i;
+    fill_block(&f, (uint64_t)i, 6000 + (uint64_t)i);
+  }
+  PE_CHECK(skv_kv_reserve(f.kv, f.ns, rk, 8, rr, &nres) == 0 && nres == 8, "reserve 8: %zu", nres);
+  PE_CHECK(skv_kv_write(f.kv, rr, 8, f.eng.lay, rb, NULL) == 0, "write: %s", skv_last_error());
+  PE_CHECK(skv_kv_commit(f.kv, f.ns, rk, 8, rr, NULL, &ins) == 0 && ins == 8, "commit: %zu", ins);
+  PE_CHECK(used_reaching(&f, kept) == kept, "after a commit: %llu",
+           (unsigned long long)used_reaching(&f, kept));
+  PE_CHECK(hits_of(&f, 6000, 8) == 8, "the committed keys stay");
   fix_fini(&f);
   return 0;
 }

@@ -1063,12 +1063,12 @@ static bool helper_wanted(void) {
 
 /* How it works
  * ------------
- * With skv_kv_set_free_reserve(kv, R), each publish ends by posting a job to its helper: evict
- * least recently used unpinned pages until R are free (skv__pool_reclaim: runs of a few dozen,
- * the pool's lock released between runs). The publish does not wait for it; the next user of the
- * helper (a publish, a detach) stops it first (reclaim_end: the job checks the flag before each
- * run, so the wait is one run at most, or none when the helper had not begun it). The next
- * publish then takes its pages from the free stack, without an index erase per page.
+ * With skv_kv_set_free_reserve(kv, R), each publish (and commit) ends by posting a job to its
+ * helper: evict least recently used unpinned pages until R are free (skv__pool_reclaim: runs of
+ * a few dozen, the pool's lock released between runs). The publish does not wait for it; the next
+ * user of the helper (a publish, a detach) stops it first (reclaim_end: the job checks the flag
+ * before each run, so the wait is one run at most, or none when the helper had not begun it). The
+ * next publish then takes its pages from the free stack, without an index erase per page.
  *
  * What can go wrong
  * -----------------
@@ -1147,6 +1147,15 @@ static void helper_give(skv_kv_t *kv, skv__helper_t *h) {
   if (!h) return;
   skv__helper_burst(h, false);
   __atomic_store_n(&kv->helper_busy, 0, __ATOMIC_RELEASE);
+}
+
+/* After a commit (the layer-by-layer publish's end): the eviction ahead, as after a publish. */
+static void reclaim_ahead(skv_kv_t *kv) {
+  if (!__atomic_load_n(&kv->free_reserve, __ATOMIC_RELAXED)) return;
+  skv__helper_t *h = helper_take(kv, false);
+  if (!h) return;
+  kv->reclaim_pending = skv__helper_post(h, reclaim_run, kv);
+  helper_give(kv, h);
 }
 
 int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys, size_t n,
@@ -1602,7 +1611,9 @@ int skv_kv_commit(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys
   if (ninserted) *ninserted = 0;
   SKV_CHECK(check_ns(kv, ns, fn));
   SKV_CHECK(check_keys(keys, n, fn));
-  return finish_reserved(kv, keys, refs, n, stream, ninserted, fn);
+  int rc = finish_reserved(kv, keys, refs, n, stream, ninserted, fn);
+  reclaim_ahead(kv);
+  return rc;
 }
 
 int skv_kv_abort(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, void *stream) {
