@@ -684,8 +684,9 @@ SKV_EXTERN int skv_kv_evict(skv_kv_t *kv, uint64_t npages, uint64_t *nevicted);
  * skv_kv_publish and skv_kv_commit, the cache's publish helper thread evicts least recently used
  * unpinned pages in the background until that many are free, so that the next publish of up to
  * `npages` pages allocates without evicting (an eviction is an index erase per page, on the
- * publish's critical path otherwise). A publish that comes while it runs stops it at once and
- * evicts what it still needs itself. The cost: up to `npages` fewer pages cached. An engine sets it
+ * publish's critical path otherwise). A publish that comes while it runs stops it (within one
+ * run of 64 evictions) and evicts what it still needs itself; so does setting 0, and a fork
+ * waits for the run in progress. The cost: up to `npages` fewer pages cached. An engine sets it
  * to the pages it publishes after one forward pass. Nothing is evicted ahead without the helper
  * (SKV_PUBLISH_HELPER=0, a thread allowed on one CPU only, a forked child). SKV_EINVAL over
  * half the pages of a PE; SKV_ESTATE for a reader of a domain (it publishes nothing). */

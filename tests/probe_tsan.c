@@ -119,7 +119,8 @@ static void claim_batch(void *arg) {
 
 static void reclaim_job(void *arg) {
   pe_t *p = arg;
-  p->reclaimed += skv__pool_reclaim(&p->pool, RESERVE, evict_cb, p, &p->reclaim_stop);
+  static const uint64_t reserve = RESERVE;
+  p->reclaimed += skv__pool_reclaim(&p->pool, &reserve, evict_cb, p, &p->reclaim_stop);
 }
 
 /* Stop the helper's reclaim, as kv.c's reclaim_end does. */

@@ -533,7 +533,9 @@ Test(kv, publishes_of_several_windows_insert_every_key_once) {
 
 /* skv_kv_set_free_reserve: after a publish, the helper thread evicts the least recently used
  * pages until the reserve is free; publishes coming while it runs stop it and lose nothing. */
-static bool helper_can_run(void) { /* kv.c's helper needs a thread allowed on 2 CPUs */
+static bool helper_can_run(void) { /* kv.c's helper: on, and a thread allowed on 2 CPUs */
+  const char *e = getenv("SKV_PUBLISH_HELPER");
+  if (e && strcmp(e, "0") == 0) return false;
   cpu_set_t cs;
   CPU_ZERO(&cs);
   return sched_getaffinity(0, sizeof cs, &cs) != 0 || CPU_COUNT(&cs) >= 2;
@@ -649,6 +651,87 @@ static int pe_free_reserve(int rank, int npes, void *arg) {
 Test(kv, a_free_reserve_is_evicted_ahead_and_publishes_meanwhile_lose_nothing) {
   skv_test_job_t job;
   int bad = skv_test_run(&job, 1, pe_free_reserve, NULL, 120000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
+/* The eviction ahead stops between two runs of evictions: a callback that asks it to stop at
+ * the 64th eviction (the first run's last) ends it with one run done. */
+typedef struct stop_after {
+  skv_kv_t *kv;
+  int stop;
+  uint64_t calls, at;
+} stop_after_t;
+
+static void evict_then_stop(void *arg, uint32_t page, uint32_t gen, uint64_t hi, uint64_t lo) {
+  stop_after_t *s = arg;
+  skv__kv_evict_cb(s->kv, page, gen, hi, lo);
+  if (++s->calls == s->at) __atomic_store_n(&s->stop, 1, __ATOMIC_RELEASE);
+}
+
+/* Forks while the helper evicts ahead: no child inherits the pool's lock held (each child reads
+ * the cache's stats, which takes it, within 5 s). */
+static int pe_reserve_stop_and_fork(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  static uint64_t ids[WIN_N];
+  size_t ins = 0;
+  PE_CHECK(fix_init(&f, 2048, WIN_N, 30000) == 0, "fixture: %s", skv_last_error());
+  uint64_t next = 1;
+  for (int q = 0; q < 3; q++) { /* fill: 2100 keys into 2048 pages */
+    for (size_t i = 0; i < WIN_N; i++) ids[i] = next++;
+    PE_CHECK(publish_many(&f, ids, WIN_N, &ins) == 0 && ins == WIN_N, "fill: %zu", ins);
+  }
+  /* 1. a reclaim of 300 pages asked to stop at its 64th eviction stops after that run (the
+   * pool's hint and flush take the cache as their argument: off meanwhile; the next pass counts
+   * what these evictions erased) */
+  skv__pool_t *pool = &f.kv->pool;
+  const skv__pool_hint_fn hint = pool->evict_hint;
+  void (*const flush)(void *) = pool->evict_flush;
+  pool->evict_hint = NULL, pool->evict_flush = NULL;
+  stop_after_t sa = {f.kv, 0, 0, 64};
+  const uint64_t want = 300;
+  skv_kv_stats_t st = SKV_KV_STATS_INIT;
+  uint64_t got = skv__pool_reclaim(&f.kv->pool, &want, evict_then_stop, &sa, &sa.stop);
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(got == 64 && sa.calls == 64 && st.pages_used == 2048 - 64,
+           "stopped reclaim: %llu evicted, %llu calls, %llu used", (unsigned long long)got,
+           (unsigned long long)sa.calls, (unsigned long long)st.pages_used);
+  sa.stop = 0, sa.at = 0;
+  got = skv__pool_reclaim(&f.kv->pool, &want, evict_then_stop, &sa, &sa.stop);
+  skv_kv_get_stats(f.kv, &st);
+  PE_CHECK(got == 300 - 64 && st.pages_used == 2048 - 300, "the rest: %llu, used %llu",
+           (unsigned long long)got, (unsigned long long)st.pages_used);
+  pool->evict_hint = hint, pool->evict_flush = flush;
+  /* 2. forks right after publishes that leave the helper a reclaim of 1024 pages */
+  int hung = 0;
+  for (int round = 0; round < 30; round++) {
+    PE_CHECK(skv_kv_set_free_reserve(f.kv, 0) == 0, "reserve 0");
+    for (int q = 0; q < 2; q++) { /* the pool full again */
+      for (size_t i = 0; i < WIN_N; i++) ids[i] = next++;
+      PE_CHECK(publish_many(&f, ids, WIN_N, &ins) == 0 && ins == WIN_N, "refill: %zu", ins);
+    }
+    PE_CHECK(skv_kv_set_free_reserve(f.kv, 1024) == 0, "reserve 1024");
+    for (size_t i = 0; i < 64; i++) ids[i] = next++;
+    PE_CHECK(publish_many(&f, ids, 64, &ins) == 0 && ins == 64, "publish: %zu", ins);
+    pid_t pid = fork();
+    PE_CHECK(pid >= 0, "fork");
+    if (pid == 0) { /* no Criterion call here */
+      alarm(5);
+      skv_kv_stats_t cs = SKV_KV_STATS_INIT;
+      _exit(skv_kv_get_stats(f.kv, &cs) == 0 ? 0 : 3);
+    }
+    int ws = 0;
+    PE_CHECK(waitpid(pid, &ws, 0) == pid, "waitpid");
+    hung += !(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+  }
+  PE_CHECK(hung == 0, "%d of 30 children could not take the pool's lock", hung);
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, an_eviction_ahead_stops_between_runs_and_forks_never_inherit_its_lock, .timeout = 120) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_reserve_stop_and_fork, NULL, 110000);
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <time.h>
 
 #define KV_CHECK_NULL(kv, fn)                                                 \
@@ -16,6 +17,7 @@
   } while (0)
 
 static void reclaim_end(skv_kv_t *kv);
+static void forker_remove(skv_kv_t *kv);
 
 static uint64_t next_pow2(uint64_t x) {
   uint64_t p = 1;
@@ -212,6 +214,7 @@ int skv_kv_destroy(skv_kv_t *kv) {
   if (kv->domain) return skv_kv_detach(kv);
   reclaim_end(kv);
   skv__helper_destroy(kv->helper);
+  forker_remove(kv);
   int rc = 0;
 #ifdef SKV_WITH_CUDA
   rc = skv__kvc_sync(kv->cuda);
@@ -328,6 +331,7 @@ int skv_kv_detach(skv_kv_t *kv) {
                 "with skv_kv_destroy");
   reclaim_end(kv);
   skv__helper_destroy(kv->helper);
+  forker_remove(kv);
   int rc = 0;
 #ifdef SKV_WITH_CUDA
   rc = skv__kvc_sync(kv->cuda); /* this owner's publishes are indexed, its fetches done */
@@ -990,7 +994,10 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
 
 /* A window's claims (skv__index_claim_n's arguments), in groups of CLAIM_SHARE keys that the
  * helper takes from the front and the caller from the back once it has nothing else to do
- * (span: the groups not taken yet, the first in the low 32 bits, the end in the high 32). */
+ * (span: the groups not taken yet, the first in the low 32 bits, the end in the high 32). A key
+ * listed twice in one window, in two groups, is claimed by both at once: exactly one claim wins
+ * (the older ticket), not always the first in the list (the blocks of one key are the same
+ * bytes). */
 #define CLAIM_SHARE 32
 typedef struct claim_job {
   skv__index_t *ix;
@@ -1075,24 +1082,69 @@ static bool helper_wanted(void) {
  * - Publishes back to back leave the job no time: each stops the one before, and allocation
  *   evicts the rest itself, as without a reserve.
  * - No helper (switched off, one CPU, a forked child): nothing is posted, nothing evicted ahead.
- * - The reserve costs its pages: up to R fewer pages cached (the least recently used). */
+ * - The reserve costs its pages: up to R fewer pages cached (the least recently used).
+ * - A fork while it runs: the fork waits for the pool's lock (fork_prepare below). */
 
 static void reclaim_run(void *arg) {
   skv_kv_t *kv = arg;
-  const uint64_t want = __atomic_load_n(&kv->free_reserve, __ATOMIC_RELAXED);
-  if (!want) return;
+  if (!__atomic_load_n(&kv->free_reserve, __ATOMIC_RELAXED)) return;
 #ifdef SKV_WITH_CUDA
   /* After the publish's completion, not beside it: its inserts and LRU pushes (the completion
    * thread) and these evictions would take the pool's lock in turns, and the publish, timed to
-   * its completion, took twice as long so on one H100. Looked at every 5 us or so. */
-  while (!skv__kvc_idle(kv->cuda)) {
+   * its completion, took twice as long so on one H100. Looked at every 5 us or so for 1 ms,
+   * then every 100 us (fetches may keep the cache busy a long time). */
+  for (unsigned polls = 0; !skv__kvc_idle(kv->cuda); polls++) {
     for (int i = 0; i < 100; i++) {
       if (__atomic_load_n(&kv->reclaim_stop, __ATOMIC_ACQUIRE)) return;
-      SKV_CPU_RELAX();
+      if (polls < 200) SKV_CPU_RELAX();
     }
+    if (polls >= 200) nanosleep(&(struct timespec){0, 100000}, NULL);
   }
 #endif
-  (void)skv__pool_reclaim(&kv->pool, want, skv__kv_evict_cb, kv, &kv->reclaim_stop);
+  (void)skv__pool_reclaim(&kv->pool, &kv->free_reserve, skv__kv_evict_cb, kv, &kv->reclaim_stop);
+}
+
+/* A fork while a helper evicts ahead would copy its pool's lock held, in a child without that
+ * thread: every cache with a helper is listed, and a fork takes their pool locks first
+ * (pthread_atfork), so each pool is between two runs of evictions when the child is made. */
+static pthread_mutex_t forkers_mu = PTHREAD_MUTEX_INITIALIZER;
+static skv_kv_t *forkers;
+static pthread_once_t forkers_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void) {
+  pthread_mutex_lock(&forkers_mu);
+  for (skv_kv_t *k = forkers; k; k = k->fork_next) pthread_mutex_lock(&k->pool.mu);
+}
+
+static void fork_done(void) { /* in the parent and in the child (the thread that forked) */
+  for (skv_kv_t *k = forkers; k; k = k->fork_next) pthread_mutex_unlock(&k->pool.mu);
+  pthread_mutex_unlock(&forkers_mu);
+}
+
+static void forkers_init(void) {
+  (void)pthread_atfork(fork_prepare, fork_done, fork_done);
+}
+
+static void forker_add(skv_kv_t *kv) {
+  pthread_once(&forkers_once, forkers_init);
+  pthread_mutex_lock(&forkers_mu);
+  kv->fork_next = forkers;
+  forkers = kv;
+  kv->forker = true;
+  pthread_mutex_unlock(&forkers_mu);
+}
+
+/* Off the list (at destroy and detach, once the helper is gone). */
+static void forker_remove(skv_kv_t *kv) {
+  if (!kv->forker) return;
+  pthread_mutex_lock(&forkers_mu);
+  for (skv_kv_t **pp = &forkers; *pp; pp = &(*pp)->fork_next)
+    if (*pp == kv) {
+      *pp = kv->fork_next;
+      break;
+    }
+  kv->forker = false;
+  pthread_mutex_unlock(&forkers_mu);
 }
 
 /* Stop the helper's eviction ahead, if one was posted (by the holder of helper_busy, or at a
@@ -1130,10 +1182,13 @@ static skv__helper_t *helper_take(skv_kv_t *kv, bool burst) {
                                    __ATOMIC_RELAXED))
     return NULL;
   reclaim_end(kv);
-  if (!kv->helper && !kv->helper_off &&
-      skv__helper_create(SKV_SUBSYS_KV, "skv_kv_publish", &kv->helper) != 0) {
-    SKV_WARN(SKV_SUBSYS_KV, "%s; publishes claim their keys without it", skv_last_error());
-    kv->helper_off = true;
+  if (!kv->helper && !kv->helper_off) {
+    if (skv__helper_create(SKV_SUBSYS_KV, "skv_kv_publish", &kv->helper) == 0) {
+      forker_add(kv);
+    } else {
+      SKV_WARN(SKV_SUBSYS_KV, "%s; publishes claim their keys without it", skv_last_error());
+      kv->helper_off = true;
+    }
   }
   if (!skv__helper_usable(kv->helper)) {
     __atomic_store_n(&kv->helper_busy, 0, __ATOMIC_RELEASE);

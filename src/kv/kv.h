@@ -41,6 +41,9 @@ struct skv_kv {
   uint64_t free_reserve;
   bool reclaim_pending;
   int reclaim_stop;
+  /* in the list of caches whose pool locks a fork waits for (kv.c, fork_prepare) */
+  bool forker;
+  struct skv_kv *fork_next;
 };
 
 /* Address of a page (host-visible for host heaps, device address for cuda heaps). */

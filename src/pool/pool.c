@@ -889,10 +889,11 @@ uint64_t skv__pool_evict(skv__pool_t *p, uint64_t n, skv__pool_evict_cb evict, v
   return done;
 }
 
-uint64_t skv__pool_reclaim(skv__pool_t *p, uint64_t nfree, skv__pool_evict_cb evict, void *arg,
-                           const int *stop) {
+uint64_t skv__pool_reclaim(skv__pool_t *p, const uint64_t *nfree_p, skv__pool_evict_cb evict,
+                           void *arg, const int *stop) {
   uint64_t done = 0;
   while (!__atomic_load_n(stop, __ATOMIC_ACQUIRE)) {
+    const uint64_t nfree = __atomic_load_n(nfree_p, __ATOMIC_RELAXED);
     pthread_mutex_lock(&p->mu);
     if (p->nfree < nfree && p->nretired) recycle_retired(p);
     const uint64_t ask = p->nfree < nfree ? SKV_MIN(nfree - p->nfree, (uint64_t)POOL_RUN) : 0;

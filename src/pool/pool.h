@@ -321,12 +321,12 @@ void skv__pool_release(skv__pool_t *p, uint32_t page);
 uint64_t skv__pool_drain(skv__pool_t *p, skv__pool_evict_cb evict, void *arg, uint64_t deadline_ms);
 /* Owner: evict up to n LRU unpinned pages. */
 uint64_t skv__pool_evict(skv__pool_t *p, uint64_t n, skv__pool_evict_cb evict, void *arg);
-/* Owner, ahead of allocations: evict LRU unpinned pages until `nfree` pages are free, in runs of
- * a few dozen with the lock released between them (an allocation or a commit waits one run at
- * most); stops early once *stop is nonzero, or when nothing more can be evicted. Returns how many
- * pages it evicted. */
-uint64_t skv__pool_reclaim(skv__pool_t *p, uint64_t nfree, skv__pool_evict_cb evict, void *arg,
-                           const int *stop);
+/* Owner, ahead of allocations: evict LRU unpinned pages until *nfree pages are free (read before
+ * each run: lowering it stops the reclaim), in runs of a few dozen with the lock released between
+ * them (an allocation or a commit waits one run at most); stops early once *stop is nonzero, or
+ * when nothing more can be evicted. Returns how many pages it evicted. */
+uint64_t skv__pool_reclaim(skv__pool_t *p, const uint64_t *nfree, skv__pool_evict_cb evict,
+                           void *arg, const int *stop);
 /* Record a use of a page (lookup hit). */
 static inline void skv__pool_touch(skv__pool_t *p, uint32_t pe, uint32_t page, uint64_t now) {
   skv__page_meta_t *m = &p->meta[pe][page];

@@ -215,7 +215,8 @@ def test_free_reserve_is_evicted_ahead(ctx):
         kv.set_free_reserve(2)
         assert kv.free_reserve == 2 and kv.publish(ns, second, lay, np.arange(8)) == 4
         one_cpu = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < 2
-        want = 8 if one_cpu else 6  # the helper needs a second CPU
+        off = os.environ.get("SKV_PUBLISH_HELPER") == "0"
+        want = 8 if one_cpu or off else 6  # the helper: on, with a second CPU
         for _ in range(5000):
             if kv.stats().pages_used == want:
                 break
@@ -226,7 +227,7 @@ def test_free_reserve_is_evicted_ahead(ctx):
         kv.set_free_reserve(0)
         assert kv.publish(ns, ns.hash_tokens(np.arange(2 * 8) + 5000), lay, np.arange(4)) == 2
         time.sleep(0.02)
-        assert kv.stats().pages_used == want + 2
+        assert kv.stats().pages_used == min(8, want + 2)
 
 
 def test_fetch_into_read_only_preset_and_custom_layouts(ctx):
