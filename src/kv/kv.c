@@ -1007,13 +1007,16 @@ typedef struct claim_job {
   skv__index_claim_t *cl;
   int *crc;
   bool *craced;
-  uint64_t span; /* atomic */
+  uint64_t span;        /* atomic */
+  pthread_t caller;     /* the publishing thread (the helper is any other) */
+  skv__kv_prof_t *prof; /* the helper's share is timed (SKV__KP_HELPER) */
 } claim_job_t;
 
 static claim_job_t claim_job_make(skv_kv_t *kv, const skv_key_t *keys, size_t n,
                                   skv__index_claim_t *cl, int *crc, bool *craced) {
   const uint64_t groups = (n + CLAIM_SHARE - 1) / CLAIM_SHARE;
-  return (claim_job_t){&kv->index, keys, n, kv->pool.me, cl, crc, craced, groups << 32};
+  return (claim_job_t){&kv->index,   keys,           n,        kv->pool.me, cl, crc, craced,
+                       groups << 32, pthread_self(), &kv->prof};
 }
 
 /* Claim the groups not taken yet, from the front (the helper) or the back (the caller). */
@@ -1032,7 +1035,19 @@ static void claim_job_take(claim_job_t *j, bool back) {
 }
 
 static void claim_job_run(void *arg) {
-  claim_job_take(arg, false);
+  claim_job_t *j = arg;
+  const bool helper = !pthread_equal(pthread_self(), j->caller); /* not taken back */
+  const uint64_t t = helper ? skv__kp_now(j->prof) : 0;
+  claim_job_take(j, false);
+  (void)skv__kp_lap(j->prof, SKV__KP_HELPER, t);
+}
+
+/* The caller's share of a posted window, then its wait for the helper's. */
+static void claim_job_finish(skv__helper_t *h, claim_job_t *j) {
+  claim_job_take(j, true); /* the groups the helper has not come to yet: ours */
+  const uint64_t t = skv__kp_now(j->prof);
+  skv__helper_join(h);
+  (void)skv__kp_lap(j->prof, SKV__KP_JOIN, t);
 }
 
 /* Give up a window's claims that were made and not used (the publish stopped before it, or went
@@ -1311,8 +1326,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     bool *craced = raceds[set];
     bool claimed = false; /* by the helper, while the window before was allocated and copied */
     if (pending) {
-      claim_job_take(&job, true); /* the groups the helper has not come to yet: ours */
-      skv__helper_join(helper);
+      claim_job_finish(helper, &job);
       pending = false;
       claimed = job.keys == keys + i && job.n == w;
       if (claimed)
@@ -1323,8 +1337,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
     if (!claimed && sharing) { /* the first window: its claims shared with the helper */
       job = claim_job_make(kv, keys + i, w, cl, crc, craced);
       if (skv__helper_post(helper, claim_job_run, &job)) {
-        claim_job_take(&job, true);
-        skv__helper_join(helper);
+        claim_job_finish(helper, &job);
         claimed = true;
       }
     }

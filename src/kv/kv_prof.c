@@ -10,6 +10,7 @@ static const char *const names[SKV__KP_N] = {
     [SKV__KP_SLOT] = "slot_wait",  [SKV__KP_STAGE] = "stage_args",  [SKV__KP_LAUNCH] = "launch",
     [SKV__KP_HANDOFF] = "handoff", [SKV__KP_COPY] = "host_copy",    [SKV__KP_RELEASE] = "release",
     [SKV__KP_FINISH] = "finish",   [SKV__KP_COMPLETE] = "complete", [SKV__KP_SYNC] = "sync_wait",
+    [SKV__KP_HELPER] = "helper",   [SKV__KP_JOIN] = "join_wait",
 };
 
 const char *skv__kp_name(int phase) {

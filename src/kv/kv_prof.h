@@ -29,6 +29,8 @@ typedef enum skv__kp_phase {
   SKV__KP_FINISH,   /* publish: READY, index insert, LRU (in the call, or in the completion) */
   SKV__KP_COMPLETE, /* CUDA: completions run (either thread), release / finish included */
   SKV__KP_SYNC,     /* skv_kv_sync: waiting for the completions */
+  SKV__KP_HELPER,   /* publish: the helper thread claiming keys (beside the call) */
+  SKV__KP_JOIN,     /* publish: the call waiting for the helper's claims (within claim) */
   SKV__KP_N
 } skv__kp_phase_t;
 
