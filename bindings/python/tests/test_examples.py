@@ -76,6 +76,9 @@ BLOCKS = {
     ("docs/reference.md", "skv_layout_t *l0;                                     /* layer 0 of the engine's layout */"):
         "NOT RUN: an API overview with placeholders (kv, ns, keys, lay, refs, block_ids); "
         "tests/test_kv.c layer_by_layer_save_and_load makes each call on forked PEs",
+    ("docs/reference.md", "rc = skv_kv_set_free_reserve(kv, 1024);  /* the pages one forward pass publishes; 0: off */"):
+        "NOT RUN: an API overview with a placeholder (kv); tests/test_kv.c "
+        "a_free_reserve_is_evicted_ahead_and_publishes_meanwhile_lose_nothing makes the call",
     ("docs/reference.md", "skv_cluster_opts_t o = SKV_CLUSTER_OPTS_INIT;  /* URL from SKV_REDIS_URL, node HOST:PID */"):
         "NOT RUN: an API overview with placeholders (kv, ns, keys, lay, block_ids); "
         "tests/test_cluster.c makes each call against a redis-server it starts",
