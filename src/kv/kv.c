@@ -1145,20 +1145,19 @@ static void forker_add(skv_kv_t *kv) {
   pthread_mutex_lock(&forkers_mu);
   kv->fork_next = forkers;
   forkers = kv;
-  kv->forker = true;
   pthread_mutex_unlock(&forkers_mu);
 }
 
-/* Off the list (at destroy and detach, once the helper is gone). */
+/* Off the list (at destroy and detach, once the helper is gone: kv->helper still says whether
+ * one was made, and so listed). */
 static void forker_remove(skv_kv_t *kv) {
-  if (!kv->forker) return;
+  if (!kv->helper) return;
   pthread_mutex_lock(&forkers_mu);
   for (skv_kv_t **pp = &forkers; *pp; pp = &(*pp)->fork_next)
     if (*pp == kv) {
       *pp = kv->fork_next;
       break;
     }
-  kv->forker = false;
   pthread_mutex_unlock(&forkers_mu);
 }
 

@@ -41,8 +41,8 @@ struct skv_kv {
   uint64_t free_reserve;
   bool reclaim_pending;
   int reclaim_stop;
-  /* in the list of caches whose pool locks a fork waits for (kv.c, fork_prepare) */
-  bool forker;
+  /* the next cache whose pool lock a fork waits for (kv.c, fork_prepare: every cache with a
+   * helper is listed) */
   struct skv_kv *fork_next;
 };
 
