@@ -86,6 +86,7 @@ template <uint32_t INL> struct kp_t {
   uint32_t *gate_lock;   /* who reads the host's word */
   uint32_t gate_epoch, gate_ms;
   uint32_t npes, pages, m, slab, items, bid64, refs_off, bids_off, ninl, l2_256;
+  uint32_t precede; /* publish: the next launch of the publish may begin early (desc.precedes) */
   fdiv_t cpu, nt, row, heads, bt, run;
   alignas(16) uint8_t inl[INL];
 };
@@ -269,6 +270,12 @@ __device__ __forceinline__ bool gate_pass_warp(const P &p, uint32_t i, uint32_t 
 }
 
 template <int W, int U, int DIR, class P> __device__ __forceinline__ void copy_vec(const P &p) {
+#if __CUDA_ARCH__ >= 900
+  /* a publish's next launch (skv__kv_copy_desc_t.precedes) may begin on the multiprocessors
+   * this one's CTAs leave: it writes other pages */
+  if (DIR == SKV_KV_COPY_PUBLISH && p.precede)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   typedef typename vec<W>::T T;
   constexpr uint32_t CH = 32u * U * W;
   const uint8_t *a = args_of(p);
@@ -679,6 +686,7 @@ int launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg, bool inl
   p.bids_off = d->bids_off;
   p.ninl = inl ? d->args_bytes : 0;
   p.l2_256 = cfg->l2_256 ? 1u : 0u;
+  p.precede = d->precedes && d->dir == SKV_KV_COPY_PUBLISH ? 1u : 0u;
   if (inl) memcpy(p.inl, d->args_host, d->args_bytes);
   p.cpu = fdiv_make(cpu);
   p.nt = fdiv_make(d->ntensors);
@@ -708,8 +716,17 @@ int launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg, bool inl
       (uint64_t)cfg->sms * (uint64_t)(cfg->ctas_per_sm < per_sm ? cfg->ctas_per_sm : per_sm);
   if (grid > cap) grid = cap;
   void *args[] = {&p};
-  return (int)cudaLaunchKernel(fn, dim3((unsigned)grid), dim3((unsigned)threads), args, smem,
-                               (cudaStream_t)stream);
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3((unsigned)grid);
+  lc.blockDim = dim3((unsigned)threads);
+  lc.dynamicSmemBytes = smem;
+  lc.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = at;
+  lc.numAttrs = d->follows && d->dir == SKV_KV_COPY_PUBLISH && !bulk ? 1 : 0;
+  return (int)cudaLaunchKernelExC(&lc, fn, args);
 }
 
 } // namespace

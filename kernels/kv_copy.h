@@ -74,6 +74,14 @@ typedef struct skv__kv_copy_desc {
   uint32_t *gate_lock;
   uint32_t gate_epoch;
   uint32_t gate_ms; /* the longest wait for the host, then SKV_KV_DEVERR_GATE */
+  /* publish: the launch follows the previous launch of the same publish on its stream, with
+   * nothing enqueued between them but that launch's event: it may begin while that launch's last
+   * CTAs run (programmatic dependent launch; the two write other pages and only read the
+   * engine's blocks). A stream event after either still waits for both. precedes: another
+   * launch of the same publish will follow this one so; only then does its kernel let the
+   * stream's next kernel begin early (the engine's next kernel, when it is launched as a
+   * dependent, begins no earlier than it would have). */
+  uint32_t follows, precedes;
 } skv__kv_copy_desc_t;
 
 /* A gated fetch is launched before its pages are pinned: the host pins them in order and stores

@@ -1225,6 +1225,83 @@ Test(gpu_kv, large_batches_and_many_in_flight, .timeout = 180) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* ---- a publish of several windows: each launch after the first may begin while the one before
+ * it ends (programmatic dependent launch); every page is written, no key shows before its copy
+ * ran ---- */
+
+static int pe_follow(int rank, int npes, void *arg) {
+  (void)npes, (void)arg;
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
+  int dev = skv_ctx_get_device(ctx);
+  PE_CHECK(dev >= 0, "device");
+  /* 16 KiB pages; 1100 keys: 4 windows of 275, whose arguments (4.4 KiB) go in the kernel
+   * parameters, so that nothing but their events comes between the launches */
+  skv_geometry_t g = geom_make(SKV_KV_SPLIT, 2, 2, 64, 2, 16);
+  enum { N = 1100 };
+  skv_kv_opts_t o = SKV_KV_OPTS_INIT;
+  o.backend = SKV_BACKEND_CUDA;
+  o.pages_per_pe = N + 8;
+  skv_kv_t *kv;
+  PE_CHECK(skv_kv_create(ctx, &g, &o, &kv) == 0, "kv: %s", skv_last_error());
+  skv_namespace_t *ns;
+  PE_CHECK(skv_namespace_create("follow", &g, NULL, 0, "s", 1, &ns) == 0, "ns");
+  dengine_t src, dst, ref;
+  PE_CHECK(de_new(&src, &g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, N, dev) == 0, "src");
+  PE_CHECK(de_new(&dst, &g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, N, dev) == 0, "dst");
+  PE_CHECK(de_new(&ref, &g, SKV_LAYOUT_VLLM_FLASH_NHD, 16, N, -1) == 0, "ref");
+  const uint64_t seed = skv_test_seed();
+  PE_CHECK(de_fill(&src, seed) == 0 && de_fill(&ref, seed) == 0, "fill");
+  static skv_key_t keys[N];
+  static uint64_t blocks[N], dblocks[N];
+  static skv_page_ref_t refs[N];
+  pe_keys(ns, rank, N, keys);
+  for (uint64_t i = 0; i < N; i++) {
+    blocks[i] = (i * 7919 + seed) % N; /* permutations */
+    dblocks[i] = (i * 104729 + 13) % N;
+  }
+  cudaStream_t st;
+  CU_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  uint32_t *flag;
+  CU_OK(cudaHostAlloc((void **)&flag, 64, cudaHostAllocMapped));
+  __atomic_store_n(flag, 0, __ATOMIC_SEQ_CST);
+  /* the launches queue behind a held stream, so that they run back to back */
+  CU_OK((cudaError_t)skv__kv_gate_launch(st, flag, 0, 20ull * 1000 * 1000 * 1000));
+  size_t queued = 0, nhit = 0;
+  PE_CHECK(skv_kv_publish(kv, ns, keys, N, src.lay, blocks, st, &queued) == 0 && queued == N,
+           "publish: %zu queued (%s)", queued, skv_last_error());
+  usleep(50 * 1000);
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, N, 0, refs, &nhit) == 0 && nhit == 0,
+           "%zu keys found before their copies ran", nhit);
+  __atomic_store_n(flag, 1, __ATOMIC_SEQ_CST);
+  PE_CHECK(skv_kv_sync(kv) == 0, "sync: %s", skv_last_error());
+  PE_CHECK(skv_kv_lookup(kv, ns, keys, N, 0, refs, &nhit) == 0 && nhit == N, "lookup %zu", nhit);
+  PE_CHECK(de_poison(&dst) == 0, "poison");
+  PE_CHECK(skv_kv_fetch(kv, refs, N, dst.lay, dblocks, 0, st) == 0, "fetch: %s", skv_last_error());
+  CU_OK(cudaStreamSynchronize(st));
+  PE_CHECK(skv_kv_sync(kv) == 0, "sync");
+  PE_CHECK(de_download(&dst) == 0, "download");
+  for (uint64_t i = 0; i < N; i++)
+    PE_CHECK(pages_equal(&ref, &blocks[i], &dst, &dblocks[i]), "page %llu differs",
+             (unsigned long long)i);
+  cudaFreeHost(flag);
+  CU_OK(cudaStreamDestroy(st));
+  de_free(&src);
+  de_free(&dst);
+  de_free(&ref);
+  skv_namespace_destroy(ns);
+  PE_CHECK(skv_kv_destroy(kv) == 0, "destroy");
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(gpu_kv, publish_windows_launched_back_to_back_write_every_page, .timeout = 120) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_follow, NULL, 100000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 /* ---- pins and keys wait for the copy: a held stream keeps them until it ran ---- */
 
 static int pe_wait_copy(int rank, int npes, void *arg) {

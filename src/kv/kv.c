@@ -532,7 +532,10 @@ enum { PATH_HOST, PATH_STAGED, PATH_DEVICE };
  * one after the other (publish_e2e/64KiB/x1024 on one H100 was 0.088 x cudaMemcpyAsync + sync,
  * nearly all of it host work per page). At most 4 launches more than one per argument slot's
  * worth of pages: a publish takes few of the 8 ring slots, so it does not wait for the stream
- * where it did not before. */
+ * where it did not before. The launches after the first begin while the one before ends
+ * (skv__kv_batch_t.follows: programmatic dependent launch), so that the split costs the GPU no
+ * more than one launch (launches of 256 pages filled and drained the GPU each: 0.72x the local
+ * copy engine against 0.91x; bench/results/split_probe_nvidia-h100-x1.txt). */
 #define PUB_CHUNK 256
 int skv__kv_pub_split = 4;
 int skv__kv_gate_delay_us = 0;
@@ -947,7 +950,8 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   int path;
   SKV_CHECK(choose_path(kv, dst, &path, fn));
   const bool unpin = (flags & SKV_FETCH_UNPIN) != 0;
-  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &refs[0].pe, 4, &refs[0].page, 4, NULL, unpin, NULL};
+  const skv__kv_batch_t b = {SKV__KV_FETCH, n,     &refs[0].pe, 4,     &refs[0].page, 4,
+                             NULL,          unpin, NULL,        false, false};
   SKV_CHECK(map_begin(kv, &b));
   (void)skv__kp_lap(&kv->prof, SKV__KP_CHECK, t0);
   int rc = fetch_mapped(kv, &b, refs, path, flags, dst, block_ids, stream, fn);
@@ -973,7 +977,8 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   if (nt) skv__copy_stream_fence(); /* the pages must be complete before they are indexed */
 #ifdef SKV_WITH_CUDA
   if (path == PATH_STAGED) {
-    const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &me, 0, pages, 1, NULL, false, NULL};
+    const skv__kv_batch_t b = {SKV__KV_PUBLISH, k,    &me,   0,    pages, 1, NULL,
+                               false,           NULL, false, false};
     rc = skv__kvc_write_pages(kv->cuda, &b, 0, pb, buf, stream, fn);
   }
 #else
@@ -1313,6 +1318,9 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   bool pending = false;
   int set = 0;
   uint64_t ev_last = 0; /* pages the last window's allocation evicted */
+#ifdef SKV_WITH_CUDA
+  bool launched = false; /* a window's copy is on the stream (the next one follows it) */
+#endif
   for (size_t i = 0; i < n && rc == 0;) {
     size_t k = 0, got = 0;
     t = skv__kp_now(P);
@@ -1385,9 +1393,12 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
 #ifdef SKV_WITH_CUDA
       const uint32_t ume = (uint32_t)me;
       for (size_t q = 0; q < k; q++) pkeys[q] = keys[idx[q]];
-      const skv__kv_batch_t b = {SKV__KV_PUBLISH, k, &ume, 0, pages, 1, pkeys, false, cl};
+      /* after the first window's launch the windows follow one another on the stream */
+      const skv__kv_batch_t b = {SKV__KV_PUBLISH, k,     &ume, 0,        pages, 1,
+                                 pkeys,           false, cl,   launched, i < n};
       size_t queued = 0;
       r = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
+      launched = launched || queued > 0;
       release_claims(kv, keys, idx + queued, cl + queued, k - queued);
       for (size_t q = queued; q < k; q++) skv__pool_release(&kv->pool, pages[q]);
       inserted += queued; /* queued: the completion publishes them (skv_kv_sync waits for it) */
@@ -1593,13 +1604,14 @@ int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
       const size_t c = SKV_MIN(per, k - off);
       for (size_t q = 0; q < c; q++)
         skv__copy_blocks_to_page(src, buf + q * lb, block_ids + idx[off + q] * m, false);
-      const skv__kv_batch_t b = {SKV__KV_WRITE, c, &me, 0, pages + off, 1, NULL, false, NULL};
+      const skv__kv_batch_t b = {SKV__KV_WRITE, c,     &me,  0,     pages + off, 1,
+                                 NULL,          false, NULL, false, false};
       rc = skv__kvc_write_pages(kv->cuda, &b, src->page_off, lb, buf, stream, fn);
     }
     free(buf);
   }
   if (rc == 0 && k > 0 && path == PATH_DEVICE) {
-    const skv__kv_batch_t b = {SKV__KV_WRITE, k, &me, 0, pages, 1, NULL, false, NULL};
+    const skv__kv_batch_t b = {SKV__KV_WRITE, k, &me, 0, pages, 1, NULL, false, NULL, false, false};
     size_t queued = 0;
     rc = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
   }
@@ -1640,8 +1652,17 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
       for (size_t q = 0; q < k; q++)
         skv__pool_ready(&kv->pool, pages[q], keys ? pk[q].hi : 0, keys ? pk[q].lo : 0);
       const uint32_t me = (uint32_t)kv->pool.me;
-      const skv__kv_batch_t b = {
-          keys ? SKV__KV_COMMIT : SKV__KV_ABORT, k, &me, 0, pages, 1, pk, false, NULL};
+      const skv__kv_batch_t b = {keys ? SKV__KV_COMMIT : SKV__KV_ABORT,
+                                 k,
+                                 &me,
+                                 0,
+                                 pages,
+                                 1,
+                                 pk,
+                                 false,
+                                 NULL,
+                                 false,
+                                 false};
       size_t queued = 0;
       rc = skv__kvc_mark(kv->cuda, &b, stream, &queued, fn);
       /* pages not queued may still be written by work on the stream: not freed here, but

@@ -191,6 +191,9 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
     SKV_CHECK(slot_take(kc, &pl, lay, b, off, k, idx ? block_ids : block_ids + off * m,
                         idx ? idx + off : NULL, &s, fn));
     bool consumed;
+    /* a publish's launches after its first follow one another (only their events between) */
+    pl.d.follows = b->dir == SKV__KV_PUBLISH && (b->follows || off > 0);
+    pl.d.precedes = b->dir == SKV__KV_PUBLISH && (b->precedes || off + k < b->n);
     int rc = skv__kvc_enqueue(kc, s, &pl, stream, &consumed, fn); /* laps launch, handoff */
     if (consumed) *queued = off + k;
     if (rc) {
@@ -504,7 +507,7 @@ static int copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, boo
   if (!seq) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory", fn);
   for (size_t i = 0; i < n; i++) seq[i] = (uint32_t)i;
   const uint32_t zero = 0;
-  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &zero, 0, seq, 1, NULL, false, NULL};
+  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &zero, 0, seq, 1, NULL, false, NULL, false, false};
   int rc = 0;
   for (size_t off = 0; off < n && !rc; off += pl.ppl) {
     const uint32_t k = (uint32_t)SKV_MIN((size_t)pl.ppl, n - off);

@@ -26,6 +26,9 @@ typedef struct skv__kv_batch {
   const skv_key_t *keys;            /* publish: keys[i] is page i's key */
   bool unpin_caller;                /* fetch: the completion also releases the caller's pins */
   const skv__index_claim_t *claims; /* publish: claims[i] is keys[i]'s (NULL: insert them) */
+  /* publish: launched right behind this publish's previous launch on its stream, and another
+   * launch of it to come (skv__kv_copy_desc_t.follows, .precedes) */
+  bool follows, precedes;
 } skv__kv_batch_t;
 
 enum { SKV__KV_FETCH = 0, SKV__KV_PUBLISH = 1 }; /* = SKV_KV_COPY_FETCH, _PUBLISH */

@@ -85,7 +85,8 @@ void skv__kvc_slot_put(skv__kvc_t *kc, skv__kvc_slot_t *s) {
 static int slot_complete(skv__kvc_t *kc, skv__kvc_slot_t *s) {
   const uint32_t *pp = (const uint32_t *)(s->args + s->refs_off);
   skv__kv_batch_t b = {
-      s->dir, s->n, pp, 2, pp + 1, 2, s->keys, s->unpin_caller, s->has_claims ? s->claims : NULL};
+      s->dir, s->n, pp, 2, pp + 1, 2, s->keys, s->unpin_caller, s->has_claims ? s->claims : NULL,
+      false,  false};
   const uint64_t t = skv__kp_now(kc->p.prof);
   int r = kc->p.done(kc->p.done_arg, &b);
   (void)skv__kp_lap(kc->p.prof, SKV__KP_COMPLETE, t);
