@@ -726,7 +726,13 @@ int launch(const skv__kv_copy_desc_t *d, const skv__kv_copy_cfg_t *cfg, bool inl
   at[0].val.programmaticStreamSerializationAllowed = 1;
   lc.attrs = at;
   lc.numAttrs = d->follows && d->dir == SKV_KV_COPY_PUBLISH && !bulk ? 1 : 0;
-  return (int)cudaLaunchKernelExC(&lc, fn, args);
+  cudaError_t e = cudaLaunchKernelExC(&lc, fn, args);
+  if (e != cudaSuccess && lc.numAttrs) { /* nothing enqueued: launched plainly instead */
+    (void)cudaGetLastError();
+    lc.numAttrs = 0;
+    e = cudaLaunchKernelExC(&lc, fn, args);
+  }
+  return (int)e;
 }
 
 } // namespace

@@ -77,10 +77,14 @@ typedef struct skv__kv_copy_desc {
   /* publish: the launch follows the previous launch of the same publish on its stream, with
    * nothing enqueued between them but that launch's event: it may begin while that launch's last
    * CTAs run (programmatic dependent launch; the two write other pages and only read the
-   * engine's blocks). A stream event after either still waits for both. precedes: another
-   * launch of the same publish will follow this one so; only then does its kernel let the
-   * stream's next kernel begin early (the engine's next kernel, when it is launched as a
-   * dependent, begins no earlier than it would have). */
+   * engine's blocks). An event recorded after a launch waits for it and every launch before it
+   * (not for a later one that began early). precedes: another launch of the same publish is
+   * meant to follow this one so; its kernel then lets the stream's next kernel begin as soon as
+   * it starts. What follows a publish on the stream: a kernel launched plainly waits for all of
+   * it; one launched as a programmatic dependent may begin before the publish's earlier launches
+   * ended (as after any launches of that kind), and must wait for its prerequisites
+   * (cudaGridDependencySynchronize) before it touches memory they use, the engine's blocks
+   * included. If the launch with the attribute fails, it is launched again without it. */
   uint32_t follows, precedes;
 } skv__kv_copy_desc_t;
 

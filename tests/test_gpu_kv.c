@@ -1235,8 +1235,10 @@ static int pe_follow(int rank, int npes, void *arg) {
   PE_CHECK(skv_test_init(&ctx, 60000) == 0, "init");
   int dev = skv_ctx_get_device(ctx);
   PE_CHECK(dev >= 0, "device");
-  /* 16 KiB pages; 1100 keys: 4 windows of 275, whose arguments (4.4 KiB) go in the kernel
-   * parameters, so that nothing but their events comes between the launches */
+  /* 16 KiB pages; 1100 keys: 4 windows of 275, whose arguments (3.3 KiB) go in the kernel
+   * parameters, so that nothing but their events comes between the launches: the dependent
+   * launches run (their copies are checked byte by byte here; that a launch's completion waits
+   * for its copy, split_probe.cu checks in plain CUDA) */
   skv_geometry_t g = geom_make(SKV_KV_SPLIT, 2, 2, 64, 2, 16);
   enum { N = 1100 };
   skv_kv_opts_t o = SKV_KV_OPTS_INIT;

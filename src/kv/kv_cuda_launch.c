@@ -174,8 +174,7 @@ int skv__kvc_launch(skv__kvc_slot_t *s, skv__kvc_plan_t *pl, void *stream, const
     e = (int)cudaMemcpyAsync(s->mirror, s->args, pl->d.args_bytes, cudaMemcpyHostToDevice,
                              (cudaStream_t)stream);
     pl->d.args_dev = s->mirror;
-    pl->d.follows = 0;  /* its arguments' copy comes between: the launch waits for it */
-    pl->d.precedes = 0; /* nor does a launch after it follow it so (a copy may come between) */
+    pl->d.follows = 0; /* its arguments' copy comes between: the launch waits for it */
   }
   if (e == 0) e = skv__kv_copy_launch(&pl->d, &pl->cfg, stream);
   if (e == 0) return 0;
