@@ -366,6 +366,38 @@ Test(core, logging_from_environment) {
   skv_log_set_sink(NULL, NULL);
 }
 
+/* A 0-or-1 parameter: the default unset, its value when 0 or 1, the default (warned once) for
+ * anything else; decided once until the environment is reloaded. */
+Test(core, switches_from_environment) {
+  captured_t cap = {0};
+  skv_log_set_sink(capture_sink, &cap);
+  skv_log_set_level(SKV_LOG_WARN, SKV_SUBSYS_ALL);
+  unsetenv("SKV_PUBLISH_PDL");
+  skv__env_reload();
+  cr_assert(skv__env_switch(SKV_ENV_PUBLISH_PDL, true, SKV_SUBSYS_KV));
+  cr_assert(skv__env_switch(SKV_ENV_PUBLISH_PDL, false, SKV_SUBSYS_KV),
+            "decided once: the first call's default stands");
+  skv__env_reload();
+  cr_assert_not(skv__env_switch(SKV_ENV_PUBLISH_PDL, false, SKV_SUBSYS_KV));
+  setenv("SKV_PUBLISH_PDL", "0", 1);
+  skv__env_reload();
+  cr_assert_not(skv__env_switch(SKV_ENV_PUBLISH_PDL, true, SKV_SUBSYS_KV));
+  setenv("SKV_PUBLISH_PDL", "1", 1);
+  skv__env_reload();
+  cr_assert(skv__env_switch(SKV_ENV_PUBLISH_PDL, false, SKV_SUBSYS_KV));
+  cr_assert_eq(cap.n, 0, "no warning for 0 or 1: %s", cap.n ? cap.lines[0] : "");
+  setenv("SKV_PUBLISH_PDL", "yes", 1);
+  skv__env_reload();
+  cr_assert(skv__env_switch(SKV_ENV_PUBLISH_PDL, true, SKV_SUBSYS_KV));
+  cr_assert(skv__env_switch(SKV_ENV_PUBLISH_PDL, true, SKV_SUBSYS_KV));
+  cr_assert_eq(cap.n, 1, "warned once, got %d lines", cap.n);
+  cr_assert(strstr(cap.lines[0], "SKV_PUBLISH_PDL must be 0 or 1; using 1") != NULL, "%s",
+            cap.lines[0]);
+  unsetenv("SKV_PUBLISH_PDL");
+  skv__env_reload();
+  skv_log_set_sink(NULL, NULL);
+}
+
 /* A rate-limited site writes SKV_LOG_RL_BURST lines per window and counts the rest; a disabled
  * level neither writes nor counts (nor evaluates its arguments). */
 Test(core, rate_limited_logging) {

@@ -225,6 +225,9 @@ const char *skv__env(skv__env_id_t id);
 /* Parse an integer parameter; `def` when unset. Bad values fail naming the variable. */
 int skv__env_int(skv__env_id_t id, long long lo, long long hi, long long def, long long *out);
 const char *skv__env_name(skv__env_id_t id);
+/* A 0-or-1 parameter, read and decided once (until skv__env_reload): `def` when unset, and when
+ * set to anything else (warned once, under `subsys`). */
+bool skv__env_switch(skv__env_id_t id, bool def, unsigned subsys);
 /* Log the SKV_* variables that are set (INFO) and warn about unknown SKV_* names; the first
  * call of the process does it, later calls nothing. skv_init calls it. */
 void skv__env_report(void);

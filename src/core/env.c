@@ -82,10 +82,31 @@ void skv__env_report(void) {
   }
 }
 
+/* skv__env_switch's answers: 0 not decided yet, 1 off, 2 on (atomic) */
+static int env_switches[SKV_ENV_COUNT];
+
+bool skv__env_switch(skv__env_id_t id, bool def, unsigned subsys) {
+  if ((unsigned)id >= SKV_ENV_COUNT) return def;
+  int v = __atomic_load_n(&env_switches[id], __ATOMIC_RELAXED);
+  if (v == 0) {
+    const char *s = skv__env(id);
+    long long x = def;
+    if (s && !skv__parse_int(s, 0, 1, false, &x)) {
+      SKV_WARN(subsys, "%s must be 0 or 1; using %d", env_names[id], def ? 1 : 0);
+      x = def;
+    }
+    v = x ? 2 : 1;
+    /* the first to decide warns; racing readers decide alike */
+    __atomic_store_n(&env_switches[id], v, __ATOMIC_RELAXED);
+  }
+  return v == 2;
+}
+
 void skv__env_reload(void) {
   pthread_once(&env_once, env_load);
   pthread_mutex_lock(&env_mu);
   env_load();
+  for (int i = 0; i < SKV_ENV_COUNT; i++) __atomic_store_n(&env_switches[i], 0, __ATOMIC_RELAXED);
   env_reported = 0;
   pthread_mutex_unlock(&env_mu);
 }

@@ -1072,20 +1072,6 @@ static void claim_job_redo(const claim_job_t *j, bool evicted, bool synced) {
       skv__index_claim_n(j->ix, &j->keys[q], 1, j->me, &j->cl[q], &j->crc[q], &j->craced[q]);
 }
 
-/* SKV_PUBLISH_HELPER (read once). */
-static bool helper_wanted(void) {
-  static int on = -1; /* not read yet */
-  int v = __atomic_load_n(&on, __ATOMIC_RELAXED);
-  if (v < 0) {
-    long long x = 1;
-    if (skv__env_int(SKV_ENV_PUBLISH_HELPER, 0, 1, 1, &x) != 0)
-      SKV_WARN(SKV_SUBSYS_KV, "SKV_PUBLISH_HELPER must be 0 or 1; using 1");
-    v = (int)x;
-    __atomic_store_n(&on, v, __ATOMIC_RELAXED);
-  }
-  return v != 0;
-}
-
 /* ---- the free reserve: evicting ahead on the helper, between publishes --------------------- */
 
 /* How it works
@@ -1195,7 +1181,7 @@ int skv_kv_set_free_reserve(skv_kv_t *kv, uint64_t npages) {
  * off, another publish of this cache uses it, or it cannot be started (warned once). Started at
  * the first publish that wants it. An eviction ahead still running is stopped first. */
 static skv__helper_t *helper_take(skv_kv_t *kv, bool burst) {
-  if (!helper_wanted()) return NULL;
+  if (!skv__env_switch(SKV_ENV_PUBLISH_HELPER, true, SKV_SUBSYS_KV)) return NULL;
   int expect = 0;
   if (!__atomic_compare_exchange_n(&kv->helper_busy, &expect, 1, false, __ATOMIC_ACQUIRE,
                                    __ATOMIC_RELAXED))

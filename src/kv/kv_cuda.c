@@ -177,21 +177,6 @@ static int slot_take(skv__kvc_t *kc, skv__kvc_plan_t *pl, const skv_layout_t *la
   return 0;
 }
 
-/* SKV_PUBLISH_PDL (read once): a publish's launches after its first are programmatic dependent
- * launches (kernels/kv_copy.h, skv__kv_copy_desc_t.follows). */
-static bool publish_pdl(void) {
-  static int on = -1; /* not read yet */
-  int v = __atomic_load_n(&on, __ATOMIC_RELAXED);
-  if (v < 0) {
-    long long x = 1;
-    if (skv__env_int(SKV_ENV_PUBLISH_PDL, 0, 1, 1, &x) != 0)
-      SKV_WARN(SKV_SUBSYS_KV, "SKV_PUBLISH_PDL must be 0 or 1; using 1");
-    v = (int)x;
-    __atomic_store_n(&on, v, __ATOMIC_RELAXED);
-  }
-  return v != 0;
-}
-
 int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
                   const uint64_t *block_ids, const size_t *idx, void *stream, size_t *queued,
                   const char *fn) {
@@ -206,8 +191,10 @@ int skv__kvc_copy(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *
     SKV_CHECK(slot_take(kc, &pl, lay, b, off, k, idx ? block_ids : block_ids + off * m,
                         idx ? idx + off : NULL, &s, fn));
     bool consumed;
-    /* a publish's launches after its first follow one another (only their events between) */
-    const bool pdl = b->dir == SKV__KV_PUBLISH && publish_pdl();
+    /* a publish's launches after its first follow one another (only their events between):
+     * programmatic dependent launches (kernels/kv_copy.h, skv__kv_copy_desc_t.follows) */
+    const bool pdl =
+        b->dir == SKV__KV_PUBLISH && skv__env_switch(SKV_ENV_PUBLISH_PDL, true, SKV_SUBSYS_KV);
     pl.d.follows = pdl && (b->follows || off > 0);
     pl.d.precedes = pdl && (b->precedes || off + k < b->n);
     int rc = skv__kvc_enqueue(kc, s, &pl, stream, &consumed, fn); /* laps launch, handoff */
