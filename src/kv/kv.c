@@ -950,8 +950,13 @@ int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
   int path;
   SKV_CHECK(choose_path(kv, dst, &path, fn));
   const bool unpin = (flags & SKV_FETCH_UNPIN) != 0;
-  const skv__kv_batch_t b = {SKV__KV_FETCH, n,     &refs[0].pe, 4,     &refs[0].page, 4,
-                             NULL,          unpin, NULL,        false, false};
+  const skv__kv_batch_t b = {.dir = SKV__KV_FETCH,
+                             .n = n,
+                             .pe = &refs[0].pe,
+                             .pe_step = 4,
+                             .page = &refs[0].page,
+                             .page_step = 4,
+                             .unpin_caller = unpin};
   SKV_CHECK(map_begin(kv, &b));
   (void)skv__kp_lap(&kv->prof, SKV__KP_CHECK, t0);
   int rc = fetch_mapped(kv, &b, refs, path, flags, dst, block_ids, stream, fn);
@@ -977,8 +982,8 @@ static int copy_sync_publish(skv_kv_t *kv, const skv_key_t *keys, const uint32_t
   if (nt) skv__copy_stream_fence(); /* the pages must be complete before they are indexed */
 #ifdef SKV_WITH_CUDA
   if (path == PATH_STAGED) {
-    const skv__kv_batch_t b = {SKV__KV_PUBLISH, k,    &me,   0,    pages, 1, NULL,
-                               false,           NULL, false, false};
+    const skv__kv_batch_t b = {
+        .dir = SKV__KV_PUBLISH, .n = k, .pe = &me, .page = pages, .page_step = 1};
     rc = skv__kvc_write_pages(kv->cuda, &b, 0, pb, buf, stream, fn);
   }
 #else
@@ -1380,8 +1385,15 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
       const uint32_t ume = (uint32_t)me;
       for (size_t q = 0; q < k; q++) pkeys[q] = keys[idx[q]];
       /* after the first window's launch the windows follow one another on the stream */
-      const skv__kv_batch_t b = {SKV__KV_PUBLISH, k,     &ume, 0,        pages, 1,
-                                 pkeys,           false, cl,   launched, i < n};
+      const skv__kv_batch_t b = {.dir = SKV__KV_PUBLISH,
+                                 .n = k,
+                                 .pe = &ume,
+                                 .page = pages,
+                                 .page_step = 1,
+                                 .keys = pkeys,
+                                 .claims = cl,
+                                 .follows = launched,
+                                 .precedes = i < n};
       size_t queued = 0;
       r = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
       launched = launched || queued > 0;
@@ -1590,14 +1602,15 @@ int skv_kv_write(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n, const skv_l
       const size_t c = SKV_MIN(per, k - off);
       for (size_t q = 0; q < c; q++)
         skv__copy_blocks_to_page(src, buf + q * lb, block_ids + idx[off + q] * m, false);
-      const skv__kv_batch_t b = {SKV__KV_WRITE, c,     &me,  0,     pages + off, 1,
-                                 NULL,          false, NULL, false, false};
+      const skv__kv_batch_t b = {
+          .dir = SKV__KV_WRITE, .n = c, .pe = &me, .page = pages + off, .page_step = 1};
       rc = skv__kvc_write_pages(kv->cuda, &b, src->page_off, lb, buf, stream, fn);
     }
     free(buf);
   }
   if (rc == 0 && k > 0 && path == PATH_DEVICE) {
-    const skv__kv_batch_t b = {SKV__KV_WRITE, k, &me, 0, pages, 1, NULL, false, NULL, false, false};
+    const skv__kv_batch_t b = {
+        .dir = SKV__KV_WRITE, .n = k, .pe = &me, .page = pages, .page_step = 1};
     size_t queued = 0;
     rc = skv__kvc_copy(kv->cuda, &b, src, block_ids, idx, stream, &queued, fn);
   }
@@ -1638,17 +1651,12 @@ static int finish_reserved(skv_kv_t *kv, const skv_key_t *keys, const skv_page_r
       for (size_t q = 0; q < k; q++)
         skv__pool_ready(&kv->pool, pages[q], keys ? pk[q].hi : 0, keys ? pk[q].lo : 0);
       const uint32_t me = (uint32_t)kv->pool.me;
-      const skv__kv_batch_t b = {keys ? SKV__KV_COMMIT : SKV__KV_ABORT,
-                                 k,
-                                 &me,
-                                 0,
-                                 pages,
-                                 1,
-                                 pk,
-                                 false,
-                                 NULL,
-                                 false,
-                                 false};
+      const skv__kv_batch_t b = {.dir = keys ? SKV__KV_COMMIT : SKV__KV_ABORT,
+                                 .n = k,
+                                 .pe = &me,
+                                 .page = pages,
+                                 .page_step = 1,
+                                 .keys = pk};
       size_t queued = 0;
       rc = skv__kvc_mark(kv->cuda, &b, stream, &queued, fn);
       /* pages not queued may still be written by work on the stream: not freed here, but

@@ -510,7 +510,8 @@ static int copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, boo
   if (!seq) return SKV_FAIL(SKV_ENOMEM, SKV_SUBSYS_KV, "%s: out of memory", fn);
   for (size_t i = 0; i < n; i++) seq[i] = (uint32_t)i;
   const uint32_t zero = 0;
-  const skv__kv_batch_t b = {SKV__KV_FETCH, n, &zero, 0, seq, 1, NULL, false, NULL, false, false};
+  const skv__kv_batch_t b = {
+      .dir = SKV__KV_FETCH, .n = n, .pe = &zero, .page = seq, .page_step = 1};
   int rc = 0;
   for (size_t off = 0; off < n && !rc; off += pl.ppl) {
     const uint32_t k = (uint32_t)SKV_MIN((size_t)pl.ppl, n - off);

@@ -84,9 +84,15 @@ void skv__kvc_slot_put(skv__kvc_t *kc, skv__kvc_slot_t *s) {
  * list, so nothing else touches it). Returns 0 or the step's failure. */
 static int slot_complete(skv__kvc_t *kc, skv__kvc_slot_t *s) {
   const uint32_t *pp = (const uint32_t *)(s->args + s->refs_off);
-  skv__kv_batch_t b = {
-      s->dir, s->n, pp, 2, pp + 1, 2, s->keys, s->unpin_caller, s->has_claims ? s->claims : NULL,
-      false,  false};
+  skv__kv_batch_t b = {.dir = s->dir,
+                       .n = s->n,
+                       .pe = pp,
+                       .pe_step = 2,
+                       .page = pp + 1,
+                       .page_step = 2,
+                       .keys = s->keys,
+                       .unpin_caller = s->unpin_caller,
+                       .claims = s->has_claims ? s->claims : NULL};
   const uint64_t t = skv__kp_now(kc->p.prof);
   int r = kc->p.done(kc->p.done_arg, &b);
   (void)skv__kp_lap(kc->p.prof, SKV__KP_COMPLETE, t);
