@@ -570,10 +570,8 @@ static int check_whole(const skv_layout_t *lay, const char *fn) {
 /* How pages of this cache and blocks of `lay` are copied. */
 static int choose_path(const skv_kv_t *kv, const skv_layout_t *lay, int *path, const char *fn) {
   const int be = kv->data->info.backend;
-  if (lay->device < 0 && be != SKV_BACKEND_CUDA) {
-    *path = PATH_HOST;
-    return 0;
-  }
+  *path = PATH_HOST; /* set on failure too (the Release build warned of it unset) */
+  if (lay->device < 0 && be != SKV_BACKEND_CUDA) return 0;
   if (be == SKV_BACKEND_HOST)
     return SKV_FAIL(SKV_ENOTSUP, SKV_SUBSYS_KV,
                     "%s: a GPU layout cannot use pages of the host backend; create the cache with "
