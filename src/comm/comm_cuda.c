@@ -300,8 +300,7 @@ int skv__comm_cuda_create(skv_comm_t *c) {
   d->channels = (int32_t)c->channels;
   /* Programmatic dependent launch hides most of a kernel's launch latency behind the kernel
    * before it; SKV_COMM_PDL=0 turns it off (to compare, or if a driver mishandles it). */
-  const char *pdl = skv__env(SKV_ENV_COMM_PDL);
-  d->pdl = !(pdl && strcmp(pdl, "0") == 0);
+  d->pdl = skv__env_switch(SKV_ENV_COMM_PDL, true, SKV_SUBSYS_COMM);
   /* PEs sharing a GPU (docs/comm.md, "Several PEs on one GPU"). A block of a collective spins
    * until the same block of every peer has written, so the blocks of all PEs on the GPU must be
    * able to sit on it at once: under MPS nothing preempts a spinning block, and a PE whose
