@@ -40,13 +40,13 @@ static double now_us() {
       .count();
 }
 
-#define CK(x)                                                                \
-  do {                                                                       \
-    auto e_ = (x);                                                           \
-    if (e_ != 0) {                                                           \
+#define CK(x)                                                                      \
+  do {                                                                             \
+    auto e_ = (x);                                                                 \
+    if (e_ != 0) {                                                                 \
       fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #x, (int)e_); \
-      return 1;                                                              \
-    }                                                                        \
+      return 1;                                                                    \
+    }                                                                              \
   } while (0)
 
 int main() {
@@ -90,14 +90,10 @@ int main() {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   });
-  const char *names[] = {"launch <<<>>> 704 B",
-                         "cudaLaunchKernelExC 704 B",
-                         "cuLaunchKernel 704 B",
-                         "cuLaunchKernelEx 704 B",
-                         "cudaMemcpyAsync 1 MiB",
-                         "cudaStreamGetCaptureInfo",
-                         "cudaEventRecord",
-                         "cudaLaunchKernelExC, a thread polls"};
+  const char *names[] = {"launch <<<>>> 704 B",   "cudaLaunchKernelExC 704 B",
+                         "cuLaunchKernel 704 B",  "cuLaunchKernelEx 704 B",
+                         "cudaMemcpyAsync 1 MiB", "cudaStreamGetCaptureInfo",
+                         "cudaEventRecord",       "cudaLaunchKernelExC, a thread polls"};
   const int ncases = 8, N = 2000;
   for (int rep = 0; rep < 3; rep++) {
     for (int which = 0; which < ncases; which++) {
@@ -108,14 +104,28 @@ int main() {
         const double t0 = now_us();
         int e = 0;
         switch (which) {
-        case 0: kcopy<<<grid, threads, 0, st>>>(p); break;
+        case 0:
+          kcopy<<<grid, threads, 0, st>>>(p);
+          break;
         case 1:
-        case 7: e = (int)cudaLaunchKernelExC(&lc, (const void *)kcopy, args); break;
-        case 2: e = (int)cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, 0, (CUstream)st, args, 0); break;
-        case 3: e = (int)cuLaunchKernelEx(&dc, f, args, 0); break;
-        case 4: e = (int)cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st); break;
-        case 5: e = (int)cudaStreamGetCaptureInfo(st, &cs, &cid); break;
-        case 6: e = (int)cudaEventRecord(ev, st); break;
+        case 7:
+          e = (int)cudaLaunchKernelExC(&lc, (const void *)kcopy, args);
+          break;
+        case 2:
+          e = (int)cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, 0, (CUstream)st, args, 0);
+          break;
+        case 3:
+          e = (int)cuLaunchKernelEx(&dc, f, args, 0);
+          break;
+        case 4:
+          e = (int)cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st);
+          break;
+        case 5:
+          e = (int)cudaStreamGetCaptureInfo(st, &cs, &cid);
+          break;
+        case 6:
+          e = (int)cudaEventRecord(ev, st);
+          break;
         }
         const double t1 = now_us();
         CK(e);
@@ -139,10 +149,18 @@ int main() {
         const double t0 = now_us();
         int e = 0;
         switch (which) {
-        case 0: e = (int)cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st); break;
-        case 1: kcopy<<<grid, threads, 0, st>>>(p); break;
-        case 2: e = (int)cudaLaunchKernelExC(&lc, (const void *)kcopy, args); break;
-        case 3: e = (int)cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, 0, (CUstream)st, args, 0); break;
+        case 0:
+          e = (int)cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st);
+          break;
+        case 1:
+          kcopy<<<grid, threads, 0, st>>>(p);
+          break;
+        case 2:
+          e = (int)cudaLaunchKernelExC(&lc, (const void *)kcopy, args);
+          break;
+        case 3:
+          e = (int)cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, 0, (CUstream)st, args, 0);
+          break;
         }
         CK(e);
         CK(cudaStreamSynchronize(st));
