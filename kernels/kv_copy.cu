@@ -212,9 +212,10 @@ template <class P> __device__ __forceinline__ int64_t eng_off(const P &p, uint32
  * other warps: with all 4224 warps of the grid polling the mirror word while the first host
  * read was pending, a gated 64 MiB fetch ran at 0.69x the copy engine on an H200 against 0.83x
  * ungated; relayed, at 0.75-0.76x, as the bulk kernel does (4 warps a CTA, which read the mirror
- * themselves: relayed too, they gained nothing; bench/results/gate_relay_nvidia-h200.txt). Mirror
- * and host word carry the use's epoch in their upper 32 bits: a mirror of an earlier use reads
- * as nothing opened. One thread's call. */
+ * themselves: relayed in a first form, whose poller read the host's word holding the CTA's flag,
+ * bulk lost 0.01; bench/results/gate_relay_nvidia-h200.txt). Mirror and host word carry the
+ * use's epoch in their upper 32 bits: a mirror of an earlier use reads as nothing opened. One
+ * thread's call. */
 __device__ __forceinline__ uint64_t ld_acq_gpu(const uint64_t *a) {
   uint64_t v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
@@ -243,11 +244,12 @@ __device__ __forceinline__ void gate_cta_init(gate_cta_t *g) {
   if (threadIdx.x == 0) g->seen = 0, g->busy = 0;
   __syncthreads();
 }
-/* The mirror's value, or the host's word read into the mirror when the mirror does not open
- * page i (one thread of the grid at a time: the lock's holder). */
+/* The mirror's value (0 while it holds an earlier use's). */
 template <class P> __device__ __forceinline__ uint32_t gate_mirror(const P &p) {
   return gate_of(p, ld_acq_gpu(p.gate_mirror));
 }
+/* v, or the host's word read into the mirror when v does not open page i (one thread of the
+ * grid at a time: the lock's holder; the others keep v). */
 template <class P> __device__ uint32_t gate_host(const P &p, uint32_t i, uint32_t v) {
   if (i >= (v & ~SKV_KV_GATE_CLOSED) && !(v & SKV_KV_GATE_CLOSED) &&
       *(volatile uint32_t *)p.gate_lock == 0 && atomicCAS(p.gate_lock, 0u, 1u) == 0u) {
