@@ -453,14 +453,13 @@ __device__ __forceinline__ void bulk_store(void *dst, const void *src, uint32_t 
  * page past a closed gate (`seen`: gate_wait's). */
 template <class P>
 __device__ __forceinline__ uint32_t bulk_issue(const P &p, const uint8_t *a, uint32_t it,
-                                               uint8_t *buf, uint64_t *bar, uint32_t &seen,
-                                               gate_cta_t *g) {
+                                               uint8_t *buf, uint64_t *bar, uint32_t &seen) {
   const uint32_t u = fdiv(it, p.cpu), ch = it - u * p.cpu.d;
   const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
   const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[i];
   if (ref.x >= p.npes || ref.y >= p.pages) return 0;
   if (p.gate && i >= (seen & ~SKV_KV_GATE_CLOSED)) {
-    if (!gate_wait(p, i, seen, g)) return 0;
+    if (!gate_wait(p, i, seen, nullptr)) return 0; /* 4 warps a CTA: each reads the mirror */
     /* the bulk copy (the async proxy) after the gate's acquire (the generic proxy) */
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
@@ -472,8 +471,7 @@ __device__ __forceinline__ uint32_t bulk_issue(const P &p, const uint8_t *a, uin
 }
 
 template <class P>
-__device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *bars,
-                                           gate_cta_t *g) {
+__device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *bars) {
   const uint8_t *a = args_of(p);
   const uint32_t lane = threadIdx.x & 31u, wid = threadIdx.x >> 5;
   const uint32_t nw = gridDim.x * BK_WARPS, gw = blockIdx.x * BK_WARPS + wid;
@@ -485,7 +483,7 @@ __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (uint32_t s = 0; s < BK_STAGES; s++) {
       const uint32_t it = gw + s * nw;
-      if (it < p.items) issued |= bulk_issue(p, a, it, buf + s * BK_CHUNK, &bar[s], seen, g) << s;
+      if (it < p.items) issued |= bulk_issue(p, a, it, buf + s * BK_CHUNK, &bar[s], seen) << s;
     }
   }
   __syncwarp();
@@ -529,7 +527,7 @@ __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *
     __syncwarp();
     const uint32_t next = gw + (k + BK_STAGES) * nw;
     if (lane == 0 && next < p.items)
-      issued = (issued & ~(1u << s)) | bulk_issue(p, a, next, buf + s * BK_CHUNK, &bar[s], seen, g)
+      issued = (issued & ~(1u << s)) | bulk_issue(p, a, next, buf + s * BK_CHUNK, &bar[s], seen)
                                            << s;
   }
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -551,7 +549,7 @@ template <class P>
 __global__ void __launch_bounds__(BK_WARPS * 32) skv_k_fetch_bulk(const __grid_constant__ P p) {
   extern __shared__ __align__(128) uint8_t skv_bulk_smem[];
   __shared__ uint64_t bars[BK_WARPS * BK_STAGES];
-  fetch_bulk(p, skv_bulk_smem, bars, nullptr); /* 4 warps a CTA: each reads the mirror */
+  fetch_bulk(p, skv_bulk_smem, bars);
 }
 
 __global__ void skv_k_stream_gate(const volatile uint32_t *flag, uint64_t min_ns, uint64_t max_ns) {
