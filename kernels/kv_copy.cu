@@ -244,6 +244,10 @@ __device__ __forceinline__ void gate_cta_init(gate_cta_t *g) {
   if (threadIdx.x == 0) g->seen = 0, g->busy = 0;
   __syncthreads();
 }
+/* Does gate value v leave page i waiting (neither opened to it nor closed)? */
+__device__ __forceinline__ bool gate_pending(uint32_t v, uint32_t i) {
+  return i >= (v & ~SKV_KV_GATE_CLOSED) && !(v & SKV_KV_GATE_CLOSED);
+}
 /* The mirror's value (0 while it holds an earlier use's). */
 template <class P> __device__ __forceinline__ uint32_t gate_mirror(const P &p) {
   return gate_of(p, ld_acq_gpu(p.gate_mirror));
@@ -251,8 +255,8 @@ template <class P> __device__ __forceinline__ uint32_t gate_mirror(const P &p) {
 /* v, or the host's word read into the mirror when v does not open page i (one thread of the
  * grid at a time: the lock's holder; the others keep v). */
 template <class P> __device__ uint32_t gate_host(const P &p, uint32_t i, uint32_t v) {
-  if (i >= (v & ~SKV_KV_GATE_CLOSED) && !(v & SKV_KV_GATE_CLOSED) &&
-      *(volatile uint32_t *)p.gate_lock == 0 && atomicCAS(p.gate_lock, 0u, 1u) == 0u) {
+  if (gate_pending(v, i) && *(volatile uint32_t *)p.gate_lock == 0 &&
+      atomicCAS(p.gate_lock, 0u, 1u) == 0u) {
     __threadfence(); /* the lock taken before the host's word is read (acquire) */
     const uint64_t h = ld_host(p.gate);
     if (gate_of(p, h) != 0u) {
@@ -272,8 +276,7 @@ template <class P> __device__ uint32_t gate_host(const P &p, uint32_t i, uint32_
 template <class P> __device__ uint32_t gate_read(const P &p, uint32_t i, gate_cta_t *g) {
   if (!g) return gate_host(p, i, gate_mirror(p));
   uint32_t v = *(volatile uint32_t *)&g->seen;
-  if (i >= (v & ~SKV_KV_GATE_CLOSED) && !(v & SKV_KV_GATE_CLOSED) &&
-      atomicCAS(&g->busy, 0u, 1u) == 0u) {
+  if (gate_pending(v, i) && atomicCAS(&g->busy, 0u, 1u) == 0u) {
     const uint32_t m = gate_mirror(p);
     __threadfence_block(); /* what the read acquired, before the CTA sees the value */
     v = max(atomicMax(&g->seen, m), m);
