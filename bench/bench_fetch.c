@@ -679,6 +679,7 @@ typedef struct cell {
   double t[M_COUNT];
   double t_pub;                        /* skv_kv_publish of n pages (GPU time) */
   double t_local_mapped, t_pub_mapped; /* the same with arguments read over PCIe (>= 64 MiB) */
+  double e2e_fetch, e2e_ce;            /* --e2e-cells: wall time of the fetch, of the CE copy */
 } cell_t;
 
 #define VEC  SKV_KV_KERNEL_VEC
@@ -718,6 +719,7 @@ static int bench_fetch(bench_t *b) {
   else if (layout && strcmp(layout, "flashinfer") == 0)
     preset = SKV_LAYOUT_FLASHINFER_NHD;
   const bool variants = !bench_flag(b, "--no-variants");
+  const bool e2e_cells = bench_flag(b, "--e2e-cells");
 
   skv_ctx_t *ctx;
   SKV_CHECK(skv_init(NULL, &ctx));
@@ -825,6 +827,10 @@ static int bench_fetch(bench_t *b) {
             c->t[m] = -1;
             rc = 0;
           }
+        }
+        if (rc == 0 && e2e_cells && !(c->ps == (64u << 10) && c->n == 1024)) {
+          rc = time_e2e(&f, M_FETCH, &bt, reps, &c->e2e_fetch);
+          if (rc == 0) rc = time_e2e(&f, M_CE, &bt, reps, &c->e2e_ce);
         }
         if (rc == 0 && c->ps == (64u << 10) && c->n == 1024) {
           rc = time_e2e(&f, M_FETCH, &bt, reps, &e2e_big_fetch);
@@ -951,6 +957,11 @@ static int bench_fetch(bench_t *b) {
       snprintf(name, sizeof name, "memcpy_loop/%s/x%u", sz, c->n);
       bench_row(b, name, bytes / c->t[M_LOOP] / 1e9, "GB/s", "higher",
                 "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
+      if (c->e2e_fetch > 0) { /* fetch_e2e/64KiB/x1024 is printed below, whatever the flag */
+        snprintf(name, sizeof name, "fetch_e2e/%s/x%u", sz, c->n);
+        bench_row(b, name, bytes / c->e2e_fetch / 1e9, "GB/s", "higher",
+                  "cudaMemcpyAsync contiguous + sync, wall", bytes / c->e2e_ce / 1e9);
+      }
       snprintf(name, sizeof name, "fetch_local/%s/x%u", sz, c->n);
       bench_row(b, name, bytes / c->t[M_LOCAL] / 1e9, "GB/s", "higher",
                 "copy-engine contiguous local", bytes / c->t[M_CE_LOCAL] / 1e9);
@@ -1073,6 +1084,9 @@ static const bench_optspec_t fetch_opts[] = {
     {"--reps", BENCH_INT, "N", "15", "repetitions, the median is reported", 10, 64, NULL},
     {"--layout", BENCH_CHOICE, "L", "nhd", "the engine's layout", 0, 0, "nhd,hnd,flashinfer"},
     {"--no-variants", BENCH_FLAG, NULL, NULL, "skip the kernel variants", 0, 0, NULL},
+    {"--e2e-cells", BENCH_FLAG, NULL, NULL,
+     "fetch_e2e (call to synchronised, wall) of every page size and batch, not only 64K x1024", 0,
+     0, NULL},
     {"--backend", BENCH_CHOICE, "B", "both",
      "host: the host backend's e2e rows only; cuda: the GPU "
      "rows only",
