@@ -452,27 +452,47 @@ __device__ __forceinline__ void bulk_store(void *dst, const void *src, uint32_t 
                : "memory");
 }
 
-/* Lane 0: start loading item `it` into stage s; 1 when it did, 0 for a refused reference or a
- * page past a closed gate (`seen`: gate_wait's). */
+/* Where item `it` of a fetch is read from: its page i (in the batch) and its source and length;
+ * false for a refused reference (reported by the item's own turn, not read). No page is read. */
 template <class P>
-__device__ __forceinline__ uint32_t bulk_issue(const P &p, const uint8_t *a, uint32_t it,
-                                               uint8_t *buf, uint64_t *bar, uint32_t &seen) {
+__device__ __forceinline__ bool bulk_src(const P &p, const uint8_t *a, uint32_t it, uint32_t *i,
+                                         const char **src, uint32_t *len) {
   const uint32_t u = fdiv(it, p.cpu), ch = it - u * p.cpu.d;
-  const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
-  const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[i];
-  if (ref.x >= p.npes || ref.y >= p.pages) return 0;
+  *i = fdiv(u, p.nt);
+  const uint32_t t = u - *i * p.nt.d;
+  const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[*i];
+  if (ref.x >= p.npes || ref.y >= p.pages) return false;
+  const uint32_t o0 = ch * BK_CHUNK;
+  *len = min(BK_CHUNK, p.slab - o0);
+  *src = p.heap + ref.x * p.pe_stride + ref.y * p.page_stride + (uint64_t)t * p.slab + o0;
+  return true;
+}
+
+/* Lane 0: start loading `len` bytes at `src` (bulk_src's, of page i) into a stage, once the gate
+ * opened page i; 1 when it did, 0 for a page past a closed gate (`seen`: gate_wait's). */
+template <class P>
+__device__ __forceinline__ uint32_t bulk_start(const P &p, uint32_t i, const char *src,
+                                               uint32_t len, uint8_t *buf, uint64_t *bar,
+                                               uint32_t &seen) {
   if (p.gate && i >= (seen & ~SKV_KV_GATE_CLOSED)) {
     if (!gate_wait(p, i, seen, nullptr)) return 0; /* 4 warps a CTA: each reads the mirror */
     /* the bulk copy (the async proxy) after the gate's acquire (the generic proxy) */
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
-  const uint32_t o0 = ch * BK_CHUNK, len = min(BK_CHUNK, p.slab - o0);
-  const char *src =
-      p.heap + ref.x * p.pe_stride + ref.y * p.page_stride + (uint64_t)t * p.slab + o0;
   bulk_load(buf, src, len, bar);
   return 1;
 }
 
+/* How a stage turns over
+ * ----------------------
+ * A warp's stage s holds its items k, k + BK_STAGES, ...: wait for item k's chunk, store it (a
+ * bulk store per run, one run per lane), wait until the stores have read the buffer, load item
+ * k + BK_STAGES into it. Lane 0 works out that next load (reference, source) while the stores
+ * read the buffer, so that it is issued as soon as they have: on one H200 this took a gated
+ * local 64 MiB fetch of 64 KiB pages from 0.753-0.760 of the copy engine to 0.761-0.779 and
+ * fetch_e2e from 0.57-0.63 to 0.61-0.64, and left 16 MiB and 1 GiB batches as they were;
+ * working each lane's store out before the chunk lands too cost 0.01-0.04
+ * (bench/results/bulk_turnover_nvidia-h200.txt). */
 template <class P>
 __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *bars) {
   const uint8_t *a = args_of(p);
@@ -486,7 +506,10 @@ __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (uint32_t s = 0; s < BK_STAGES; s++) {
       const uint32_t it = gw + s * nw;
-      if (it < p.items) issued |= bulk_issue(p, a, it, buf + s * BK_CHUNK, &bar[s], seen) << s;
+      uint32_t i, len;
+      const char *src;
+      if (it < p.items && bulk_src(p, a, it, &i, &src, &len))
+        issued |= bulk_start(p, i, src, len, buf + s * BK_CHUNK, &bar[s], seen) << s;
     }
   }
   __syncwarp();
@@ -499,6 +522,11 @@ __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *
     const uint32_t i = fdiv(u, p.nt), t = u - i * p.nt.d;
     const uint2 ref = reinterpret_cast<const uint2 *>(a + p.refs_off)[i];
     const bool loading = (__shfl_sync(FULL, issued, 0) >> s) & 1u;
+    /* lane 0: the stage's next load (known: worked out already; ok: to be read) */
+    const uint32_t next = gw + (k + BK_STAGES) * nw;
+    uint32_t ni = 0, nlen = 0;
+    const char *nsrc = nullptr;
+    bool nknown = false, nok = false;
     if (ref.x >= p.npes || ref.y >= p.pages) {
       if (lane == 0)
         report(p.err, ref.x >= p.npes ? SKV_KV_DEVERR_PE : SKV_KV_DEVERR_PAGE, i, t,
@@ -524,14 +552,17 @@ __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *
         bulk_store((char *)tb + (int64_t)bid * p.sb + eo, sb + (s0 - o0), s1 - s0);
       }
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      if (lane == 0 && next < p.items) nok = bulk_src(p, a, next, &ni, &nsrc, &nlen);
+      nknown = true;
       asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
       if (badbid != ~0ull) report(p.err, SKV_KV_DEVERR_BLOCK, i, t, badbid);
     }
     __syncwarp();
-    const uint32_t next = gw + (k + BK_STAGES) * nw;
-    if (lane == 0 && next < p.items)
-      issued = (issued & ~(1u << s)) | bulk_issue(p, a, next, buf + s * BK_CHUNK, &bar[s], seen)
-                                           << s;
+    if (lane == 0 && next < p.items) {
+      if (!nknown) nok = bulk_src(p, a, next, &ni, &nsrc, &nlen);
+      issued = (issued & ~(1u << s)) |
+               (nok ? bulk_start(p, ni, nsrc, nlen, buf + s * BK_CHUNK, &bar[s], seen) : 0u) << s;
+    }
   }
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
