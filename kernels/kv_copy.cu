@@ -312,13 +312,16 @@ __device__ bool gate_wait(const P &p, uint32_t i, uint32_t &seen, gate_cta_t *g)
   if (g) __threadfence_block(); /* the pages read after the value that opened them (acquire) */
   return true;
 }
-/* The same for a warp (uniform i and seen): lane 0 waits, every lane gets the answer. */
+/* The same for a warp (uniform i and seen): lane 0 waits, every lane gets the answer. The
+ * __syncwarp orders the other lanes' page loads after lane 0's acquire (it orders memory among
+ * the lanes; the shuffles that follow carry only the value). */
 template <class P>
 __device__ __forceinline__ bool gate_pass_warp(const P &p, uint32_t i, uint32_t &seen,
                                                gate_cta_t *g) {
   if (i < (seen & ~SKV_KV_GATE_CLOSED)) return true;
   uint32_t ok = 0, s2 = seen;
   if ((threadIdx.x & 31u) == 0) ok = gate_wait(p, i, s2, g) ? 1u : 0u;
+  __syncwarp();
   seen = __shfl_sync(FULL, s2, 0);
   return __shfl_sync(FULL, ok, 0) != 0u;
 }
