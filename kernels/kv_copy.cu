@@ -313,8 +313,10 @@ __device__ bool gate_wait(const P &p, uint32_t i, uint32_t &seen, gate_cta_t *g)
   return true;
 }
 /* The same for a warp (uniform i and seen): lane 0 waits, every lane gets the answer. The
- * __syncwarp orders the other lanes' page loads after lane 0's acquire (it orders memory among
- * the lanes; the shuffles that follow carry only the value). */
+ * __syncwarp orders memory among the lanes, so their later accesses come after lane 0's acquire
+ * as far as the memory model reaches (the shuffles carry only the value). It does not reach the
+ * page loads themselves: they are ld.global.nc, which the model does not cover, and are safe
+ * because a page the gate opened is not written while the kernel runs. */
 template <class P>
 __device__ __forceinline__ bool gate_pass_warp(const P &p, uint32_t i, uint32_t &seen,
                                                gate_cta_t *g) {
@@ -488,13 +490,14 @@ __device__ __forceinline__ uint32_t bulk_start(const P &p, uint32_t i, const cha
 
 /* How a stage turns over
  * ----------------------
- * A warp's stage s holds its items k, k + BK_STAGES, ...: wait for item k's chunk, store it (a
- * bulk store per run, one run per lane), wait until the stores have read the buffer, load item
- * k + BK_STAGES into it. Lane 0 works out that next load (reference, source) while the stores
- * read the buffer, so that it is issued as soon as they have: on one H200 this took a gated
- * local 64 MiB fetch of 64 KiB pages from 0.753-0.760 of the copy engine to 0.761-0.779 and
- * fetch_e2e from 0.57-0.63 to 0.61-0.64, and left 16 MiB and 1 GiB batches as they were;
- * working each lane's store out before the chunk lands too cost 0.01-0.04
+ * Stage s holds the warp's k-th items for k = s, s + BK_STAGES, ...: wait for the chunk, store
+ * it (a bulk store per run, one run per lane), wait until the stores have read the buffer, load
+ * the stage's next item into it. Lane 0 works out that next load (reference, source) while the
+ * stores read the buffer, so that it is issued as soon as they have. On one H200, in seven
+ * alternated pairs, this took a gated local 64 MiB fetch of 64 KiB pages from 0.753-0.760 of the
+ * copy engine to 0.761-0.779 and fetch_e2e from 0.57-0.63 to 0.61-0.63; 16 MiB and 1 GiB batches
+ * moved by less than 0.02 either way. Working each lane's store out before the chunk lands cost
+ * 0.01-0.02, and 0.02-0.05 with the next load also before it
  * (bench/results/bulk_turnover_nvidia-h200.txt). */
 template <class P>
 __device__ __forceinline__ void fetch_bulk(const P &p, uint8_t *smem, uint64_t *bars) {
