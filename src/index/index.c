@@ -222,14 +222,20 @@ static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine,
   uint64_t h = key.lo & mask;
   /* read after our ticket: covers every copy claimed before it (index.h, Reach) */
   const unsigned lim = SKV_MIN((unsigned)SKV_INDEX_WINDOW, reach_of(ix, sh, h) + 1);
+  /* The test is the key's hi first: it is never EMPTY_HI (key.hi != 0), so it matches only a
+   * slot of this key (or of one with the same hi), and the branch is all but always not taken.
+   * Testing the slot's kind first (key, tombstone, claim) branched on how the window happens to
+   * be filled, unpredictably: in a table of a quarter live keys and three quarters tombstones the
+   * rescan was about 60% of a claim (bench/results/claim_rescan_2core-vm.txt). */
   for (unsigned i = 0; i < lim; i++) {
     skv__index_slot_t *s = &slots[(h + i) & mask];
-    uint64_t hi, lo;
-    int kind = read_key(s, &hi, &lo);
-    if (kind == SLOT_EMPTY) break;
-    if (kind != SLOT_KEY || s == mine || hi != key.hi || lo != key.lo) continue;
-    const int w = copy_wins(ix, s, key, my_ticket);
-    if (w) return w;
+    const uint64_t hi = ld_acq(&s->key.p.hi), lo = ld_acq(&s->key.p.lo);
+    if (SKV_UNLIKELY(hi == key.hi) && lo == key.lo && s != mine) {
+      const int w = copy_wins(ix, s, key, my_ticket);
+      if (w) return w;
+    } else if ((hi | lo) == 0) {
+      break; /* EMPTY: the key is nowhere further */
+    }
   }
   return 0;
 }
