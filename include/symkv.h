@@ -628,8 +628,9 @@ SKV_EXTERN int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
                             const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,
                             void *stream);
 /* Copy engine blocks into new pages of this PE and insert keys[0..n) once the copy is
- * complete. A key already cached (by any PE) is skipped; one that another publish (any PE)
- * claimed first is skipped before anything is copied (counted as deduplicated): each key's
+ * complete. A key already cached (by any PE) is skipped (on a page of this PE, that counts as a
+ * use of the page, as a lookup hit: this call's evictions spare it); one that another publish (any
+ * PE) claimed first is skipped before anything is copied (counted as deduplicated): each key's
  * index slot is claimed at the call and found by readers only once its copy is complete. Least
  * recently used unpinned pages of this PE are evicted to make room. *ninserted (optional) counts
  * keys this call inserted; for GPU layouts the copy is stream-ordered and the keys are inserted by

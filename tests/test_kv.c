@@ -531,6 +531,51 @@ Test(kv, publishes_of_several_windows_insert_every_key_once) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* A publish of a key already cached is a use of its page, as a lookup hit is: the publish's own
+ * allocation evicts the least recently used page it was not given the key of, not the page of
+ * the key the caller just published. The same for skv_kv_reserve. */
+static bool cached_intact(fix_t *f, uint64_t id) {
+  bool intact;
+  return found_intact(f, &id, 1, &intact) == 1 && intact; /* a hit: a use */
+}
+
+static int pe_publish_uses(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  static uint64_t ids[8];
+  size_t ins = 0;
+  PE_CHECK(fix_init(&f, 8, WIN_N, 30000) == 0, "fixture: %s", skv_last_error());
+  for (size_t i = 0; i < 8; i++) ids[i] = 100 + i; /* the pool full, 100 least recently used */
+  PE_CHECK(publish_many(&f, ids, 8, &ins) == 0 && ins == 8, "8 keys: %zu", ins);
+  ids[0] = 100, ids[1] = 200; /* cached on the LRU page, and a new key: one page to take */
+  PE_CHECK(publish_many(&f, ids, 2, &ins) == 0 && ins == 1, "100 and 200: %zu inserted", ins);
+  PE_CHECK(cached_intact(&f, 100), "100, published again, was evicted by its own publish");
+  PE_CHECK(cached_intact(&f, 200), "200, new, is cached");
+  bool intact;
+  uint64_t gone = 101;
+  PE_CHECK(found_intact(&f, &gone, 1, &intact) == 0 && intact,
+           "101, the next least recently used, is still cached");
+  /* now 102 is the least recently used: a reservation of it and a new key takes 103's page */
+  skv_key_t keys[2] = {key_of(&f, 102), key_of(&f, 300)};
+  skv_page_ref_t refs[2];
+  size_t nres = 0;
+  PE_CHECK(skv_kv_reserve(f.kv, f.ns, keys, 2, refs, &nres) == 0 && nres == 1 && refs[0].gen == 0,
+           "reserve: %zu (%s)", nres, skv_last_error());
+  PE_CHECK(skv_kv_abort(f.kv, refs, 2, NULL) == 0, "abort: %s", skv_last_error());
+  PE_CHECK(cached_intact(&f, 102), "102, reserved again, was evicted by its own reservation");
+  gone = 103;
+  PE_CHECK(found_intact(&f, &gone, 1, &intact) == 0 && intact,
+           "103, the next least recently used, is still cached");
+  fix_fini(&f);
+  return 0;
+}
+
+Test(kv, a_publish_of_a_cached_key_is_a_use_of_its_page) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_publish_uses, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 /* skv_kv_set_free_reserve: after a publish, the helper thread evicts the least recently used
  * pages until the reserve is free; publishes coming while it runs stop it and lose nothing. */
 static bool helper_can_run(void) { /* kv.c's helper: on, and a thread allowed on 2 CPUs */

@@ -486,7 +486,8 @@ int skv_kv_unpin(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n) {
  * fails with SKV_ESTALE before any byte is written. The pages are then copied, and the pins are
  * released once the copy is complete (with the caller's, for SKV_FETCH_UNPIN).
  * Publish. Batch by batch: each key's index slot is claimed (skv__index_claim_n: PENDING, a
- * miss to readers; a key cached already, or claimed first by another publish, is skipped), a
+ * miss to readers; a key cached already, or claimed first by another publish, is skipped; one
+ * cached on a page of this PE is a use of that page, touch_cached), a
  * page is allocated for each key claimed (WRITING: no one can pin or evict it; the least
  * recently used unpinned page is evicted when none is free; the first failure stops the
  * allocation, what was allocated is still published and the other claims are released), the
@@ -750,6 +751,17 @@ static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step
     __atomic_add_fetch(&kv->published, inserted, __ATOMIC_RELAXED);
   }
   return inserted;
+}
+
+/* A key a publish (or reserve) found cached on a page of this PE: a use of that page, as a lookup
+ * hit's, so that the call's own allocation does not evict the key the caller just published
+ * (it would when the page was the least recently used). Pages of other PEs are not this call's
+ * to evict. */
+static void touch_cached(skv_kv_t *kv, skv_key_t key, uint64_t now) {
+  uint64_t v;
+  const uint32_t me = (uint32_t)kv->pool.me;
+  if (skv__index_lookup(&kv->index, key, &v) == 0 && skv__val_pe(v) == me)
+    skv__pool_touch(&kv->pool, me, skv__val_page(v), now);
 }
 
 /* Give up the claims cl[0..n) of keys keys[idx[i]] (their pages were not written). */
@@ -1345,10 +1357,14 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
       pending = skv__helper_post(helper, claim_job_run, &job);
       if (i + w + job.n >= n) skv__helper_burst(helper, false); /* the last job: stop spinning */
     }
+    uint64_t now = 0; /* read at the first key found cached */
     for (size_t q = 0; q < w; q++) {
       if (crc[q] == 0) {
         cl[k] = cl[q];    /* k <= q: the claims packed in place */
         idx[k++] = i + q; /* ours to copy */
+      } else if (crc[q] == SKV_EEXIST && !craced[q]) {
+        if (!now) now = skv__now_ns();
+        touch_cached(kv, keys[i + q], now);
       }
     }
     i += w;
@@ -1534,10 +1550,14 @@ int skv_kv_reserve(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   tidy(kv);
   size_t got = 0;
   bool full = false;
+  const uint64_t now = skv__now_ns();
   for (size_t i = 0; i < n && !full; i++) {
     uint64_t val;
     if (i + PUB_AHEAD < n) skv__index_prefetch(&kv->index, keys[i + PUB_AHEAD]);
-    if (skv__index_lookup(&kv->index, keys[i], &val) == 0) continue; /* cached already */
+    if (skv__index_lookup(&kv->index, keys[i], &val) == 0) { /* cached already: a use of it */
+      if (skv__val_pe(val) == me) skv__pool_touch(&kv->pool, me, skv__val_page(val), now);
+      continue;
+    }
     uint32_t page, gen;
     uint64_t ev = 0;
     if (skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &page, &gen, &ev) != 0) {
