@@ -609,10 +609,11 @@ enum { SKV_FETCH_UNPIN = 1u };
  * bytes, on a GPU possibly a mix of both). Each page is pinned (its
  * generation checked) for the copy: a stale reference fails with SKV_ESTALE, and neither its
  * blocks nor those of the references after it are written. A GPU fetch of fewer than
- * SKV_FETCH_GATE_PAGES pages (default 256) writes nothing then. A larger one that is one launch
- * of the copy kernels (up to 4096 pages, not SKV_FETCH_KERNEL=ce, not under
- * CUDA_LAUNCH_BLOCKING) launches its copy first and pins while the copy waits for the pages (the
- * pins then cost the call no time before the copy): on SKV_ESTALE the blocks of the references
+ * SKV_FETCH_GATE_PAGES pages (default 256) writes nothing then, nor does a larger one queued
+ * behind work still pending on `stream` (its pins overlap that work). A larger one on an idle
+ * stream that is one launch of the copy kernels (up to 4096 pages, not SKV_FETCH_KERNEL=ce, not
+ * under CUDA_LAUNCH_BLOCKING) launches its copy first and pins while the copy waits for the pages
+ * (the pins then cost the call no time before the copy): on SKV_ESTALE the blocks of the references
  * pinned before the stale one's run of 64 may be written, with their pages' bytes, by the copy
  * still enqueued on `stream` (the message says which). `stream`: a cudaStream_t for
  * GPU layouts (NULL: the legacy default stream): the copy is one kernel launch per batch of up to

@@ -736,9 +736,14 @@ Test(gpu_kv, bad_references_are_refused_on_the_host, .timeout = 120) {
  * whole (every page the host reference's), with a stale reference in the middle (SKV_ESTALE:
  * the blocks of the runs before its run written and right, the others still poison), with the
  * first reference stale (nothing written), and a batch under SKV_FETCH_GATE_PAGES (not gated:
- * a stale reference leaves every block poison). No pin is left, and the caller's pins
+ * a stale reference leaves every block poison), and a batch on a stream still busy with earlier
+ * work (not gated either: its pins overlap that work). No pin is left, and the caller's pins
  * (SKV_FETCH_UNPIN) go with a copy that succeeded and stay with one that failed. */
 enum { GF_PAGES = 320, GF_RUN = 64, GF_BLOCKS = 1024 };
+
+/* Non-NULL: gf_fetch holds the stream while it calls the fetch (a kernel waiting for this flag of
+ * mapped host memory, as an engine's earlier work still running), and lets it go after. */
+static uint32_t *gf_hold;
 
 /* Fetch refs[0..n) into fresh random blocks of the poisoned engine: the call fails with
  * SKV_ESTALE when stale_at is set, skv_kv_sync returns sync_rc (once), pages [0, written) are
@@ -749,7 +754,12 @@ static int gf_fetch(fix_t *f, dengine_t *ref, const skv_page_ref_t *refs, size_t
   PE_CHECK(de_poison(&f->eng) == 0, "%s: poison", what);
   uint64_t db[GF_PAGES], s = skv_test_seed();
   pick_blocks(GF_BLOCKS, n, db, &s);
+  if (gf_hold) {
+    __atomic_store_n(gf_hold, 0, __ATOMIC_SEQ_CST);
+    CU_OK((cudaError_t)skv__kv_gate_launch(f->st, gf_hold, 0, 20ull * 1000 * 1000 * 1000));
+  }
   int rc = skv_kv_fetch(f->kv, refs, n, f->eng.lay, db, flags, f->st);
+  if (gf_hold) __atomic_store_n(gf_hold, 1, __ATOMIC_SEQ_CST);
   if (stale_at == SIZE_MAX)
     PE_CHECK(rc == 0, "%s: fetch: %s", what, skv_last_error());
   else
@@ -837,10 +847,21 @@ static int pe_gated(int rank, int npes, void *arg) {
   memcpy(bad, refs, sizeof refs);
   bad[100].gen ^= 0x40000000u; /* 128 pages: under SKV_FETCH_GATE_PAGES, all or nothing */
   PE_CHECK(gf_fetch(&f, &ref, bad, 128, blocks, 0, 100, 0, 0, "small batch") == 0, "see above");
+  /* the stream busy with earlier work: the pins first (while that work runs), then the copy, not
+   * gated: all or nothing, as a small batch */
+  CU_OK(cudaHostAlloc((void **)&gf_hold, 64, cudaHostAllocMapped));
+  memcpy(bad, refs, sizeof refs);
+  bad[mid].gen ^= 0x40000000u;
+  PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, 0, mid, 0, 0, "busy stream, stale") == 0,
+           "see above");
+  PE_CHECK(gf_fetch(&f, &ref, refs, GF_PAGES, blocks, 0, SIZE_MAX, GF_PAGES, 0, "busy stream") == 0,
+           "see above");
+  CU_OK(cudaFreeHost(gf_hold));
+  gf_hold = NULL;
   skv_kv_stats_t st = SKV_KV_STATS_INIT;
   skv_kv_get_stats(f.kv, &st);
   uint64_t pinned = pinned_at_step(&f);
-  PE_CHECK(st.stale == 4 && pinned == 0, "stale %llu pinned %llu", (unsigned long long)st.stale,
+  PE_CHECK(st.stale == 5 && pinned == 0, "stale %llu pinned %llu", (unsigned long long)st.stale,
            (unsigned long long)pinned);
   /* a copy whose pins do not come within its time limit (50 ms here; the host sleeps 300 ms
    * after each run) gives up after the first run: the fetch returns, skv_kv_sync says
