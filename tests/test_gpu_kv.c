@@ -11,6 +11,7 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -908,6 +909,87 @@ ParameterizedTest(int *v, gpu_kv, gated_fetches_read_what_is_pinned, .timeout = 
   skv_test_job_t job;
   int bad = skv_test_run(&job, 2, pe_gated, v, 200000);
   cr_assert_eq(bad, 0, "variant %d: %s", *v, skv_test_statuses(&job));
+}
+
+/* ---- a fetch beside an engine's graph capture ---- */
+
+/* An engine thread capturing a CUDA graph in the default (global) mode on a stream of the same GPU
+ * while this thread fetches 320 pages on its own stream and the copy completes: nothing of the
+ * fetch (the look at its stream, the launch, the completion thread's event queries) is one of the
+ * calls a global capture forbids to other threads, which would invalidate the engine's graph. */
+typedef struct cap_beside {
+  int dev, state; /* state: 1 capturing, 2 the fetch is done (atomic) */
+  cudaStream_t s;
+  void *buf;
+  cudaError_t begin, end;
+} cap_beside_t;
+
+static void *cap_beside_main(void *arg) {
+  cap_beside_t *c = arg;
+  (void)cudaSetDevice(c->dev);
+  c->begin = cudaStreamBeginCapture(c->s, cudaStreamCaptureModeGlobal);
+  if (c->begin == cudaSuccess) (void)cudaMemsetAsync(c->buf, 7, 256, c->s);
+  __atomic_store_n(&c->state, 1, __ATOMIC_SEQ_CST);
+  while (__atomic_load_n(&c->state, __ATOMIC_SEQ_CST) != 2) usleep(1000);
+  cudaGraph_t g = NULL;
+  c->end = c->begin == cudaSuccess ? cudaStreamEndCapture(c->s, &g) : c->begin;
+  if (g) (void)cudaGraphDestroy(g);
+  return NULL;
+}
+
+static int pe_capture_beside(int rank, int npes, void *arg) {
+  (void)rank, (void)npes, (void)arg;
+  fix_t f;
+  PE_CHECK(fix_init(&f, GF_PAGES + 16, GF_BLOCKS) == 0, "fixture: %s", skv_last_error());
+  dengine_t ref;
+  PE_CHECK(de_new(&ref, &f.g, SKV_LAYOUT_CONTIGUOUS, 16, GF_BLOCKS, -1) == 0, "ref engine");
+  const uint64_t seed = skv_test_seed();
+  PE_CHECK(de_fill(&f.eng, seed) == 0 && de_fill(&ref, seed) == 0, "fill");
+  static skv_key_t keys[GF_PAGES];
+  static uint64_t blocks[GF_PAGES];
+  static skv_page_ref_t refs[GF_PAGES];
+  for (uint64_t i = 0; i < GF_PAGES; i++) keys[i] = key_of(&f, 500000 + i), blocks[i] = i;
+  size_t ins = 0, nhit = 0;
+  PE_CHECK(skv_kv_publish(f.kv, f.ns, keys, GF_PAGES, f.eng.lay, blocks, f.st, &ins) == 0 &&
+               ins == GF_PAGES && skv_kv_sync(f.kv) == 0,
+           "publish: %zu: %s", ins, skv_last_error());
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, keys, GF_PAGES, 0, refs, &nhit) == 0 && nhit == GF_PAGES,
+           "lookup %zu", nhit);
+  PE_CHECK(de_poison(&f.eng) == 0, "poison");
+  CU_OK(cudaStreamSynchronize(f.st));
+  uint64_t db[GF_PAGES], s2 = seed;
+  pick_blocks(GF_BLOCKS, GF_PAGES, db, &s2);
+  cap_beside_t c = {.dev = f.dev};
+  CU_OK(cudaStreamCreateWithFlags(&c.s, cudaStreamNonBlocking));
+  CU_OK(cudaMalloc(&c.buf, 256));
+  pthread_t th;
+  PE_CHECK(pthread_create(&th, NULL, cap_beside_main, &c) == 0, "capture thread");
+  while (__atomic_load_n(&c.state, __ATOMIC_SEQ_CST) != 1) usleep(1000);
+  const int rc = skv_kv_fetch(f.kv, refs, GF_PAGES, f.eng.lay, db, 0, f.st);
+  usleep(100 * 1000); /* the copy completes, and the completion thread sees it */
+  __atomic_store_n(&c.state, 2, __ATOMIC_SEQ_CST);
+  pthread_join(th, NULL);
+  PE_CHECK(rc == 0, "fetch during the capture: %s", skv_last_error());
+  PE_CHECK(c.begin == cudaSuccess, "begin capture: %s", cudaGetErrorString(c.begin));
+  PE_CHECK(c.end == cudaSuccess, "the engine's capture was broken by the fetch beside it: %s",
+           cudaGetErrorName(c.end));
+  CU_OK(cudaStreamSynchronize(f.st));
+  PE_CHECK(skv_kv_sync(f.kv) == 0, "sync: %s", skv_last_error());
+  PE_CHECK(de_download(&f.eng) == 0, "download");
+  for (size_t i = 0; i < GF_PAGES; i++)
+    PE_CHECK(pages_equal(&ref, &blocks[i], &f.eng, &db[i]), "page %zu differs", i);
+  CU_OK(cudaFree(c.buf));
+  CU_OK(cudaStreamDestroy(c.s));
+  de_free(&ref);
+  fix_fini(&f);
+  return 0;
+}
+
+Test(gpu_kv, a_fetch_beside_an_engines_graph_capture_leaves_it_valid, .timeout = 120) {
+  SKV_TEST_REQUIRE_GPUS(1);
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 1, pe_capture_beside, NULL, 100000);
+  cr_assert_eq(bad, 0, "%s", skv_test_statuses(&job));
 }
 
 /* ---- the device-side checks, through the kernel wrapper with bad descriptors ---- */

@@ -456,7 +456,9 @@ int skv__kvc_event(void *stream, void **ev, const char *fn) {
 }
 
 int skv__kvc_event_done(void *ev) {
+  const enum cudaStreamCaptureMode m = skv__kvc_relax();
   const cudaError_t e = cudaEventQuery((cudaEvent_t)ev);
+  skv__kvc_unrelax(m);
   if (e == cudaSuccess) return 1;
   if (e == cudaErrorNotReady) return 0;
   (void)cudaGetLastError();
@@ -534,7 +536,9 @@ static int copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, boo
     /* the slot's arguments and the staging are read by the kernel: wait for it, bounded */
     const uint64_t dl = skv__now_ns() + (uint64_t)kc->p.ctx->cfg.timeout_ms * 1000000u;
     for (unsigned spins = 0; e == cudaSuccess; spins++) {
+      const enum cudaStreamCaptureMode m = skv__kvc_relax();
       const cudaError_t q = cudaEventQuery(s->done);
+      skv__kvc_unrelax(m);
       if (q != cudaErrorNotReady || skv__now_ns() >= dl) {
         e = q; /* cudaErrorNotReady: the time ran out */
         break;
@@ -571,7 +575,10 @@ static int copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, boo
 bool skv__kvc_stream_busy(void *stream) {
   /* NotReady is no error (the last error is not set); another error is a failure of earlier
    * work, left for the calls that report it (the launch), as before */
-  return cudaStreamQuery((cudaStream_t)stream) == cudaErrorNotReady;
+  const enum cudaStreamCaptureMode m = skv__kvc_relax();
+  const bool busy = cudaStreamQuery((cudaStream_t)stream) == cudaErrorNotReady;
+  skv__kvc_unrelax(m);
+  return busy;
 }
 
 bool skv__kvc_idle(skv__kvc_t *kc) {

@@ -9,6 +9,20 @@
 
 #include <pthread.h>
 
+/* Event and stream queries (the completion's, a caller's look at its stream) are made in the
+ * relaxed capture mode: an engine thread capturing a CUDA graph in the default, global, mode
+ * forbids such calls to every other thread, and one made anyway invalidates its graph
+ * (cudaErrorStreamCaptureInvalidated at its end). Ours never look at a stream being captured,
+ * nor at an event recorded in one. skv__kvc_relax returns the mode to restore. */
+static inline enum cudaStreamCaptureMode skv__kvc_relax(void) {
+  enum cudaStreamCaptureMode m = cudaStreamCaptureModeRelaxed;
+  if (cudaThreadExchangeStreamCaptureMode(&m) != cudaSuccess) m = cudaStreamCaptureModeRelaxed;
+  return m;
+}
+static inline void skv__kvc_unrelax(enum cudaStreamCaptureMode m) {
+  if (m != cudaStreamCaptureModeRelaxed) (void)cudaThreadExchangeStreamCaptureMode(&m);
+}
+
 #define SKV__KVC_SLOT_BYTES  (512u << 10)
 #define SKV__KVC_RING_SLOTS  8
 #define SKV__KVC_GRAPH_SLOTS 8

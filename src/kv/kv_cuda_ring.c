@@ -133,10 +133,12 @@ int skv__kvc_reap_locked(skv__kvc_t *kc) {
   pthread_mutex_unlock(&kc->mu);
   cudaError_t st[SKV__KVC_RING_SLOTS];
   bool any = false;
+  const enum cudaStreamCaptureMode m = skv__kvc_relax(); /* kv_cuda_int.h */
   for (int i = 0; i < n; i++) {
     st[i] = cudaEventQuery(snap[i]->done);
     if (st[i] != cudaErrorNotReady) any = true;
   }
+  skv__kvc_unrelax(m);
   if (any) (void)cudaGetLastError();
   pthread_mutex_lock(&kc->mu);
   /* take the completed launches off the pending list (this thread completes them) */
