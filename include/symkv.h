@@ -630,15 +630,16 @@ SKV_EXTERN int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
                             void *stream);
 /* Copy engine blocks into new pages of this PE and insert keys[0..n) once the copy is
  * complete. A key already cached (by any PE) is skipped (on a page of this PE, that counts as a
- * use of the page, as a lookup hit: this call's evictions spare it); one that another publish (any
- * PE) claimed first is skipped before anything is copied (counted as deduplicated): each key's
- * index slot is claimed at the call and found by readers only once its copy is complete. Least
- * recently used unpinned pages of this PE are evicted to make room. *ninserted (optional) counts
- * keys this call inserted; for GPU layouts the copy is stream-ordered and the keys are inserted by
- * the completion thread after it, so *ninserted counts the pages queued (skv_kv_sync waits for the
- * inserts; the stats count what was inserted and deduplicated). Refused (SKV_ECAPTURE) while
- * `stream` is being captured: a replay would write into pages that may have been evicted and reused
- * since. */
+ * use of the page, as a lookup hit: the call's evictions after it spare it; a batch of several
+ * windows, over 256 keys, finds the keys of a later window after an earlier window's evictions,
+ * and copies again those they took); one that another publish (any PE) claimed first is skipped
+ * before anything is copied (counted as deduplicated): each key's index slot is claimed at the call
+ * and found by readers only once its copy is complete. Least recently used unpinned pages of this
+ * PE are evicted to make room. *ninserted (optional) counts keys this call inserted; for GPU
+ * layouts the copy is stream-ordered and the keys are inserted by the completion thread after it,
+ * so *ninserted counts the pages queued (skv_kv_sync waits for the inserts; the stats count what
+ * was inserted and deduplicated). Refused (SKV_ECAPTURE) while `stream` is being captured: a replay
+ * would write into pages that may have been evicted and reused since. */
 SKV_EXTERN int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *keys,
                               size_t n, const skv_layout_t *src, const uint64_t *block_ids,
                               void *stream, size_t *ninserted);

@@ -555,11 +555,12 @@ static int pe_publish_uses(int rank, int npes, void *arg) {
   uint64_t gone = 101;
   PE_CHECK(found_intact(&f, &gone, 1, &intact) == 0 && intact,
            "101, the next least recently used, is still cached");
-  /* now 102 is the least recently used: a reservation of it and a new key takes 103's page */
-  skv_key_t keys[2] = {key_of(&f, 102), key_of(&f, 300)};
+  /* now 102 is the least recently used: a reservation of a new key and of it (in that order)
+   * takes 103's page */
+  skv_key_t keys[2] = {key_of(&f, 300), key_of(&f, 102)};
   skv_page_ref_t refs[2];
   size_t nres = 0;
-  PE_CHECK(skv_kv_reserve(f.kv, f.ns, keys, 2, refs, &nres) == 0 && nres == 1 && refs[0].gen == 0,
+  PE_CHECK(skv_kv_reserve(f.kv, f.ns, keys, 2, refs, &nres) == 0 && nres == 1 && refs[1].gen == 0,
            "reserve: %zu (%s)", nres, skv_last_error());
   PE_CHECK(skv_kv_abort(f.kv, refs, 2, NULL) == 0, "abort: %s", skv_last_error());
   PE_CHECK(cached_intact(&f, 102), "102, reserved again, was evicted by its own reservation");

@@ -1556,14 +1556,17 @@ int skv_kv_reserve(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
   tidy(kv);
   size_t got = 0;
   bool full = false;
+  /* the keys cached already are a use of their pages, all before the first allocation, so that
+   * none of this call's evictions takes one of them, whatever the keys' order */
   const uint64_t now = skv__now_ns();
+  for (size_t i = 0; i < n; i++) {
+    if (i + PUB_AHEAD < n) skv__index_prefetch(&kv->index, keys[i + PUB_AHEAD]);
+    touch_cached(kv, keys[i], now);
+  }
   for (size_t i = 0; i < n && !full; i++) {
     uint64_t val;
     if (i + PUB_AHEAD < n) skv__index_prefetch(&kv->index, keys[i + PUB_AHEAD]);
-    if (skv__index_lookup(&kv->index, keys[i], &val) == 0) { /* cached already: a use of it */
-      if (skv__val_pe(val) == me) skv__pool_touch(&kv->pool, me, skv__val_page(val), now);
-      continue;
-    }
+    if (skv__index_lookup(&kv->index, keys[i], &val) == 0) continue; /* cached already */
     uint32_t page, gen;
     uint64_t ev = 0;
     if (skv__pool_alloc(&kv->pool, skv__kv_evict_cb, kv, &page, &gen, &ev) != 0) {
