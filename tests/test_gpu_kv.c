@@ -914,9 +914,10 @@ ParameterizedTest(int *v, gpu_kv, gated_fetches_read_what_is_pinned, .timeout = 
 /* ---- a fetch beside an engine's graph capture ---- */
 
 /* An engine thread capturing a CUDA graph in the default (global) mode on a stream of the same GPU
- * while this thread fetches 320 pages on its own stream and the copy completes: nothing of the
- * fetch (the look at its stream, the launch, the completion thread's event queries) is one of the
- * calls a global capture forbids to other threads, which would invalidate the engine's graph. */
+ * while this thread fetches 320 pages and publishes 64 on its own stream, the copies complete and
+ * skv_kv_sync waits for them: nothing of it (the look at the stream, the launches, the event
+ * queries of the completion thread and of the calls) is one of the calls a global capture forbids
+ * to other threads, which would invalidate the engine's graph. */
 typedef struct cap_beside {
   int dev, state; /* state: 1 capturing, 2 the fetch is done (atomic) */
   cudaStream_t s;
@@ -967,9 +968,25 @@ static int pe_capture_beside(int rank, int npes, void *arg) {
   while (__atomic_load_n(&c.state, __ATOMIC_SEQ_CST) != 1) usleep(1000);
   const int rc = skv_kv_fetch(f.kv, refs, GF_PAGES, f.eng.lay, db, 0, f.st);
   usleep(100 * 1000); /* the copy completes, and the completion thread sees it */
+  /* 64 fresh keys from blocks the fetch does not write (its blocks: db), then the sync */
+  enum { NPUB = 64 };
+  static skv_key_t pkeys[NPUB];
+  uint64_t pblocks[NPUB];
+  uint8_t taken[GF_BLOCKS] = {0};
+  for (size_t i = 0; i < GF_PAGES; i++) taken[db[i]] = 1;
+  size_t np = 0;
+  for (uint64_t b = 0; b < GF_BLOCKS && np < NPUB; b++)
+    if (!taken[b]) pkeys[np] = key_of(&f, 600000 + b), pblocks[np++] = b;
+  size_t pins = 0;
+  const int prc = skv_kv_publish(f.kv, f.ns, pkeys, np, f.eng.lay, pblocks, f.st, &pins);
+  const int src = skv_kv_sync(f.kv);
   __atomic_store_n(&c.state, 2, __ATOMIC_SEQ_CST);
   pthread_join(th, NULL);
   PE_CHECK(rc == 0, "fetch during the capture: %s", skv_last_error());
+  PE_CHECK(prc == 0 && pins == NPUB && src == 0,
+           "publish (%d, %zu queued) and sync (%d) during the capture", prc, pins, src);
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, pkeys, NPUB, 0, refs, &nhit) == 0 && nhit == NPUB,
+           "the keys published during the capture: %zu found", nhit);
   PE_CHECK(c.begin == cudaSuccess, "begin capture: %s", cudaGetErrorString(c.begin));
   PE_CHECK(c.end == cudaSuccess, "the engine's capture was broken by the fetch beside it: %s",
            cudaGetErrorName(c.end));
