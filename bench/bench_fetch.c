@@ -635,6 +635,23 @@ static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *se
   return time_e2e_gap(f, method, bt, reps, 0, sec);
 }
 
+/* time_e2e's calls, each behind a kernel of behind_ns enqueued on the stream just before it (an
+ * engine's earlier work still running), timed from that kernel's enqueueing. */
+static int time_e2e_behind(fb_t *f, int method, const batch_t *bt, int reps, uint64_t behind_ns,
+                           double *sec) {
+  double t[MAX_REPS];
+  for (int r = 0; r < WARM + reps; r++) {
+    BCUDA(cudaStreamSynchronize(f->st));
+    double h0 = bench_now();
+    BCUDA((cudaError_t)skv__kv_gate_launch(f->st, f->open_flag, behind_ns, behind_ns));
+    SKV_CHECK(run_op(f, method, bt, r));
+    BCUDA(cudaStreamSynchronize(f->st));
+    if (r >= WARM) t[r - WARM] = bench_now() - h0;
+  }
+  *sec = bench_median(t, (size_t)reps);
+  return 0;
+}
+
 /* time_e2e's calls again (the same pages; for publish, fresh keys) with the cache's phase
  * counters on: where the time of a call and its completion goes, per call. */
 static int breakdown_e2e_gap(fb_t *f, int method, const batch_t *bt, int reps, double gap_us,
@@ -792,6 +809,10 @@ static int bench_fetch(bench_t *b) {
   const int nvar = variants ? (quick ? 4 : (int)SKV_ARRAY_LEN(variants_list)) : 0;
   double var_t[NCASES][SKV_ARRAY_LEN(variants_list)];
   memset(var_t, 0, sizeof var_t);
+  /* fetch_e2e behind a kernel of BEHIND_US[k] (shorter and longer than the pins of 1024 pages) */
+  static const unsigned behind_us[] = {5, 20, 100};
+  enum { NBEHIND = sizeof behind_us / sizeof behind_us[0] };
+  double e2e_behind[NBEHIND] = {0}, e2e_behind_ce[NBEHIND] = {0};
   double e2e_fetch = 0, e2e_ce = 0, floor_empty = 0, e2e_big_fetch = 0, e2e_big_ce = 0,
          e2e_big_batch = 0, b2b_fetch = 0, b2b_ce = 0, b2b_empty = 0, e2e_big_pub = 0,
          e2e_big_ce_local = 0;
@@ -838,6 +859,11 @@ static int bench_fetch(bench_t *b) {
           if (rc == 0) rc = time_e2e(&f, M_CE, &bt, reps, &e2e_big_ce);
           if (rc == 0 && time_e2e(&f, M_CE_BATCH, &bt, reps, &e2e_big_batch) != 0)
             e2e_big_batch = 0;
+          for (int k = 0; k < NBEHIND && rc == 0; k++) {
+            rc = time_e2e_behind(&f, M_FETCH, &bt, reps, behind_us[k] * 1000ull, &e2e_behind[k]);
+            if (rc == 0)
+              rc = time_e2e_behind(&f, M_CE, &bt, reps, behind_us[k] * 1000ull, &e2e_behind_ce[k]);
+          }
         }
         if (rc == 0 && c->ps == (64u << 10) && c->n == 16) {
           rc = time_op(&f, M_EMPTY, &bt, reps, &floor_empty);
@@ -1014,6 +1040,14 @@ static int bench_fetch(bench_t *b) {
       bench_row(b, "fetch_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_fetch / 1e9, "GB/s",
                 "higher", "cudaMemcpyAsync 64 MiB contiguous + sync, wall",
                 (64.0 * 1024 * 1024) / e2e_big_ce / 1e9);
+    for (int k = 0; k < NBEHIND; k++) {
+      if (e2e_behind[k] <= 0) continue;
+      char bn[96], bb[96];
+      snprintf(bn, sizeof bn, "fetch_e2e_behind_%uus/64KiB/x1024", behind_us[k]);
+      snprintf(bb, sizeof bb, "cudaMemcpyAsync 64 MiB behind the same %u us kernel + sync, wall",
+               behind_us[k]);
+      bench_row(b, bn, e2e_behind[k] * 1e6, "us", "lower", bb, e2e_behind_ce[k] * 1e6);
+    }
     if (e2e_big_batch > 0)
       bench_row(b, "ce_batch_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_batch / 1e9, "GB/s",
                 "higher", "cudaMemcpyAsync 64 MiB contiguous + sync, wall",

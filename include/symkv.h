@@ -609,23 +609,20 @@ enum { SKV_FETCH_UNPIN = 1u };
  * bytes, on a GPU possibly a mix of both). Each page is pinned (its
  * generation checked) for the copy: a stale reference fails with SKV_ESTALE, and neither its
  * blocks nor those of the references after it are written. A GPU fetch of fewer than
- * SKV_FETCH_GATE_PAGES pages (default 256) writes nothing then, nor does a larger one queued
- * behind work still pending on `stream` (its pins overlap that work). A larger one on an idle
- * stream that is one launch of the copy kernels (up to 4096 pages, not SKV_FETCH_KERNEL=ce, not
- * under CUDA_LAUNCH_BLOCKING) launches its copy first and pins while the copy waits for the pages
- * (the pins then cost the call no time before the copy): on SKV_ESTALE the blocks of the references
+ * SKV_FETCH_GATE_PAGES pages (default 256) writes nothing then. A larger one that is one launch
+ * of the copy kernels (up to 4096 pages, not SKV_FETCH_KERNEL=ce, not under
+ * CUDA_LAUNCH_BLOCKING) launches its copy first and pins while the copy waits for the pages (the
+ * pins then cost the call no time before the copy): on SKV_ESTALE the blocks of the references
  * pinned before the stale one's run of 64 may be written, with their pages' bytes, by the copy
- * still enqueued on `stream` (the message says which). Whether a batch of 256 pages or more is
- * gated so depends on its stream: treat the blocks of such a failed fetch as undefined. `stream`: a
- * cudaStream_t for GPU layouts (NULL: the legacy default stream): the copy is one kernel launch per
- * batch of up to 4096 pages, stream-ordered, and the pins are released by the cache's completion
- * thread once it completes (the stream carries only the copy and an event); host layouts copy
- * synchronously. While `stream` is being captured into a CUDA graph, every reference must already
- * be pinned by this PE (skv_kv_lookup with SKV_LOOKUP_PIN; else SKV_ECAPTURE): a captured fetch
- * takes no pins, so the caller keeps them for as long as it replays the graph, and releases them
- * with skv_kv_unpin afterwards (SKV_FETCH_UNPIN is refused while capturing). Each captured fetch
- * keeps one of the cache's 8 graph argument slots for the cache's lifetime (SKV_ECAPTURE when they
- * are all taken).
+ * still enqueued on `stream` (the message says which). `stream`: a cudaStream_t for
+ * GPU layouts (NULL: the legacy default stream): the copy is one kernel launch per batch of up to
+ * 4096 pages, stream-ordered, and the pins are released by the cache's completion thread once it
+ * completes (the stream carries only the copy and an event); host layouts copy synchronously. While
+ * `stream` is being captured into a CUDA graph, every reference must already be pinned by this PE
+ * (skv_kv_lookup with SKV_LOOKUP_PIN; else SKV_ECAPTURE): a captured fetch takes no pins, so the
+ * caller keeps them for as long as it replays the graph, and releases them with skv_kv_unpin
+ * afterwards (SKV_FETCH_UNPIN is refused while capturing). Each captured fetch keeps one of the
+ * cache's 8 graph argument slots for the cache's lifetime (SKV_ECAPTURE when they are all taken).
  */
 SKV_EXTERN int skv_kv_fetch(skv_kv_t *kv, const skv_page_ref_t *refs, size_t n,
                             const skv_layout_t *dst, const uint64_t *block_ids, uint32_t flags,

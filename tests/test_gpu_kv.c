@@ -738,7 +738,7 @@ Test(gpu_kv, bad_references_are_refused_on_the_host, .timeout = 120) {
  * the blocks of the runs before its run written and right, the others still poison), with the
  * first reference stale (nothing written), and a batch under SKV_FETCH_GATE_PAGES (not gated:
  * a stale reference leaves every block poison), and a batch on a stream still busy with earlier
- * work (not gated either: its pins overlap that work). No pin is left, and the caller's pins
+ * work (gated all the same). No pin is left, and the caller's pins
  * (SKV_FETCH_UNPIN) go with a copy that succeeded and stay with one that failed. */
 enum { GF_PAGES = 320, GF_RUN = 64, GF_BLOCKS = 1024 };
 
@@ -848,12 +848,13 @@ static int pe_gated(int rank, int npes, void *arg) {
   memcpy(bad, refs, sizeof refs);
   bad[100].gen ^= 0x40000000u; /* 128 pages: under SKV_FETCH_GATE_PAGES, all or nothing */
   PE_CHECK(gf_fetch(&f, &ref, bad, 128, blocks, 0, 100, 0, 0, "small batch") == 0, "see above");
-  /* the stream busy with earlier work: the pins first (while that work runs), then the copy, not
-   * gated: all or nothing, as a small batch */
+  /* the stream busy with earlier work: gated all the same (the copy waits behind that work and
+   * for its pins), so a stale reference leaves the runs before its run written */
   CU_OK(cudaHostAlloc((void **)&gf_hold, 64, cudaHostAllocMapped));
   memcpy(bad, refs, sizeof refs);
   bad[mid].gen ^= 0x40000000u;
-  PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, 0, mid, 0, 0, "busy stream, stale") == 0,
+  PE_CHECK(gf_fetch(&f, &ref, bad, GF_PAGES, blocks, 0, mid, mid / GF_RUN * GF_RUN, 0,
+                    "busy stream, stale in the middle") == 0,
            "see above");
   PE_CHECK(gf_fetch(&f, &ref, refs, GF_PAGES, blocks, 0, SIZE_MAX, GF_PAGES, 0, "busy stream") == 0,
            "see above");

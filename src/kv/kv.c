@@ -617,12 +617,12 @@ static int pin_all(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_ref_t 
 }
 
 #ifdef SKV_WITH_CUDA
-/* Fetches of this many pages or more into GPU blocks are gated (SKV_FETCH_GATE_PAGES; 0: none)
- * when their stream has no work pending. The gate hides the pins behind the copy's start, for
- * about 0.06 of the copy's speed on the GPU (fetch_local/64KiB/x1024 on one H100: 0.84 gated
- * against 0.90 ungated, bench/results/gate_busy_nvidia-h100-x1.txt); with work pending, the
- * pins overlap that work instead. (Work that ends sooner than the pins, about 17 us per 1024
- * pages there, leaves the GPU waiting for the rest of them: not measured.) */
+/* Fetches of this many pages or more into GPU blocks are gated (SKV_FETCH_GATE_PAGES; 0: none),
+ * whatever their stream holds. The gate costs the copy about 0.06 of its speed on the GPU
+ * (fetch_local/64KiB/x1024 on one H100: 0.84 gated against 0.90 ungated); behind work pending
+ * on the stream, pinning first and copying ungated saved about 4 us behind 100 us of work but
+ * cost 10-20 us behind 5-20 us of it, and pinning ahead only while the stream stayed busy did
+ * no better (bench/results/gate_behind_nvidia-h100-x1.txt). */
 static size_t gate_pages(void) {
   static size_t pages = SIZE_MAX; /* not read yet */
   size_t v = __atomic_load_n(&pages, __ATOMIC_RELAXED);
@@ -912,9 +912,7 @@ static int fetch_mapped(skv_kv_t *kv, const skv__kv_batch_t *b, const skv_page_r
         "without SKV_FETCH_UNPIN",
         fn, bad, refs[bad].pe, refs[bad].page);
 #ifdef SKV_WITH_CUDA
-  /* the copy first, the pins while it waits; not behind work still pending on the stream: the
-   * pins then overlap that work, and the copy runs ungated (faster on the GPU) */
-  if (path == PATH_DEVICE && n >= gate_pages() && !skv__kvc_stream_busy(stream)) {
+  if (path == PATH_DEVICE && n >= gate_pages()) { /* the copy first, the pins while it waits */
     struct skv__kvc_slot *s = NULL;
     const int g = skv__kvc_copy_gated(kv->cuda, b, dst, block_ids, stream, &s, fn);
     if (g < 0) return g; /* nothing enqueued, nothing pinned */

@@ -572,15 +572,6 @@ static int copy_in(skv__kvc_t *kc, const skv_layout_t *lay, const void *src, boo
 
 /* ---- sync ----------------------------------------------------------------------------------- */
 
-bool skv__kvc_stream_busy(void *stream) {
-  /* NotReady is no error (the last error is not set); another error is a failure of earlier
-   * work, left for the calls that report it (the launch), as before */
-  const enum cudaStreamCaptureMode m = skv__kvc_relax();
-  const bool busy = cudaStreamQuery((cudaStream_t)stream) == cudaErrorNotReady;
-  skv__kvc_unrelax(m);
-  return busy;
-}
-
 bool skv__kvc_idle(skv__kvc_t *kc) {
   if (!kc) return true;
   pthread_mutex_lock(&kc->mu);

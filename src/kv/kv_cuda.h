@@ -88,9 +88,6 @@ struct skv__kvc_slot;
 int skv__kvc_copy_gated(skv__kvc_t *kc, const skv__kv_batch_t *b, const skv_layout_t *lay,
                         const uint64_t *block_ids, void *stream, struct skv__kvc_slot **slot,
                         const char *fn);
-/* Work is still pending on `stream` (cudaStreamQuery; false on an error: a failure of earlier
- * work, which the next launch reports). */
-bool skv__kvc_stream_busy(void *stream);
 /* Tests: a gated copy's longest wait for its pins, in ms (0: SKV_TIMEOUT_MS). */
 extern int skv__kvc_gate_ms;
 /* Pages [0, pinned) of a gated fetch are pinned: the copy may read them. */

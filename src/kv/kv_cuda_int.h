@@ -9,7 +9,7 @@
 
 #include <pthread.h>
 
-/* Event and stream queries (the completion's, a caller's look at its stream) are made in the
+/* Event queries (the completion thread's, and a call's waiting for a launch) are made in the
  * relaxed capture mode: an engine thread capturing a CUDA graph in the default, global, mode
  * forbids such calls to every other thread, and one made anyway invalidates its graph
  * (cudaErrorStreamCaptureInvalidated at its end). Ours never look at a stream being captured,
