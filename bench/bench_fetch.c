@@ -614,13 +614,17 @@ static void busy_gap(double us) {
   }
 }
 
-/* Calls to completion, wall time (median), with `gap_us` of busy work after each (untimed). */
-static int time_e2e_gap(fb_t *f, int method, const batch_t *bt, int reps, double gap_us,
-                        double *sec) {
+/* Calls to completion, wall time (median), with `gap_us` of busy work after each (untimed), and
+ * each behind a kernel of `behind_ns` enqueued on the stream just before it (an engine's earlier
+ * work still running; 0: none), timed from that kernel's enqueueing. */
+static int time_e2e_at(fb_t *f, int method, const batch_t *bt, int reps, double gap_us,
+                       uint64_t behind_ns, double *sec) {
   double t[MAX_REPS];
   for (int r = 0; r < WARM + reps; r++) {
     BCUDA(cudaStreamSynchronize(f->st));
     double h0 = bench_now();
+    if (behind_ns)
+      BCUDA((cudaError_t)skv__kv_gate_launch(f->st, f->open_flag, behind_ns, behind_ns));
     SKV_CHECK(run_op(f, method, bt, r));
     BCUDA(cudaStreamSynchronize(f->st));
     if (method == M_PUBLISH) SKV_CHECK(skv_kv_sync(f->kv)); /* the keys are in the index */
@@ -631,25 +635,13 @@ static int time_e2e_gap(fb_t *f, int method, const batch_t *bt, int reps, double
   return 0;
 }
 
-static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
-  return time_e2e_gap(f, method, bt, reps, 0, sec);
+static int time_e2e_gap(fb_t *f, int method, const batch_t *bt, int reps, double gap_us,
+                        double *sec) {
+  return time_e2e_at(f, method, bt, reps, gap_us, 0, sec);
 }
 
-/* time_e2e's calls, each behind a kernel of behind_ns enqueued on the stream just before it (an
- * engine's earlier work still running), timed from that kernel's enqueueing. */
-static int time_e2e_behind(fb_t *f, int method, const batch_t *bt, int reps, uint64_t behind_ns,
-                           double *sec) {
-  double t[MAX_REPS];
-  for (int r = 0; r < WARM + reps; r++) {
-    BCUDA(cudaStreamSynchronize(f->st));
-    double h0 = bench_now();
-    BCUDA((cudaError_t)skv__kv_gate_launch(f->st, f->open_flag, behind_ns, behind_ns));
-    SKV_CHECK(run_op(f, method, bt, r));
-    BCUDA(cudaStreamSynchronize(f->st));
-    if (r >= WARM) t[r - WARM] = bench_now() - h0;
-  }
-  *sec = bench_median(t, (size_t)reps);
-  return 0;
+static int time_e2e(fb_t *f, int method, const batch_t *bt, int reps, double *sec) {
+  return time_e2e_at(f, method, bt, reps, 0, 0, sec);
 }
 
 /* time_e2e's calls again (the same pages; for publish, fresh keys) with the cache's phase
@@ -860,9 +852,9 @@ static int bench_fetch(bench_t *b) {
           if (rc == 0 && time_e2e(&f, M_CE_BATCH, &bt, reps, &e2e_big_batch) != 0)
             e2e_big_batch = 0;
           for (int k = 0; k < NBEHIND && rc == 0; k++) {
-            rc = time_e2e_behind(&f, M_FETCH, &bt, reps, behind_us[k] * 1000ull, &e2e_behind[k]);
-            if (rc == 0)
-              rc = time_e2e_behind(&f, M_CE, &bt, reps, behind_us[k] * 1000ull, &e2e_behind_ce[k]);
+            const uint64_t ns = behind_us[k] * 1000ull;
+            rc = time_e2e_at(&f, M_FETCH, &bt, reps, 0, ns, &e2e_behind[k]);
+            if (rc == 0) rc = time_e2e_at(&f, M_CE, &bt, reps, 0, ns, &e2e_behind_ce[k]);
           }
         }
         if (rc == 0 && c->ps == (64u << 10) && c->n == 16) {
