@@ -9,11 +9,7 @@
 set -u
 . "$(dirname "$0")/common.sh"
 shift 2
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-S="$OUT/summary.txt"
-log() { echo "== $* ($(date -u +%T), +${SECONDS}s)" | tee -a "$S"; }
-{ date -u; hostname; nvidia-smi -L; } > "$OUT/host.txt" 2>&1
-mps_start
+session_begin
 for b in "$B" "$@"; do
   for g in 256 0; do
     for i in 1 2; do

@@ -24,6 +24,33 @@ mps_start() {
   fi
 }
 
+# session_begin: GPU 0 unless CUDA_VISIBLE_DEVICES says otherwise; S, the rows' summary
+# ($OUT/summary.txt), and `log` (a line "== MSG (time, +seconds)" to stdout and S); the host in
+# $OUT/host.txt; then mps_start.
+session_begin() {
+  export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+  S="$OUT/summary.txt"
+  log() { echo "== $* ($(date -u +%T), +${SECONDS}s)" | tee -a "$S"; }
+  { date -u; hostname; nvidia-smi -L; } > "$OUT/host.txt" 2>&1
+  mps_start
+}
+
+# gpu_suites TEST...: each test binary of $B/tests that was built, -j1 (its log $OUT/TEST.log),
+# its exit status and result lines in S (after session_begin).
+gpu_suites() {
+  local t
+  for t in "$@"; do
+    if [ ! -x "$B/tests/$t" ]; then
+      log "$t ($B): not built, skipped"
+      continue
+    fi
+    log "$t ($B)"
+    SKV_TEST_BIN_DIR="$PWD/$B" timeout -k 5 150 "$B/tests/$t" -j1 > "$OUT/$t.log" 2>&1
+    echo "rc=$?" | tee -a "$S"
+    grep -E "Synthesis|FAIL|PE check" "$OUT/$t.log" | head -20 | tee -a "$S"
+  done
+}
+
 # fetch_variant NAME "FETCH ARGS" ENV...: one `symkv-bench fetch` on 2 PEs with ENV set, its
 # log and JSON under $OUT as NAME.*, the rows on stdout.
 fetch_variant() {

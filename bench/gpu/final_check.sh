@@ -6,17 +6,8 @@
 #   bench/gpu/final_check.sh BUILD_DIR LIB_DIR
 set -u
 . "$(dirname "$0")/common.sh"
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-S="$OUT/summary.txt"
-log() { echo "== $* ($(date -u +%T), +${SECONDS}s)" | tee -a "$S"; }
-{ date -u; hostname; nvidia-smi -L; } > "$OUT/host.txt" 2>&1
-mps_start
-for t in test_gpu_kv test_gpu_domain test_gpu_heap test_gpu_comm; do
-  [ -x "$B/tests/$t" ] || continue
-  log "$t"
-  SKV_TEST_BIN_DIR="$PWD/$B" timeout -k 5 200 "$B/tests/$t" -j1 > "$OUT/$t.log" 2>&1
-  echo "rc=$?" | tee -a "$S"; grep -E "Synthesis|FAIL|PE check" "$OUT/$t.log" | head -10 | tee -a "$S"
-done
+session_begin
+gpu_suites test_gpu_kv test_gpu_domain test_gpu_heap test_gpu_comm
 for g in 256 0; do
   log "capture test, SKV_FETCH_GATE_PAGES=$g"
   SKV_FETCH_GATE_PAGES=$g SKV_TEST_BIN_DIR="$PWD/$B" timeout -k 5 100 "$B/tests/test_gpu_kv" -j1 --filter 'gpu_kv/a_fetch_beside*' > "$OUT/cap_$g.log" 2>&1

@@ -9,17 +9,8 @@
 set -u
 . "$(dirname "$0")/common.sh"
 A=${3:?base build dir}
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-S="$OUT/summary.txt"
-log() { echo "== $* ($(date -u +%T), +${SECONDS}s)" | tee -a "$S"; }
-{ date -u; hostname; nvidia-smi -L; } > "$OUT/host.txt" 2>&1
-mps_start
-for t in test_gpu_kv test_gpu_domain; do
-  log "$t ($B)"
-  SKV_TEST_BIN_DIR="$PWD/$B" timeout -k 5 150 "$B/tests/$t" -j1 > "$OUT/$t.log" 2>&1
-  echo "rc=$?" | tee -a "$S"
-  grep -E "Synthesis|FAIL|PE check" "$OUT/$t.log" | head -20 | tee -a "$S"
-done
+session_begin
+gpu_suites test_gpu_kv test_gpu_domain
 rows='^\[0\] (fetch/64KiB/x1024|fetch_local/|publish/|fetch_e2e/|publish_e2e/|fetch_latency_e2e/)'
 for round in 1 2; do
   for which in base new; do

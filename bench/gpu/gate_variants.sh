@@ -7,11 +7,7 @@
 #   bench/gpu/gate_variants.sh BUILD_DIR LIB_DIR
 set -u
 . "$(dirname "$0")/common.sh"
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-S="$OUT/summary.txt"
-log() { echo "== $* ($(date -u +%T), +${SECONDS}s)" | tee -a "$S"; }
-{ date -u; hostname; nvidia-smi -L; } > "$OUT/host.txt" 2>&1
-mps_start
+session_begin
 rows='^\[0\] (fetch/|fetch_local/|publish/|fetch_e2e/|fetch_latency/|fetch_latency_e2e/)'
 for round in 1 2; do
   for cfg in def "SKV_FETCH_KERNEL=vec" "SKV_FETCH_GATE_PAGES=0" \
