@@ -123,6 +123,7 @@ Test(index, claimed_keys_are_misses_win_over_later_inserts_and_publish_or_releas
   cr_assert_eq(skv__index_entries(&t->ix), 1);
   cr_assert_eq(skv__index_claim(&t->ix, k, 2, &c2, &raced), SKV_EEXIST);
   cr_assert(!raced, "the key is cached");
+  cr_assert_eq(c2.valid, val, "the claim gives the cached key's value");
   /* a released claim leaves nothing behind: the key is free for the next inserter */
   cr_assert_eq(skv__index_claim(&t->ix, k2, 1, &c, &raced), 0);
   skv__index_release(&t->ix, k2, &c);
@@ -264,6 +265,7 @@ Test(index, a_claim_of_a_key_cached_past_a_tombstone_is_cached_not_raced) {
   bool raced = true;
   cr_assert_eq(skv__index_claim(&t->ix, k, 2, &c, &raced), SKV_EEXIST);
   cr_assert(!raced, "cached, not a lost race");
+  cr_assert_eq(c.valid, skv__val_pack(1, 2, 1), "the value of the copy found past our slot");
   cr_assert(t->slots[0][home].key.p.hi == 0 && t->slots[0][home].key.p.lo == 1,
             "the tombstone is free again");
   cr_assert_eq(skv__index_lookup(&t->ix, k, &v), 0);

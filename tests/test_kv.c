@@ -545,28 +545,38 @@ static int pe_publish_uses(int rank, int npes, void *arg) {
   static uint64_t ids[8];
   size_t ins = 0;
   PE_CHECK(fix_init(&f, 8, WIN_N, 30000) == 0, "fixture: %s", skv_last_error());
-  for (size_t i = 0; i < 8; i++) ids[i] = 100 + i; /* the pool full, 100 least recently used */
+  for (size_t i = 0; i < 8; i++) ids[i] = 100 + i; /* the pool full */
   PE_CHECK(publish_many(&f, ids, 8, &ins) == 0 && ins == 8, "8 keys: %zu", ins);
-  ids[0] = 100, ids[1] = 200; /* cached on the LRU page, and a new key: one page to take */
-  PE_CHECK(publish_many(&f, ids, 2, &ins) == 0 && ins == 1, "100 and 200: %zu inserted", ins);
-  PE_CHECK(cached_intact(&f, 100), "100, published again, was evicted by its own publish");
+  /* 101 the least recently used, on a page other than 0 (a touch that missed its page would
+   * land on page 0, where 100 lives): every other key used after it, one call each */
+  skv_key_t k = key_of(&f, 101);
+  skv_page_ref_t ref;
+  size_t nhit = 0;
+  PE_CHECK(skv_kv_lookup(f.kv, f.ns, &k, 1, 0, &ref, &nhit) == 0 && nhit == 1 && ref.page != 0,
+           "101 is cached on a page other than 0: %zu hit, page %u", nhit, ref.page);
+  for (uint64_t id = 102; id <= 108; id++)
+    PE_CHECK(cached_intact(&f, id == 108 ? 100 : id), "%llu is cached",
+             (unsigned long long)(id == 108 ? 100 : id));
+  ids[0] = 101, ids[1] = 200; /* cached on the LRU page, and a new key: one page to take */
+  PE_CHECK(publish_many(&f, ids, 2, &ins) == 0 && ins == 1, "101 and 200: %zu inserted", ins);
+  PE_CHECK(cached_intact(&f, 101), "101, published again, was evicted by its own publish");
   PE_CHECK(cached_intact(&f, 200), "200, new, is cached");
   bool intact;
-  uint64_t gone = 101;
+  uint64_t gone = 102;
   PE_CHECK(found_intact(&f, &gone, 1, &intact) == 0 && intact,
-           "101, the next least recently used, is still cached");
-  /* now 102 is the least recently used: a reservation of a new key and of it (in that order)
-   * takes 103's page */
-  skv_key_t keys[2] = {key_of(&f, 300), key_of(&f, 102)};
+           "102, the next least recently used, is still cached");
+  /* now 103 is the least recently used: a reservation of a new key and of it (in that order)
+   * takes 104's page */
+  skv_key_t keys[2] = {key_of(&f, 300), key_of(&f, 103)};
   skv_page_ref_t refs[2];
   size_t nres = 0;
   PE_CHECK(skv_kv_reserve(f.kv, f.ns, keys, 2, refs, &nres) == 0 && nres == 1 && refs[1].gen == 0,
            "reserve: %zu (%s)", nres, skv_last_error());
   PE_CHECK(skv_kv_abort(f.kv, refs, 2, NULL) == 0, "abort: %s", skv_last_error());
-  PE_CHECK(cached_intact(&f, 102), "102, reserved again, was evicted by its own reservation");
-  gone = 103;
+  PE_CHECK(cached_intact(&f, 103), "103, reserved again, was evicted by its own reservation");
+  gone = 104;
   PE_CHECK(found_intact(&f, &gone, 1, &intact) == 0 && intact,
-           "103, the next least recently used, is still cached");
+           "104, the next least recently used, is still cached");
   fix_fini(&f);
   return 0;
 }

@@ -169,7 +169,8 @@ static bool release_slot(skv__index_slot_t *s, unsigned __int128 k, uint64_t pen
  * that has not stored its PENDING value yet (val still 0 or ERASING from before the claim) is
  * newer: we stored our ticket before reading its val, it takes its ticket after storing PENDING,
  * so its ticket is larger and its own scan sees our copy. */
-static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint64_t my_ticket) {
+static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint64_t my_ticket,
+                     uint64_t *valid) {
   uint64_t start = 0, next_alive_check = 0;
   for (uint64_t spin = 0;; spin++) {
     /* ticket before val: a ticket read from an earlier claim of the slot is only ever smaller
@@ -177,7 +178,10 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
     uint64_t t = __atomic_load_n(&s->ticket, __ATOMIC_SEQ_CST);
     uint64_t v = __atomic_load_n(&s->val, __ATOMIC_SEQ_CST);
     if (!same_key(s, key)) return 0;
-    if (v & SKV_VAL_VALID) return 2;
+    if (v & SKV_VAL_VALID) {
+      *valid = v;
+      return 2;
+    }
     if (!skv__val_is_pending(v)) return 0;
     int owner = (int)skv__val_pe(v);
     if (t != 0) {
@@ -213,9 +217,10 @@ static int copy_wins(skv__index_t *ix, skv__index_slot_t *s, skv_key_t key, uint
 }
 
 /* Scan the window for copies of `key` other than our slot `mine` (ticket my_ticket). Returns
- * copy_wins's answer for the first copy that wins over ours (2 VALID, 1 older), else 0. */
-static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine,
-                       uint64_t my_ticket) {
+ * copy_wins's answer for the first copy that wins over ours (2 VALID, its value in *valid, 1
+ * older), else 0. */
+static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine, uint64_t my_ticket,
+                       uint64_t *valid) {
   int sh = skv__index_shard(ix, key);
   skv__index_slot_t *slots = ix->slots[sh];
   uint64_t mask = ix->slots_per_shard - 1;
@@ -231,7 +236,7 @@ static int scan_copies(skv__index_t *ix, skv_key_t key, skv__index_slot_t *mine,
     skv__index_slot_t *s = &slots[(h + i) & mask];
     const uint64_t hi = ld_acq(&s->key.p.hi), lo = ld_acq(&s->key.p.lo);
     if (SKV_UNLIKELY(hi == key.hi) && lo == key.lo && s != mine) {
-      const int w = copy_wins(ix, s, key, my_ticket);
+      const int w = copy_wins(ix, s, key, my_ticket, valid);
       if (w) return w;
     } else if ((hi | lo) == 0) {
       break; /* EMPTY: the key is nowhere further */
@@ -264,7 +269,7 @@ static uint64_t claim_number(void) {
 }
 
 /* Step 1 of Insert for one key and the PENDING store of step 2: 0 with *c (ticket not taken
- * yet), SKV_EEXIST when the key is VALID on the way, SKV_ENOSPC. */
+ * yet), SKV_EEXIST when the key is VALID on the way (that value in c->valid), SKV_ENOSPC. */
 static int claim_slot(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c) {
   SKV_ASSERT(key.hi != 0);
   int sh = skv__index_shard(ix, key);
@@ -282,7 +287,10 @@ static int claim_slot(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_cla
     int kind = read_key(s, &hi, &lo);
     if (kind == SLOT_KEY && hi == key.hi && lo == key.lo) {
       uint64_t v = ld_acq(&s->val);
-      if (v & SKV_VAL_VALID) return SKV_EEXIST;
+      if (v & SKV_VAL_VALID) {
+        c->valid = v;
+        return SKV_EEXIST;
+      }
       continue;
     }
     if (kind == SLOT_KEY || kind == SLOT_CLAIMING) continue;
@@ -341,11 +349,13 @@ static void claim_group(skv__index_t *ix, const skv_key_t *keys, size_t from, si
   for (size_t i = from; i < to; i++) {
     if (rc[i]) continue;
     skv__index_slot_t *mine = &ix->slots[c[i].shard][c[i].slot];
-    const int w = scan_copies(ix, keys[i], mine, c[i].ticket);
+    uint64_t valid = 0;
+    const int w = scan_copies(ix, keys[i], mine, c[i].ticket, &valid);
     if (w) {
       release_slot(mine, k128(keys[i]), c[i].pending);
       rc[i] = SKV_EEXIST;
       raced[i] = w == 1; /* 2: the key is cached (VALID), maybe past our slot */
+      c[i].valid = valid;
     }
   }
 }

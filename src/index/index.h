@@ -211,7 +211,8 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe);
  * its keys before it copies, and publishes each once its copy is complete):
  *  - skv__index_claim takes steps 1-3 of Insert: on 0 the key holds a PENDING slot of ours in
  *    *c, which readers miss and other inserters of the key lose to (first writer wins);
- *    SKV_EEXIST: the key is VALID (*raced false), or an older copy won (*raced true);
+ *    SKV_EEXIST: the key is VALID (*raced false; the value seen in c->valid), or an older copy
+ *    won (*raced true);
  *    SKV_ENOSPC: no free slot in its window.
  *  - skv__index_publish takes step 4, val the VALID value: 0, or SKV_EEXIST when another
  *    inserter judged us dead and cleared the claim (the key is then cached by that copy);
@@ -223,7 +224,10 @@ int skv__index_insert(skv__index_t *ix, skv_key_t key, uint64_t val, int my_pe);
  * skipped it, and it is cached again by its next publish. */
 typedef struct skv__index_claim {
   uint32_t shard, slot;
-  uint64_t pending; /* our PENDING value in it */
+  union {
+    uint64_t pending; /* our PENDING value in it (claimed) */
+    uint64_t valid;   /* the key's VALID value seen (SKV_EEXIST, not raced) */
+  };
   uint64_t ticket;
 } skv__index_claim_t;
 int skv__index_claim(skv__index_t *ix, skv_key_t key, int my_pe, skv__index_claim_t *c,

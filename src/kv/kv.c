@@ -762,11 +762,15 @@ static size_t finish_pages(skv_kv_t *kv, const uint32_t *pages, size_t page_step
  * hit's, so that the call's own allocation does not evict the key the caller just published
  * (it would when the page was the least recently used). Pages of other PEs are not this call's
  * to evict. */
+static void touch_val(skv_kv_t *kv, uint64_t v, uint64_t now) {
+  const uint32_t me = (uint32_t)kv->pool.me;
+  if (skv__val_pe(v) == me) skv__pool_touch(&kv->pool, me, skv__val_page(v), now);
+}
+
+/* touch_val of key's VALID value, if it is cached. */
 static void touch_cached(skv_kv_t *kv, skv_key_t key, uint64_t now) {
   uint64_t v;
-  const uint32_t me = (uint32_t)kv->pool.me;
-  if (skv__index_lookup(&kv->index, key, &v) == 0 && skv__val_pe(v) == me)
-    skv__pool_touch(&kv->pool, me, skv__val_page(v), now);
+  if (skv__index_lookup(&kv->index, key, &v) == 0) touch_val(kv, v, now);
 }
 
 /* Give up the claims cl[0..n) of keys keys[idx[i]] (their pages were not written). */
@@ -1369,7 +1373,7 @@ int skv_kv_publish(skv_kv_t *kv, const skv_namespace_t *ns, const skv_key_t *key
         idx[k++] = i + q; /* ours to copy */
       } else if (crc[q] == SKV_EEXIST && !craced[q]) {
         if (!now) now = skv__now_ns();
-        touch_cached(kv, keys[i + q], now);
+        touch_val(kv, cl[q].valid, now); /* the VALID value the claim found */
       }
     }
     i += w;
