@@ -113,6 +113,34 @@ static SKV_ALWAYS_INLINE void gather_stream(char *restrict d, const char *restri
 #endif
 }
 
+/* The T x H rows of `row` bytes (16 or 32) of a page's block part (token-major, as the page
+ * holds them) into an HND block at d (64-byte aligned, each head's T rows contiguous), one whole
+ * line at a time with non-temporal stores: g = 64 / row tokens at a time, read in the page's
+ * order (prefetched 1 KiB ahead, into the page's next part), each head's g rows of them are one
+ * line of the block. Going head by head instead (gather_stream) read the page across its tokens
+ * and ran at about half of memcpy; transposing in L1 first (transpose_rows) at 0.54-0.60, this at
+ * 0.66-0.72, near NHD's plain copy of the same parts (0.70-0.79), on a 2-core VM
+ * (symkv-hnd-probe, bench/results/gather_lines_2core-vm.txt). T is a multiple of g. */
+static SKV_ALWAYS_INLINE void gather_lines(char *restrict d, const char *restrict s, uint64_t T,
+                                           uint64_t H, size_t row) {
+#if defined(__SSE2__)
+  const uint64_t g = 64 / row, tok = H * row;
+  for (uint64_t t = 0; t < T; t += g, s += g * tok) {
+    for (uint64_t o = 0; o < g * tok; o += 64) __builtin_prefetch(s + 1024 + o);
+    for (uint64_t h = 0; h < H; h++) {
+      char *l = d + (h * T + t) * row;
+      for (uint64_t k = 0; k < g; k++)
+        for (size_t v = 0; v < row; v += 16)
+          _mm_stream_si128((__m128i *)(l + k * row + v),
+                           _mm_loadu_si128((const __m128i *)(s + k * tok + h * row + v)));
+    }
+  }
+#else
+  for (uint64_t t = 0; t < T; t++, s += H * row)
+    for (uint64_t h = 0; h < H; h++) memcpy(d + (h * T + t) * row, s + h * row, row);
+#endif
+}
+
 /* The T x H rows of `row` bytes of a page's block part (token-major, as the page holds them)
  * into `d` head-major (an HND block: each head's tokens contiguous); rows under 64 bytes (longer
  * ones are scattered whole lines at a time instead). Rows of 16 and 32 bytes get a fixed-size
@@ -176,6 +204,10 @@ static SKV_ALWAYS_INLINE void copy_page(const skv_layout_t *lay, char *page,
           copy_rows(b, st, pg, (int64_t)tok, T, tok, stream);
         else
           copy_rows(pg, (int64_t)tok, b, st, T, tok, stream);
+      } else if (to_blocks && stream && (row == 16 || row == 32) && st == (int64_t)row &&
+                 sh == (int64_t)(T * row) && T % (64 / row) == 0 && ((uintptr_t)b & 63) == 0) {
+        /* HND with dense blocks of 16- or 32-byte rows, large copy: whole lines */
+        gather_lines(b, pg, T, H, row);
       } else if (to_blocks && stream && row < 64 && st == (int64_t)row &&
                  sh == (int64_t)(T * row) && blk <= TRANSPOSE_MAX_BYTES) {
         /* HND with dense blocks, large copy: transpose the part in L1 (the page streams in in

@@ -97,6 +97,7 @@ BLOCKS = {
         "test_workloads_commands",
     ("docs/benchmarks.md", "build/symkv-run -n 1 -- build/bench/symkv-publish-probe 3000 3072"):
         "test_publish_probe_command",
+    ("docs/benchmarks.md", "build/bench/symkv-hnd-probe 3"): "test_hnd_probe_command",
     ("docs/benchmarks.md", "perf record -g -- build/symkv-run -n 1 -- build/bench/symkv-publish-probe 3000 8192 && perf report --no-children"):
         "NOT RUN: needs perf and perf_event access; test_publish_probe_command runs the same program",
 }
@@ -456,6 +457,19 @@ def test_publish_probe_command():
     assert m, r.stdout
     med, p10, mean = map(float, m.groups())
     assert 0 < p10 <= med and mean > 0, r.stdout
+
+
+def test_hnd_probe_command():
+    need_build()
+    body, _ = block("docs/benchmarks.md", "build/bench/symkv-hnd-probe 3")
+    r = sh(body, REPO)
+    assert r.returncode == 0, r
+    rows = re.findall(r"^round (\d)  (.+?) +([0-9.]+) GB/s  ([0-9.]+)$", r.stdout, re.M)
+    assert [(int(n), name.split(" (")[0]) for n, name, _, _ in rows] == [
+        (n, name) for n in range(3)
+        for name in ("memcpy of the same bytes", "nhd", "hnd", "hnd, transposed in L1")], r.stdout
+    assert all(float(gbps) > 0 and float(ratio) > 0 for _, _, gbps, ratio in rows), r.stdout
+    assert all(float(ratio) == 1.0 for _, name, _, ratio in rows if name.startswith("memcpy"))
 
 
 def _workloads_sample():

@@ -1,0 +1,152 @@
+/* hnd_probe: the host copy of random 16 KiB pages into random engine blocks (symkv-bench micro's
+ * fetch_host/{nhd,hnd}/16_KiB, without a cache or a second PE): symkv's skv__copy_page_to_blocks
+ * into a vLLM FlashAttention NHD and HND layout, against one memcpy of the same bytes, and the HND
+ * copy as it was before gather_lines (each block part transposed in L1, then streamed out whole),
+ * in one process, alternated, medians of 15 repetitions.
+ *
+ *   symkv-hnd-probe [rounds, default 3]
+ *
+ * The geometry is micro's: 2 layers x K|V, 16 tokens, 8 heads, head_dim 16 (bf16): a page's part
+ * of a block is 16 x 8 rows of 32 bytes, 4 KiB (bench/results/gather_lines_2core-vm.txt). */
+#define _GNU_SOURCE
+#include <emmintrin.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kv/layout.h"
+
+enum {
+  T = 16,
+  H = 8,
+  D = 16,
+  E = 2,
+  ROW = D * E,
+  PART = T * H * ROW,
+  NTENS = 4,
+  PAGE = NTENS * PART
+};
+enum { NPAGES = 4096, POOL = NPAGES + 64, NB = 2 * NPAGES, REPS = 15 };
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static uint64_t rnd(uint64_t *s) { /* splitmix64 */
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static void *xalloc(size_t n) {
+  void *p = NULL;
+  if (posix_memalign(&p, 4096, n) != 0) {
+    fprintf(stderr, "hnd_probe: out of memory (%zu bytes)\n", n);
+    exit(1);
+  }
+  memset(p, 1, n);
+  return p;
+}
+
+/* The HND copy before gather_lines: the part transposed into an L1 buffer (the next part
+ * prefetched a token ahead), then streamed out with non-temporal stores. */
+static void before_part(char *d, const char *s) {
+  _Alignas(64) char tmp[PART];
+  const char *p = s;
+  for (int t = 0; t < T; t++, p += H * ROW) {
+    for (int o = 0; o < H * ROW; o += 64) __builtin_prefetch(p + PART + o);
+    for (int h = 0; h < H; h++) memcpy(tmp + (h * T + t) * ROW, p + h * ROW, ROW);
+  }
+  for (int o = 0; o < PART; o += 64) {
+    __builtin_prefetch(tmp + o + 1024);
+    for (int v = 0; v < 64; v += 16)
+      _mm_stream_si128((__m128i *)(d + o + v), _mm_load_si128((const __m128i *)(tmp + o + v)));
+  }
+}
+
+int main(int argc, char **argv) {
+  const long rounds = argc > 1 ? strtol(argv[1], NULL, 10) : 3;
+  if (rounds < 1 || rounds > 100) {
+    fprintf(stderr, "usage: %s [rounds (1..100)]\n", argv[0]);
+    return 2;
+  }
+  skv_geometry_t g = SKV_GEOMETRY_INIT;
+  g.kv_kind = SKV_KV_SPLIT;
+  g.num_layers = 2;
+  g.num_kv_heads = H;
+  g.head_dim = D;
+  g.elem_bytes = E;
+  g.page_tokens = T;
+  const int presets[2] = {SKV_LAYOUT_VLLM_FLASH_NHD, SKV_LAYOUT_VLLM_FLASH_HND};
+  skv_layout_t *lay[2];
+  char *eng[2][2];
+  uint64_t lb = 0;
+  for (int p = 0; p < 2; p++) {
+    if (skv_layout_get_preset_layer_bytes(&g, presets[p], T, NB, &lb) != 0) return 1;
+    void *ptrs[2];
+    for (int l = 0; l < 2; l++) ptrs[l] = eng[p][l] = xalloc(lb);
+    if (skv_layout_create_preset(&g, presets[p], T, NB, ptrs, -1, &lay[p]) != 0) {
+      fprintf(stderr, "hnd_probe: %s\n", skv_last_error());
+      return 1;
+    }
+  }
+  char *pool = xalloc((size_t)POOL * PAGE), *dst = xalloc((size_t)NPAGES * PAGE);
+  uint32_t *pg = malloc(NPAGES * sizeof *pg);
+  uint64_t *blk = malloc(NPAGES * sizeof *blk), s = 7;
+  if (!pg || !blk) return 1;
+  for (uint32_t i = 0; i < NPAGES; i++) pg[i] = i, blk[i] = (i * 2 + (rnd(&s) & 1)) % NB;
+  for (uint32_t i = NPAGES - 1; i > 0; i--) {
+    const uint32_t j = (uint32_t)(rnd(&s) % (i + 1)), t = pg[i];
+    pg[i] = pg[j], pg[j] = t;
+  }
+  static const char *names[] = {"memcpy of the same bytes", "nhd (skv__copy_page_to_blocks)",
+                                "hnd (skv__copy_page_to_blocks)", "hnd, transposed in L1 (before)"};
+  printf("%d pages of %d KiB, random, into random blocks of %d; medians of %d\n", NPAGES,
+         PAGE >> 10, NB, REPS);
+  for (long r = 0; r < rounds; r++) {
+    double gbps[4];
+    for (int v = 0; v < 4; v++) {
+      double ts[REPS];
+      for (int k = 0; k < REPS; k++) {
+        const double t0 = now();
+        if (v == 0) {
+          memcpy(dst, pool, (size_t)NPAGES * PAGE);
+        } else {
+          for (uint32_t i = 0; i < NPAGES; i++) {
+            const char *page = pool + (size_t)pg[i] * PAGE;
+            if (v < 3) {
+              skv__copy_page_to_blocks(lay[v - 1], page, &blk[i], true);
+              continue;
+            }
+            for (int q = 0; q < NTENS; q++) /* layer q / 2, K or V: (2, NB, H, T, D) a layer */
+              before_part(eng[1][q / 2] + ((size_t)(q % 2) * NB + blk[i]) * PART, page + q * PART);
+          }
+          skv__copy_stream_fence();
+        }
+        ts[k] = now() - t0;
+      }
+      qsort(ts, REPS, sizeof *ts, cmp_double);
+      gbps[v] = (double)NPAGES * PAGE / ts[REPS / 2] / 1e9;
+    }
+    for (int v = 0; v < 4; v++)
+      printf("round %ld  %-34s %6.2f GB/s  %.3f\n", r, names[v], gbps[v], gbps[v] / gbps[0]);
+  }
+  for (int p = 0; p < 2; p++) {
+    skv_layout_destroy(lay[p]);
+    for (int l = 0; l < 2; l++) free(eng[p][l]);
+  }
+  free(pool);
+  free(dst);
+  free(pg);
+  free(blk);
+  return 0;
+}
