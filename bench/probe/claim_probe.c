@@ -14,21 +14,9 @@
 #include <time.h>
 
 #include "index/index.h"
+#include "probe.h"
 
 enum { NSH = 2, N = 1024, REPS = 3000, SKIP = 100 };
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static uint64_t rnd(uint64_t *s) { /* splitmix64 */
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 /* Shard 0's slots by kind, and its reach histogram. */
 static void describe(skv__index_t *ix, uint64_t slots) {
@@ -83,17 +71,17 @@ int main(int argc, char **argv) {
   double tc = 0, te = 0, tp = 0;
   for (int r = 0; r < REPS; r++) {
     for (int i = 0; i < N; i++) {
-      keys[i].hi = rnd(&s) | 1ull << 63;
-      keys[i].lo = rnd(&s);
+      keys[i].hi = probe_rand(&s) | 1ull << 63;
+      keys[i].lo = probe_rand(&s);
     }
-    const double t0 = now();
+    const double t0 = probe_now();
     while (nl - head + N > cap && head < nl) { /* the oldest keys out */
       (void)skv__index_erase(&ix, live[head % cap], lval[head % cap]);
       head++;
     }
-    const double t1 = now();
+    const double t1 = probe_now();
     skv__index_claim_n(&ix, keys, N, 0, cl, rc, raced);
-    const double t2 = now();
+    const double t2 = probe_now();
     for (int i = 0; i < N; i++) {
       if (rc[i]) continue;
       const uint64_t v = skv__val_pack(0, (uint32_t)(nl % 100000) + 1, 1);
@@ -102,7 +90,7 @@ int main(int argc, char **argv) {
       lval[nl % cap] = v;
       nl++;
     }
-    const double t3 = now();
+    const double t3 = probe_now();
     if (r >= SKIP) {
       te += t1 - t0;
       tc += t2 - t1;

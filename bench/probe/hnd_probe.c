@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "kv/layout.h"
+#include "probe.h"
 
 enum {
   T = 16,
@@ -28,24 +29,6 @@ enum {
   PAGE = NTENS * PART
 };
 enum { NPAGES = 4096, POOL = NPAGES + 64, NB = 2 * NPAGES, REPS = 15 };
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static uint64_t rnd(uint64_t *s) { /* splitmix64 */
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-static int cmp_double(const void *a, const void *b) {
-  const double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
 
 static void *xalloc(size_t n) {
   void *p = NULL;
@@ -103,9 +86,9 @@ int main(int argc, char **argv) {
   uint32_t *pg = malloc(NPAGES * sizeof *pg);
   uint64_t *blk = malloc(NPAGES * sizeof *blk), s = 7;
   if (!pg || !blk) return 1;
-  for (uint32_t i = 0; i < NPAGES; i++) pg[i] = i, blk[i] = (i * 2 + (rnd(&s) & 1)) % NB;
+  for (uint32_t i = 0; i < NPAGES; i++) pg[i] = i, blk[i] = (i * 2 + (probe_rand(&s) & 1)) % NB;
   for (uint32_t i = NPAGES - 1; i > 0; i--) {
-    const uint32_t j = (uint32_t)(rnd(&s) % (i + 1)), t = pg[i];
+    const uint32_t j = (uint32_t)(probe_rand(&s) % (i + 1)), t = pg[i];
     pg[i] = pg[j], pg[j] = t;
   }
   static const char *names[] = {"memcpy of the same bytes", "nhd (skv__copy_page_to_blocks)",
@@ -117,7 +100,7 @@ int main(int argc, char **argv) {
     for (int v = 0; v < 4; v++) {
       double ts[REPS];
       for (int k = 0; k < REPS; k++) {
-        const double t0 = now();
+        const double t0 = probe_now();
         if (v == 0) {
           memcpy(dst, pool, (size_t)NPAGES * PAGE);
         } else {
@@ -132,9 +115,9 @@ int main(int argc, char **argv) {
           }
           skv__copy_stream_fence();
         }
-        ts[k] = now() - t0;
+        ts[k] = probe_now() - t0;
       }
-      qsort(ts, REPS, sizeof *ts, cmp_double);
+      qsort(ts, REPS, sizeof *ts, probe_cmp_double);
       gbps[v] = (double)NPAGES * PAGE / ts[REPS / 2] / 1e9;
     }
     for (int v = 0; v < 4; v++)

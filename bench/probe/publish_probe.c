@@ -14,19 +14,9 @@
 #include <time.h>
 
 #include "symkv.h"
+#include "probe.h"
 
 enum { N = 1024, BLOCKS = 2048 };
-
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  const double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
 
 #define CHECK(call)                                                        \
   do {                                                                     \
@@ -83,16 +73,16 @@ int main(int argc, char **argv) {
       blocks[q] = (uint64_t)q;
     }
     size_t ins = 0;
-    const double t0 = now_s();
+    const double t0 = probe_now();
     CHECK(skv_kv_publish(kv, ns, keys, N, lay, blocks, NULL, &ins));
-    const double dt = now_s() - t0;
+    const double dt = probe_now() - t0;
     if (ins != N) {
       fprintf(stderr, "publish_probe: call %ld inserted %zu of %d keys\n", c, ins, N);
       return 1;
     }
     if (c >= fill) t[c - fill] = dt, sum += dt;
   }
-  qsort(t, (size_t)calls, sizeof *t, cmp_double);
+  qsort(t, (size_t)calls, sizeof *t, probe_cmp_double);
   printf("publish_probe: %d fresh keys of 512 B pages per call into a full pool of %ld pages, %ld "
          "calls: median %.1f us, p10 %.1f us, mean %.1f us (%.1f ns per page)\n",
          N, pool, calls, t[calls / 2] * 1e6, t[calls / 10] * 1e6, sum / (double)calls * 1e6,
