@@ -274,6 +274,8 @@ enum {
   M_LOCAL,
   M_CE_LOCAL,
   M_CE_BATCH,
+  M_CE_COLD,       /* M_CE and M_CE_LOCAL into a destination drawn afresh each repetition (cold */
+  M_CE_LOCAL_COLD, /* in the L2, as the engine's blocks of a fetch or publish are) */
   M_COUNT,
   M_EMPTY = M_COUNT,
   M_PUBLISH
@@ -435,7 +437,8 @@ typedef struct batch {
   skv_page_ref_t *refs[WARM + MAX_REPS];  /* peer pages */
   skv_page_ref_t *local[WARM + MAX_REPS]; /* own pages */
   uint64_t *blocks[WARM + MAX_REPS];
-  uint64_t off[WARM + MAX_REPS]; /* contiguous copies: byte offset in the pool */
+  uint64_t off[WARM + MAX_REPS];  /* contiguous copies: byte offset in the pool */
+  uint64_t doff[WARM + MAX_REPS]; /* and in the destination (the _COLD methods) */
 } batch_t;
 
 static void batch_free(batch_t *bt, int reps) {
@@ -468,6 +471,7 @@ static int batch_make(fb_t *f, batch_t *bt, uint32_t n, int reps) {
     memcpy(bt->blocks[r], bi, n * sizeof(uint64_t));
     uint64_t span = f->pool - n + 1;
     bt->off[r] = (bench_rand(&f->rng) % span) * f->kv->page_stride;
+    bt->doff[r] = (bench_rand(&f->rng) % (f->max_batch - n + 1)) * f->ps;
   }
   free(pi);
   free(bi);
@@ -483,11 +487,15 @@ static int run_op(fb_t *f, int method, const batch_t *bt, int r) {
   case M_LOCAL:
     return skv_kv_fetch(kv, bt->local[r], bt->n, f->lay, bt->blocks[r], 0, f->st);
   case M_CE:
-  case M_CE_LOCAL: {
+  case M_CE_LOCAL:
+  case M_CE_COLD:
+  case M_CE_LOCAL_COLD: {
+    const bool peer = method == M_CE || method == M_CE_COLD;
+    const bool cold = method == M_CE_COLD || method == M_CE_LOCAL_COLD;
     const char *src =
-        (const char *)skv__kv_page(kv, (uint32_t)(method == M_CE ? f->peer : f->rank), 0) +
-        bt->off[r];
-    BCUDA(cudaMemcpyAsync(f->dst, src, bytes, cudaMemcpyDeviceToDevice, f->st));
+        (const char *)skv__kv_page(kv, (uint32_t)(peer ? f->peer : f->rank), 0) + bt->off[r];
+    BCUDA(cudaMemcpyAsync(f->dst + (cold ? bt->doff[r] : 0), src, bytes, cudaMemcpyDeviceToDevice,
+                          f->st));
     return 0;
   }
   case M_PUBLISH: { /* pages never published before (ids past the pool's), LRU pages evicted */
@@ -807,7 +815,7 @@ static int bench_fetch(bench_t *b) {
   double e2e_behind[NBEHIND] = {0}, e2e_behind_ce[NBEHIND] = {0};
   double e2e_fetch = 0, e2e_ce = 0, floor_empty = 0, e2e_big_fetch = 0, e2e_big_ce = 0,
          e2e_big_batch = 0, b2b_fetch = 0, b2b_ce = 0, b2b_empty = 0, e2e_big_pub = 0,
-         e2e_big_ce_local = 0;
+         e2e_big_ce_local = 0, e2e_big_ce_cold = 0, e2e_big_ce_local_cold = 0;
   int have_lat = 0;
   breakdown_t bd_big_fetch, bd_fetch, bd_big_pub;
   double e2e_big_pub_one = 0, t_pub_one = 0; /* publish of 64 KiB x1024 as one launch */
@@ -849,6 +857,7 @@ static int bench_fetch(bench_t *b) {
           rc = time_e2e(&f, M_FETCH, &bt, reps, &e2e_big_fetch);
           if (rc == 0) rc = breakdown_e2e(&f, M_FETCH, &bt, reps, &bd_big_fetch);
           if (rc == 0) rc = time_e2e(&f, M_CE, &bt, reps, &e2e_big_ce);
+          if (rc == 0) rc = time_e2e(&f, M_CE_COLD, &bt, reps, &e2e_big_ce_cold);
           if (rc == 0 && time_e2e(&f, M_CE_BATCH, &bt, reps, &e2e_big_batch) != 0)
             e2e_big_batch = 0;
           for (int k = 0; k < NBEHIND && rc == 0; k++) {
@@ -926,6 +935,7 @@ static int bench_fetch(bench_t *b) {
         if (rc == 0) rc = breakdown_e2e_gap(&f, M_PUBLISH, &bt, reps, PUB_GAP_US, &bd_pub_reserve);
         if (rc == 0) rc = skv_kv_set_free_reserve(f.kv, 0);
         if (rc == 0) rc = time_e2e(&f, M_CE_LOCAL, &bt, reps, &e2e_big_ce_local);
+        if (rc == 0) rc = time_e2e(&f, M_CE_LOCAL_COLD, &bt, reps, &e2e_big_ce_local_cold);
       }
       batch_free(&bt, reps);
     }
@@ -972,6 +982,9 @@ static int bench_fetch(bench_t *b) {
       snprintf(name, sizeof name, "fetch/%s/x%u", sz, c->n);
       bench_row(b, name, bytes / c->t[M_FETCH] / 1e9, "GB/s", "higher",
                 "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
+      snprintf(name, sizeof name, "fetch_vs_cold/%s/x%u", sz, c->n);
+      bench_row(b, name, bytes / c->t[M_FETCH] / 1e9, "GB/s", "higher",
+                "copy-engine contiguous peer, cold destination", bytes / c->t[M_CE_COLD] / 1e9);
       snprintf(name, sizeof name, "memcpy_loop/%s/x%u", sz, c->n);
       bench_row(b, name, bytes / c->t[M_LOOP] / 1e9, "GB/s", "higher",
                 "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
@@ -983,6 +996,13 @@ static int bench_fetch(bench_t *b) {
       snprintf(name, sizeof name, "fetch_local/%s/x%u", sz, c->n);
       bench_row(b, name, bytes / c->t[M_LOCAL] / 1e9, "GB/s", "higher",
                 "copy-engine contiguous local", bytes / c->t[M_CE_LOCAL] / 1e9);
+      snprintf(name, sizeof name, "ce_local_cold/%s/x%u", sz, c->n);
+      bench_row(b, name, bytes / c->t[M_CE_LOCAL_COLD] / 1e9, "GB/s", "higher",
+                "copy-engine contiguous local", bytes / c->t[M_CE_LOCAL] / 1e9);
+      snprintf(name, sizeof name, "fetch_local_vs_cold/%s/x%u", sz, c->n);
+      bench_row(b, name, bytes / c->t[M_LOCAL] / 1e9, "GB/s", "higher",
+                "copy-engine contiguous local, cold destination",
+                bytes / c->t[M_CE_LOCAL_COLD] / 1e9);
       if (c->t[M_CE_BATCH] > 0) {
         snprintf(name, sizeof name, "ce_batch/%s/x%u", sz, c->n);
         bench_row(b, name, bytes / c->t[M_CE_BATCH] / 1e9, "GB/s", "higher",
@@ -992,6 +1012,12 @@ static int bench_fetch(bench_t *b) {
         snprintf(name, sizeof name, "publish/%s/x%u", sz, c->n);
         bench_row(b, name, bytes / c->t_pub / 1e9, "GB/s", "higher", "copy-engine contiguous local",
                   bytes / c->t[M_CE_LOCAL] / 1e9);
+      }
+      if (c->t_pub > 0) {
+        snprintf(name, sizeof name, "publish_vs_cold/%s/x%u", sz, c->n);
+        bench_row(b, name, bytes / c->t_pub / 1e9, "GB/s", "higher",
+                  "copy-engine contiguous local, cold destination",
+                  bytes / c->t[M_CE_LOCAL_COLD] / 1e9);
       }
       if (c->t_local_mapped > 0) {
         snprintf(name, sizeof name, "fetch_local_mapped_args/%s/x%u", sz, c->n);
@@ -1032,6 +1058,11 @@ static int bench_fetch(bench_t *b) {
       bench_row(b, "fetch_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_fetch / 1e9, "GB/s",
                 "higher", "cudaMemcpyAsync 64 MiB contiguous + sync, wall",
                 (64.0 * 1024 * 1024) / e2e_big_ce / 1e9);
+    if (e2e_big_fetch > 0 && e2e_big_ce_cold > 0)
+      bench_row(b, "fetch_e2e_vs_cold/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_fetch / 1e9,
+                "GB/s", "higher",
+                "cudaMemcpyAsync 64 MiB contiguous, cold destination + sync, wall",
+                (64.0 * 1024 * 1024) / e2e_big_ce_cold / 1e9);
     for (int k = 0; k < NBEHIND; k++) {
       if (e2e_behind[k] <= 0) continue;
       char bn[96], bb[96];
@@ -1048,6 +1079,11 @@ static int bench_fetch(bench_t *b) {
       bench_row(b, "publish_e2e/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_pub / 1e9, "GB/s",
                 "higher", "cudaMemcpyAsync 64 MiB contiguous local + sync, wall",
                 (64.0 * 1024 * 1024) / e2e_big_ce_local / 1e9);
+    if (e2e_big_pub > 0 && e2e_big_ce_local_cold > 0)
+      bench_row(b, "publish_e2e_vs_cold/64KiB/x1024", (64.0 * 1024 * 1024) / e2e_big_pub / 1e9,
+                "GB/s", "higher",
+                "cudaMemcpyAsync 64 MiB contiguous local, cold destination + sync, wall",
+                (64.0 * 1024 * 1024) / e2e_big_ce_local_cold / 1e9);
     if (e2e_big_pub_one > 0 && e2e_big_pub > 0)
       bench_row(b, "publish_e2e_one_launch/64KiB/x1024",
                 (64.0 * 1024 * 1024) / e2e_big_pub_one / 1e9, "GB/s", "higher",
