@@ -1012,8 +1012,6 @@ static int bench_fetch(bench_t *b) {
         snprintf(name, sizeof name, "publish/%s/x%u", sz, c->n);
         bench_row(b, name, bytes / c->t_pub / 1e9, "GB/s", "higher", "copy-engine contiguous local",
                   bytes / c->t[M_CE_LOCAL] / 1e9);
-      }
-      if (c->t_pub > 0) {
         snprintf(name, sizeof name, "publish_vs_cold/%s/x%u", sz, c->n);
         bench_row(b, name, bytes / c->t_pub / 1e9, "GB/s", "higher",
                   "copy-engine contiguous local, cold destination",
