@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -135,6 +136,7 @@ def run_torch_pes(n, script, *args, env=None, timeout=240):
         procs.append(subprocess.Popen([sys.executable, path, *map(str, args)], env=pe,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [None] * n
+    failed = threading.Event()     # a PE exited non-zero: the others get 30 s, not `timeout`
 
     def collect(r):
         try:
@@ -143,11 +145,26 @@ def run_torch_pes(n, script, *args, env=None, timeout=240):
             procs[r].kill()
             o, err = procs[r].communicate()
             outs[r] = (o, err + "\n[timed out after %d s]" % timeout)
+        if procs[r].returncode != 0:
+            failed.set()
     threads = [threading.Thread(target=collect, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
+    failed_at, killed = None, []
+    while any(t.is_alive() for t in threads):
+        time.sleep(0.1)
+        if failed_at is None and failed.is_set():
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 30:
+            killed = [r for r, p in enumerate(procs) if p.poll() is None]
+            for r in killed:
+                procs[r].kill()
+            break
     for t in threads:
         t.join()
+    for r in killed:
+        outs[r] = (outs[r][0],
+                   outs[r][1] + "\n[killed: still running 30 s after another PE failed]")
 
     class _P:
         returncode = max((abs(p.returncode) for p in procs), default=0)

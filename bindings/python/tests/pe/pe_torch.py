@@ -301,8 +301,16 @@ ca.close()
 assert ca.disabled and ca.custom_all_reduce(x) is None
 
 # 7. a Group from a plain torch Store (no process group), and closing
-store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, n,
-                      rank == 0, use_libuv=True)
+# Rank 0 listens on a port the kernel picks and tells the others through the process group: a
+# fixed MASTER_PORT + 1 could be taken already (EADDRINUSE), e.g. as the source port of one of
+# this run's own connections. (The server does not wait for the others here: they learn the port
+# only after it returns.)
+server = dist.TCPStore(os.environ["MASTER_ADDR"], 0, n, True, use_libuv=True,
+                       wait_for_workers=False) if rank == 0 else None
+port = [server.port if server is not None else 0]
+dist.broadcast_object_list(port, src=0)
+store = server if server is not None else dist.TCPStore(os.environ["MASTER_ADDR"], port[0], n,
+                                                      False, use_libuv=True)
 with st.Group(store=store, rank=rank, world_size=n, device=dev, max_bytes=1 << 20) as g2:
     x = fresh(100, torch.float32, 9)
     assert same_bits(g2.all_reduce(x).cpu(), exact(gather_cpu(x), "sum"))
