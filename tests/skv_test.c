@@ -60,6 +60,44 @@ size_t skv_test_vm_bytes(void) {
   return kb << 10;
 }
 
+int skv_test_maps(const char *name, int *n, int *advised, size_t *huge_kb, bool *aligned) {
+  FILE *f = fopen("/proc/self/smaps", "r");
+  if (!f) return -1;
+  char line[512];
+  bool in = false;
+  *n = *advised = 0;
+  *huge_kb = 0;
+  *aligned = true;
+  while (fgets(line, sizeof line, f)) {
+    unsigned long long lo, hi;
+    size_t kb;
+    if (sscanf(line, "%llx-%llx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' ')) {
+      in = strstr(line, name) != NULL; /* a mapping's first line */
+      if (in) {
+        ++*n;
+        *aligned = *aligned && lo % (2ull << 20) == 0;
+      }
+    } else if (in && strncmp(line, "VmFlags:", 8) == 0) {
+      *advised += strstr(line, " hg") != NULL;
+    } else if (in && (sscanf(line, "ShmemPmdMapped: %zu kB", &kb) == 1 ||
+                      sscanf(line, "AnonHugePages: %zu kB", &kb) == 1)) {
+      *huge_kb += kb;
+    }
+  }
+  fclose(f);
+  return 0;
+}
+
+bool skv_test_shmem_thp(void) {
+  char buf[128] = "";
+  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+  if (!f) return false;
+  if (!fgets(buf, sizeof buf, f)) buf[0] = 0;
+  fclose(f);
+  return strstr(buf, "[advise]") || strstr(buf, "[always]") || strstr(buf, "[within_size]") ||
+         strstr(buf, "[force]");
+}
+
 int skv_test_limit_fds(int spare, struct rlimit *was) {
   if (getrlimit(RLIMIT_NOFILE, was) != 0) return -1;
   int next = dup(0); /* the lowest free descriptor */

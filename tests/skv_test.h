@@ -42,6 +42,16 @@ const char *skv_test_statuses(const skv_test_job_t *job);
 
 /* This process's virtual size in bytes (VmSize of /proc/self/status), or 0. */
 size_t skv_test_vm_bytes(void);
+/* This process's mappings whose name contains `name` (/proc/self/smaps): how many (*n), how
+ * many of them advised for transparent huge pages (*advised, VmFlags "hg"), their bytes on huge
+ * pages (*huge_kb, ShmemPmdMapped + AnonHugePages), and whether each starts on a 2 MiB boundary
+ * (*aligned). 0, or -1 when smaps cannot be read. */
+int skv_test_maps(const char *name, int *n, int *advised, size_t *huge_kb, bool *aligned);
+/* Whether shared memory can have transparent huge pages here
+ * (/sys/kernel/mm/transparent_hugepage/shmem_enabled "advise", "always", "within_size" or "force").
+ */
+bool skv_test_shmem_thp(void);
+
 /* Lower RLIMIT_NOFILE so that exactly `spare` more descriptors can be opened (the lowest free
  * ones); the previous limit goes to *was. 0, or -1 with errno. */
 struct rlimit;

@@ -148,6 +148,19 @@ static size_t found(skv_kv_t *kv, eng_t *e, uint64_t i) {
 
 /* ---- the basics ---------------------------------------------------------------------------- */
 
+/* This process maps `n` slot segments (2 MiB here), each on a 2 MiB boundary and advised for
+ * transparent huge pages (heap.h: skv__host_advise_huge). */
+static bool segments_advised(int n) {
+  int maps = 0, advised = 0;
+  size_t huge_kb = 0;
+  bool aligned = false;
+  if (skv_test_maps("/memfd:symkv-dom-", &maps, &advised, &huge_kb, &aligned) != 0) return false;
+  if (maps == n && advised == n && aligned) return true;
+  fprintf(stderr, "domain segments: %d mapped (want %d), %d advised, %s\n", maps, n, advised,
+          aligned ? "aligned" : "not all on 2 MiB boundaries");
+  return false;
+}
+
 static int pe_basic(int rank, int npes, void *arg) {
   const char *name = arg;
   eng_t e;
@@ -160,6 +173,7 @@ static int pe_basic(int rank, int npes, void *arg) {
     uint64_t idx[BLOCKS];
     for (int i = 0; i < BLOCKS; i++) idx[i] = (uint64_t)i;
     PE_CHECK(publish(kv, &e, idx, BLOCKS) == 0, "publish");
+    PE_CHECK(segments_advised(1), "the owner's segment");
     skv_test_sleep_ms(
         1500); /* the reader fetches meanwhile; then leave first (the reader still maps) */
   } else {
@@ -174,6 +188,7 @@ static int pe_basic(int rank, int npes, void *arg) {
       if (got < BLOCKS) skv_test_sleep_ms(10);
     }
     PE_CHECK(got == BLOCKS, "fetched %d of %d", got, BLOCKS);
+    PE_CHECK(segments_advised(1), "the owner's segment mapped by the reader");
     /* a reader cannot publish */
     uint64_t idx = 99;
     PE_CHECK(publish(kv, &e, &idx, 1) == SKV_ESTATE, "reader publish: %s", skv_last_error());

@@ -115,6 +115,57 @@ ParameterizedTest(rw_param_t *p, heap, peers_read_what_peers_wrote) {
   cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
 }
 
+/* Segments of 64 MiB of data and more lie on 2 MiB boundaries, advised for transparent huge
+ * pages; where the node gives shared memory huge pages, what a PE writes and reads lies on them.
+ * A small heap's segments get no advice (a 2 MiB page would be mostly empty). */
+static int pe_huge(int rank, int npes, void *arg) {
+  skv_ctx_t *ctx;
+  PE_CHECK(skv_test_init(&ctx, 20000) == 0, "init");
+  const uint64_t sizes[2] = {64 << 20, 1 << 20};
+  for (int z = 0; z < 2; z++) {
+    const uint64_t bytes = sizes[z];
+    skv_heap_t *heap;
+    PE_CHECK(skv_heap_create(ctx, bytes, SKV_BACKEND_HOST, &heap) == 0, "create: %s",
+             skv_last_error());
+    skv_heap_info_t in = SKV_HEAP_INFO_INIT;
+    PE_CHECK(skv_heap_get_info(heap, &in) == 0, "info");
+    uint8_t *mine = skv_heap_get_ptr(heap, rank, in.data_offset);
+    uint64_t s = skv_test_seed();
+    skv_test_fill_random(mine, bytes, &s);
+    PE_CHECK(skv_ctx_barrier(ctx) == 0, "barrier");
+    uint64_t sum = 0; /* every segment read here: mapped in this process */
+    for (int pe = 0; pe < npes; pe++)
+      for (uint64_t i = 0; i < bytes; i += 4096)
+        sum += ((const uint8_t *)skv_heap_get_ptr(heap, pe, in.data_offset))[i];
+    int n = 0, advised = 0;
+    size_t huge_kb = 0;
+    bool aligned = false;
+    PE_CHECK(skv_test_maps("/memfd:symkv-heap-", &n, &advised, &huge_kb, &aligned) == 0, "smaps");
+    PE_CHECK(n == npes, "%d heap mappings for %d PEs (sum %llu)", n, npes, (unsigned long long)sum);
+    if (z == 0) {
+      PE_CHECK((uintptr_t)in.base % (2 << 20) == 0 && in.stride % (2 << 20) == 0 && aligned,
+               "base %p, stride %llu: not on 2 MiB boundaries", in.base,
+               (unsigned long long)in.stride);
+      PE_CHECK(advised == npes, "%d of %d segments advised for huge pages", advised, npes);
+      /* the kernel may fall back to 4 KiB pages when memory is fragmented: most, not all */
+      PE_CHECK(!skv_test_shmem_thp() || huge_kb >= (size_t)npes * (bytes >> 10) / 2,
+               "shared memory may have huge pages here, yet %zu kB of %llu kB are on them", huge_kb,
+               (unsigned long long)(npes * bytes) >> 10);
+    } else {
+      PE_CHECK(advised == 0, "%d small segments advised for huge pages", advised);
+    }
+    PE_CHECK(skv_heap_destroy(heap) == 0, "destroy");
+  }
+  PE_CHECK(skv_finalize(ctx) == 0, "finalize");
+  return 0;
+}
+
+Test(heap, large_segments_lie_on_huge_page_boundaries_advised_for_huge_pages) {
+  skv_test_job_t job;
+  int bad = skv_test_run(&job, 2, pe_huge, NULL, 60000);
+  cr_assert_eq(bad, 0, "PEs failed: %s", skv_test_statuses(&job));
+}
+
 static int pe_mismatch(int rank, int npes, void *arg) {
   skv_ctx_t *ctx;
   PE_CHECK(skv_test_init(&ctx, 10000) == 0, "init");

@@ -4,15 +4,23 @@
  * copy as it was before gather_lines (each block part transposed in L1, then streamed out whole),
  * in one process, alternated, medians of 15 repetitions.
  *
- *   symkv-hnd-probe [rounds, default 3]
+ *   symkv-hnd-probe [rounds, default 3] [huge]
+ *
+ * "huge": every buffer (the pages, the engine's blocks, memcpy's destination) on 2 MiB
+ * transparent huge pages (MADV_HUGEPAGE, taken where /sys/kernel/mm/transparent_hugepage/enabled
+ * is "madvise" or "always"), as a node with huge pages for shared memory gives symkv's host heap
+ * and an engine its CPU cache (PyTorch: THP_MEM_ALLOC_ENABLE=1): no TLB miss per 4 KiB part.
  *
  * The geometry is micro's: 2 layers x K|V, 16 tokens, 8 heads, head_dim 16 (bf16): a page's part
  * of a block is 16 x 8 rows of 32 bytes, 4 KiB (bench/results/gather_lines_2core-vm.txt). */
 #define _GNU_SOURCE
 #include <emmintrin.h>
+#include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "kv/layout.h"
@@ -30,10 +38,16 @@ enum {
 };
 enum { NPAGES = 4096, POOL = NPAGES + 64, NB = 2 * NPAGES, REPS = 15 };
 
+static bool huge;
+
 static void *xalloc(size_t n) {
   void *p = NULL;
-  if (posix_memalign(&p, 4096, n) != 0) {
+  if (posix_memalign(&p, huge ? 2 << 20 : 4096, n) != 0) {
     fprintf(stderr, "hnd_probe: out of memory (%zu bytes)\n", n);
+    exit(1);
+  }
+  if (huge && madvise(p, n, MADV_HUGEPAGE) != 0) {
+    fprintf(stderr, "hnd_probe: madvise(MADV_HUGEPAGE): %s\n", strerror(errno));
     exit(1);
   }
   memset(p, 1, n);
@@ -58,8 +72,9 @@ static void before_part(char *d, const char *s) {
 
 int main(int argc, char **argv) {
   const long rounds = argc > 1 ? strtol(argv[1], NULL, 10) : 3;
-  if (rounds < 1 || rounds > 100) {
-    fprintf(stderr, "usage: %s [rounds (1..100)]\n", argv[0]);
+  huge = argc > 2 && strcmp(argv[2], "huge") == 0;
+  if (rounds < 1 || rounds > 100 || (argc > 2 && !huge) || argc > 3) {
+    fprintf(stderr, "usage: %s [rounds (1..100)] [huge]\n", argv[0]);
     return 2;
   }
   skv_geometry_t g = SKV_GEOMETRY_INIT;
@@ -93,8 +108,8 @@ int main(int argc, char **argv) {
   }
   static const char *names[] = {"memcpy of the same bytes", "nhd (skv__copy_page_to_blocks)",
                                 "hnd (skv__copy_page_to_blocks)", "hnd, transposed in L1 (before)"};
-  printf("%d pages of %d KiB, random, into random blocks of %d; medians of %d\n", NPAGES,
-         PAGE >> 10, NB, REPS);
+  printf("%d pages of %d KiB, random, into random blocks of %d; medians of %d; %s pages\n", NPAGES,
+         PAGE >> 10, NB, REPS, huge ? "2 MiB (MADV_HUGEPAGE)" : "4 KiB");
   for (long r = 0; r < rounds; r++) {
     double gbps[4];
     for (int v = 0; v < 4; v++) {

@@ -39,8 +39,8 @@ int skv__dom_reserve(skv__domain_t *d) {
   snprintf(d->heap.name, sizeof d->heap.name, "domain/%s", d->name);
   const size_t total = (size_t)h->slot_bytes * h->max_slots;
   if (h->backend == SKV_BACKEND_HOST) {
-    void *r = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (r == MAP_FAILED) {
+    void *r = skv__host_reserve(total); /* slots on 2 MiB boundaries (heap.h) */
+    if (!r) {
       char b[32];
       return SKV_FAIL(-errno, SKV_SUBSYS_KV, "reserving %s of address space failed: %s",
                       skv__fmt_bytes(total, b, sizeof b), strerror(errno));
@@ -99,6 +99,7 @@ int skv__dom_own_segment(skv__domain_t *d) {
       return SKV_FAIL(-e, SKV_SUBSYS_KV, "making this owner's %s segment failed: %s",
                       skv__fmt_bytes(bytes, b, sizeof b), strerror(e));
     }
+    skv__host_advise_huge(at, bytes);
     d->seg_fd = fd;
     set_mapped(d, d->slot, d->epoch);
     return 0;
@@ -193,6 +194,7 @@ static int map_one(skv__domain_t *d, int s) {
                     strerror(errno));
       goto fail;
     }
+    skv__host_advise_huge(at, bytes);
   } else {
 #ifdef SKV_WITH_CUDA
     if (!d->cuda_base) {

@@ -47,6 +47,16 @@ const char *skv__backend_name(int backend);
  * GPU up): a failure there goes through the "prep" agreement like one of the host backend's. */
 int skv__heap_host_create(skv_heap_t *heap, int rc);
 
+/* Host segments (memfds) lie in one reserved range, each on 2 MiB boundaries when its size is a
+ * multiple of 2 MiB, so that transparent huge pages can back it where the node lets shared memory
+ * have them (/sys/kernel/mm/transparent_hugepage/shmem_enabled "advise" or "always"): a copy
+ * of random 4 KiB parts then costs no TLB miss per part. skv__host_reserve reserves `bytes` of
+ * address space (PROT_NONE) on a 2 MiB boundary; skv__host_advise_huge asks for huge pages on
+ * a segment just mapped (a hint: nothing fails without them). */
+void *skv__host_reserve(size_t bytes);
+void skv__host_release(void *reserved, size_t bytes);
+void skv__host_advise_huge(void *at, size_t bytes);
+
 /* All-or-nothing step `step` of skv_heap_create (skv__coll_agree in the heap's operation, keys
  * "<heap name>/<step>/<rank>"): 0 when every PE's rc was 0, else this PE's failure or the first
  * failing rank's. */

@@ -43,13 +43,59 @@ static int make_segment(skv_heap_t *heap, int *fd_out) {
   return 0;
 }
 
+#define HUGE_BYTES (2ull << 20)
+
+void *skv__host_reserve(size_t bytes) {
+  /* over-reserve by 2 MiB, then give back what lies outside the aligned range */
+  const size_t span = bytes + HUGE_BYTES;
+  char *r = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (r == MAP_FAILED) return NULL;
+  char *at = (char *)SKV_ALIGN_UP((uintptr_t)r, HUGE_BYTES);
+  if (at > r) munmap(r, (size_t)(at - r));
+  if (at + bytes < r + span) munmap(at + bytes, (size_t)(r + span - (at + bytes)));
+  return at;
+}
+
+void skv__host_release(void *reserved, size_t bytes) {
+  if (reserved) munmap(reserved, bytes);
+}
+
+/* Say once per process when the node gives shared memory no transparent huge pages. */
+static void note_shmem_thp(void) {
+  static int told;
+  if (__atomic_exchange_n(&told, 1, __ATOMIC_RELAXED)) return;
+  char buf[128] = "";
+  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+  if (f) {
+    if (!fgets(buf, sizeof buf, f)) buf[0] = 0;
+    fclose(f);
+  }
+  buf[strcspn(buf, "\n")] = 0;
+  if (!strstr(buf, "[advise]") && !strstr(buf, "[always]") && !strstr(buf, "[within_size]") &&
+      !strstr(buf, "[force]"))
+    SKV_INFO(SKV_SUBSYS_HEAP,
+             "host segments stay on 4 KiB pages: this node gives shared memory no transparent "
+             "huge pages (shmem_enabled: %s); 'advise' there makes host fetches faster "
+             "(docs/reference.md, Symmetric heap)",
+             buf[0] ? buf : "unreadable");
+}
+
+void skv__host_advise_huge(void *at, size_t bytes) {
+  if (bytes < HUGE_BYTES || (uintptr_t)at % HUGE_BYTES) return;
+  /* the advice stays with the mapping either way: it takes effect wherever the node allows */
+  if (madvise(at, bytes, MADV_HUGEPAGE) != 0)
+    SKV_INFO(SKV_SUBSYS_HEAP, "madvise(MADV_HUGEPAGE) on a host segment failed: %s",
+             strerror(errno));
+  note_shmem_thp();
+}
+
 /* Map every PE's memfd into one reserved range; on failure nothing stays mapped. */
 int skv__heap_host_map(skv_heap_t *heap, const int *fds, void **base_out, size_t *bytes_out);
 int skv__heap_host_map(skv_heap_t *heap, const int *fds, void **base_out, size_t *bytes_out) {
   skv_heap_info_t *in = &heap->info;
   size_t total = (size_t)in->stride * (size_t)in->npes;
-  void *base = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (base == MAP_FAILED) {
+  void *base = skv__host_reserve(total);
+  if (!base) {
     char b[32];
     return SKV_FAIL(-errno, SKV_SUBSYS_HEAP, "reserving %s of address space failed: %s",
                     skv__fmt_bytes(total, b, sizeof b), strerror(errno));
@@ -60,10 +106,11 @@ int skv__heap_host_map(skv_heap_t *heap, const int *fds, void **base_out, size_t
         mmap(want, in->segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fds[pe], 0);
     if (p == MAP_FAILED) {
       int e = errno;
-      munmap(base, total);
+      skv__host_release(base, total);
       return SKV_FAIL(-e, SKV_SUBSYS_HEAP, "mapping PE %d's heap segment failed: %s", pe,
                       strerror(e));
     }
+    skv__host_advise_huge(p, in->segment_bytes);
   }
   *base_out = base;
   *bytes_out = total;
