@@ -121,7 +121,9 @@ int main(int argc, char **argv) {
         } else {
           for (uint32_t i = 0; i < NPAGES; i++) {
             const char *page = pool + (size_t)pg[i] * PAGE;
-            if (v < 3) {
+            if (v < 3) { /* as skv_kv_fetch's host copy: the next page's first lines prefetched */
+              if (i + 1 < NPAGES)
+                skv__copy_page_prefetch(lay[v - 1], pool + (size_t)pg[i + 1] * PAGE, &blk[i + 1]);
               skv__copy_page_to_blocks(lay[v - 1], page, &blk[i], true);
               continue;
             }

@@ -192,6 +192,12 @@ static SKV_ALWAYS_INLINE void copy_page(const skv_layout_t *lay, char *page,
     char *pg = page + (uint64_t)i * slab;
     for (uint32_t j = 0; j < m; j++, pg += blk) {
       char *b = eng + (int64_t)block_ids[j] * sb;
+      if (to_blocks && stream) {
+        /* the next part's first destination line, for its address translation: a block of
+         * another tensor lies on another 4 KiB page, whose TLB miss then overlaps this copy */
+        const uint32_t ni = j + 1 < m ? i : i + 1, nj = j + 1 < m ? j + 1 : 0;
+        if (ni < ntensors) __builtin_prefetch(lay->base[ni] + (int64_t)block_ids[nj] * sb, 1, 0);
+      }
       if (run == blk) {
         if (stream)
           to_blocks ? copy_stream(b, pg, blk) : copy_stream(pg, b, blk);
@@ -254,6 +260,13 @@ void skv__copy_page_to_blocks(const skv_layout_t *lay, const void *page, const u
     copy_page(lay, (char *)page, block_ids, true, true);
   else
     copy_page(lay, (char *)page, block_ids, true, false);
+}
+
+void skv__copy_page_prefetch(const skv_layout_t *lay, const void *page, const uint64_t *block_ids) {
+  __builtin_prefetch(page);
+  __builtin_prefetch(lay->base[0] +
+                         (int64_t)block_ids[0] * lay->stride_block * (int64_t)lay->geom.elem_bytes,
+                     1, 0);
 }
 
 void skv__copy_blocks_to_page(const skv_layout_t *lay, void *page, const uint64_t *block_ids,

@@ -838,10 +838,15 @@ static int copy_sync_fetch(skv_kv_t *kv, const skv__kv_batch_t *b, int path,
   const uint32_t m = dst->blocks_per_page;
   if (path == PATH_HOST) {
     const bool nt = (uint64_t)b->n * kv->page_bytes >= SKV_COPY_STREAM_BYTES;
-    for (size_t i = 0; i < b->n; i++)
+    for (size_t i = 0; i < b->n; i++) {
+      if (nt && i + 1 < b->n)
+        skv__copy_page_prefetch(
+            dst, (char *)skv__kv_page(kv, b_pe(b, i + 1), b_page(b, i + 1)) + dst->page_off,
+            block_ids + (i + 1) * m);
       skv__copy_page_to_blocks(dst,
                                (char *)skv__kv_page(kv, b_pe(b, i), b_page(b, i)) + dst->page_off,
                                block_ids + i * m, nt);
+    }
     if (nt) skv__copy_stream_fence();
     return 0;
   }

@@ -41,6 +41,10 @@ static inline uint64_t skv__layout_page_bytes(const skv_layout_t *lay) {
  * last one). */
 void skv__copy_page_to_blocks(const skv_layout_t *lay, const void *page, const uint64_t *block_ids,
                               bool stream);
+/* Prefetch the first line of a page that skv__copy_page_to_blocks will copy next, and of its
+ * first destination: their address translations (a TLB miss each on 4 KiB pages, as the pages
+ * and blocks of a batch lie far apart) then overlap the copy before. */
+void skv__copy_page_prefetch(const skv_layout_t *lay, const void *page, const uint64_t *block_ids);
 /* The reverse: engine blocks into the page. */
 void skv__copy_blocks_to_page(const skv_layout_t *lay, void *page, const uint64_t *block_ids,
                               bool stream);
