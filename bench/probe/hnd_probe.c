@@ -70,6 +70,18 @@ static void before_part(char *d, const char *s) {
   }
 }
 
+/* This process's anonymous memory on huge pages, in MiB (/proc/self/smaps_rollup), or -1. */
+static long anon_huge_mib(void) {
+  FILE *f = fopen("/proc/self/smaps_rollup", "r");
+  if (!f) return -1;
+  char line[256];
+  long kb = -1;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "AnonHugePages: %ld kB", &kb) == 1) break;
+  fclose(f);
+  return kb < 0 ? -1 : kb >> 10;
+}
+
 int main(int argc, char **argv) {
   const long rounds = argc > 1 ? strtol(argv[1], NULL, 10) : 3;
   huge = argc > 2 && strcmp(argv[2], "huge") == 0;
@@ -108,8 +120,12 @@ int main(int argc, char **argv) {
   }
   static const char *names[] = {"memcpy of the same bytes", "nhd (skv__copy_page_to_blocks)",
                                 "hnd (skv__copy_page_to_blocks)", "hnd, transposed in L1 (before)"};
-  printf("%d pages of %d KiB, random, into random blocks of %d; medians of %d; %s pages\n", NPAGES,
-         PAGE >> 10, NB, REPS, huge ? "2 MiB (MADV_HUGEPAGE)" : "4 KiB");
+  printf("%d pages of %d KiB, random, into random blocks of %d; medians of %d; ", NPAGES,
+         PAGE >> 10, NB, REPS);
+  if (huge) /* the kernel may not give them (transparent_hugepage/enabled "never"): say what came */
+    printf("2 MiB (MADV_HUGEPAGE; %ld MiB of the buffers on huge pages) pages\n", anon_huge_mib());
+  else
+    printf("4 KiB pages\n");
   for (long r = 0; r < rounds; r++) {
     double gbps[4];
     for (int v = 0; v < 4; v++) {
