@@ -582,6 +582,25 @@ Test(workload, plot_draws_a_png) {
   free(path);
 }
 
+/* micro's JSON records the node's shmem_enabled (the selected value of the sysfs file), which
+ * decides whether the host heap of its fetch rows is on huge pages. */
+Test(workload, micro_json_records_the_nodes_huge_page_setting) {
+  make_tmpdir();
+  char want[160] = "\"shmem_enabled\": \"unknown\"";
+  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+  if (f) {
+    char line[128] = "";
+    const char *l = fgets(line, sizeof line, f) ? strchr(line, '[') : NULL;
+    const char *e = l ? strchr(l, ']') : NULL;
+    if (e) snprintf(want, sizeof want, "\"shmem_enabled\": \"%.*s\"", (int)(e - l - 1), l + 1);
+    fclose(f);
+  }
+  const char *args[] = {"micro", "--seconds", "0.05", "--reps", "1", "--batch-bytes", "1M", NULL};
+  char *json = run_json(2, args, 120);
+  cr_expect(strstr(json, want), "no %s in:\n%s", want, json);
+  free(json);
+}
+
 /* ---- the command line, progress, tables (issue 24) ----------------------------------------- */
 
 static int count(const char *hay, const char *needle) {
