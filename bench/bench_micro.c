@@ -3,9 +3,9 @@
 #define _GNU_SOURCE
 #include "bench.h"
 
+#include "heap/heap.h"
 #include "kv/kv.h"
 
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -299,15 +299,8 @@ static int bench_micro(bench_t *b) {
     bench_config_int(b, "chain", CHAIN);
     bench_config_int(b, "batch_bytes", bench_opt_int(b, "--batch-bytes", 64 << 20));
     /* whether the host heap can be on huge pages (docs/reference.md, Symmetric heap) */
-    char thp[128] = "unknown";
-    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
-    if (f) {
-      char line[128] = "";
-      const char *l = fgets(line, sizeof line, f) ? strchr(line, '[') : NULL;
-      if (l && strchr(l, ']'))
-        snprintf(thp, sizeof thp, "%.*s", (int)(strchr(l, ']') - l - 1), l + 1);
-      fclose(f);
-    }
+    char thp[32];
+    (void)skv__host_shmem_thp(thp, sizeof thp);
     bench_config_str(b, "shmem_enabled", thp);
     double sum = 0;
     for (int r = 0; r < npes; r++) sum += iall[r].lookup_all_kps;

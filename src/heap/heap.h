@@ -54,8 +54,11 @@ int skv__heap_host_create(skv_heap_t *heap, int rc);
  * address space (PROT_NONE) on a 2 MiB boundary; skv__host_advise_huge asks for huge pages on
  * a segment just mapped (a hint: nothing fails without them). */
 void *skv__host_reserve(size_t bytes);
-void skv__host_release(void *reserved, size_t bytes);
 void skv__host_advise_huge(void *at, size_t bytes);
+/* The node's setting for shared memory's huge pages: the selected value of shmem_enabled
+ * ("never", "advise", "always", ...) copied into buf, "unknown" when it cannot be read; true when
+ * it gives advised mappings huge pages. */
+bool skv__host_shmem_thp(char *buf, size_t cap);
 
 /* All-or-nothing step `step` of skv_heap_create (skv__coll_agree in the heap's operation, keys
  * "<heap name>/<step>/<rank>"): 0 when every PE's rc was 0, else this PE's failure or the first

@@ -56,28 +56,32 @@ void *skv__host_reserve(size_t bytes) {
   return at;
 }
 
-void skv__host_release(void *reserved, size_t bytes) {
-  if (reserved) munmap(reserved, bytes);
+bool skv__host_shmem_thp(char *buf, size_t cap) {
+  char line[128] = "";
+  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+  if (f) {
+    if (!fgets(line, sizeof line, f)) line[0] = 0;
+    fclose(f);
+  }
+  const char *l = strchr(line, '['), *e = l ? strchr(l, ']') : NULL;
+  if (e)
+    snprintf(buf, cap, "%.*s", (int)(e - l - 1), l + 1);
+  else
+    snprintf(buf, cap, "unknown");
+  return e && strcmp(buf, "never") != 0 && strcmp(buf, "deny") != 0;
 }
 
 /* Say once per process when the node gives shared memory no transparent huge pages. */
 static void note_shmem_thp(void) {
   static int told;
   if (__atomic_exchange_n(&told, 1, __ATOMIC_RELAXED)) return;
-  char buf[128] = "";
-  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
-  if (f) {
-    if (!fgets(buf, sizeof buf, f)) buf[0] = 0;
-    fclose(f);
-  }
-  buf[strcspn(buf, "\n")] = 0;
-  if (!strstr(buf, "[advise]") && !strstr(buf, "[always]") && !strstr(buf, "[within_size]") &&
-      !strstr(buf, "[force]"))
+  char mode[32];
+  if (!skv__host_shmem_thp(mode, sizeof mode))
     SKV_INFO(SKV_SUBSYS_HEAP,
              "host segments stay on 4 KiB pages: this node gives shared memory no transparent "
              "huge pages (shmem_enabled: %s); 'advise' there makes host fetches faster "
              "(docs/reference.md, Symmetric heap)",
-             buf[0] ? buf : "unreadable");
+             mode);
 }
 
 void skv__host_advise_huge(void *at, size_t bytes) {
@@ -106,7 +110,7 @@ int skv__heap_host_map(skv_heap_t *heap, const int *fds, void **base_out, size_t
         mmap(want, in->segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fds[pe], 0);
     if (p == MAP_FAILED) {
       int e = errno;
-      skv__host_release(base, total);
+      munmap(base, total);
       return SKV_FAIL(-e, SKV_SUBSYS_HEAP, "mapping PE %d's heap segment failed: %s", pe,
                       strerror(e));
     }
