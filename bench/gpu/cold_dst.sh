@@ -6,11 +6,12 @@
 # into a destination drawn afresh each repetition (ce_local_cold, *_vs_cold). Logs and JSON under
 # $OUT, the rows in $OUT/summary.txt. About 10 s a run. From the repository root on the GPU host:
 #   bench/gpu/cold_dst.sh BUILD_DIR LIB_DIR
-# Written on 2026-12-07 and not run yet: no GPU machine could be started that session. The
-# question it asks: the baseline copies into one fixed destination, which at 16 MiB stays in the
-# 50 MiB L2 from one repetition to the next (the source moves), while fetch_local and
-# publish write cold engine blocks; that would explain why the 1 MiB x16 cells stay at 0.69-0.77
-# whatever the kernel's shape while 1 MiB x1024 reaches 0.94-0.95.
+# The question it asks: the baseline copies into one fixed destination, which at 16 MiB stays in
+# the 50 MiB L2 from one repetition to the next (the source moves), while fetch_local and publish
+# write cold engine blocks; that would explain why the 1 MiB x16 cells stay at 0.69-0.77 whatever
+# the kernel's shape while 1 MiB x1024 reaches 0.94-0.95. Its answer, on one H100 (2026-12-07,
+# bench/results/cold_dst_nvidia-h100-x1.txt): yes, at 16 MiB only (cold 0.81x fixed; fetch_local
+# 0.92x and publish 0.87x the cold copy).
 set -u
 . "$(dirname "$0")/common.sh"
 session_begin
