@@ -710,6 +710,14 @@ static const skv__kv_variant_t variants_list[] = {
     {VEC, 4, 4, 256, SKV_KV_ARGS_DEVICE, 0}, {VEC, 4, 8, 128, SKV_KV_ARGS_AUTO, 0},
 };
 
+/* Row KIND/SZ/xN of a cell: GB/s of `bytes` in t seconds, against `bytes` in tb seconds. */
+static void cell_row(bench_t *b, const char *kind, const char *sz, unsigned n, double bytes,
+                     double t, const char *baseline, double tb) {
+  char name[128];
+  snprintf(name, sizeof name, "%s/%s/x%u", kind, sz, n);
+  bench_row(b, name, bytes / t / 1e9, "GB/s", "higher", baseline, bytes / tb / 1e9);
+}
+
 static int bench_fetch(bench_t *b) {
   const bool quick = bench_flag(b, "--quick");
   uint64_t sizes[16], batches[16];
@@ -977,56 +985,33 @@ static int bench_fetch(bench_t *b) {
     char name[128], sz[32];
     for (int i = 0; i < ncells; i++) {
       cell_t *c = &cells[i];
-      double bytes = (double)c->n * (double)c->ps;
+      const double by = (double)c->n * (double)c->ps;
       size_name(c->ps, sz, sizeof sz);
-      snprintf(name, sizeof name, "fetch/%s/x%u", sz, c->n);
-      bench_row(b, name, bytes / c->t[M_FETCH] / 1e9, "GB/s", "higher",
-                "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
-      snprintf(name, sizeof name, "fetch_vs_cold/%s/x%u", sz, c->n);
-      bench_row(b, name, bytes / c->t[M_FETCH] / 1e9, "GB/s", "higher",
-                "copy-engine contiguous peer, cold destination", bytes / c->t[M_CE_COLD] / 1e9);
-      snprintf(name, sizeof name, "memcpy_loop/%s/x%u", sz, c->n);
-      bench_row(b, name, bytes / c->t[M_LOOP] / 1e9, "GB/s", "higher",
-                "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
-      if (c->e2e_fetch > 0) { /* fetch_e2e/64KiB/x1024 is printed below, whatever the flag */
-        snprintf(name, sizeof name, "fetch_e2e/%s/x%u", sz, c->n);
-        bench_row(b, name, bytes / c->e2e_fetch / 1e9, "GB/s", "higher",
-                  "cudaMemcpyAsync contiguous + sync, wall", bytes / c->e2e_ce / 1e9);
-      }
-      snprintf(name, sizeof name, "fetch_local/%s/x%u", sz, c->n);
-      bench_row(b, name, bytes / c->t[M_LOCAL] / 1e9, "GB/s", "higher",
-                "copy-engine contiguous local", bytes / c->t[M_CE_LOCAL] / 1e9);
-      snprintf(name, sizeof name, "ce_local_cold/%s/x%u", sz, c->n);
-      bench_row(b, name, bytes / c->t[M_CE_LOCAL_COLD] / 1e9, "GB/s", "higher",
-                "copy-engine contiguous local", bytes / c->t[M_CE_LOCAL] / 1e9);
-      snprintf(name, sizeof name, "fetch_local_vs_cold/%s/x%u", sz, c->n);
-      bench_row(b, name, bytes / c->t[M_LOCAL] / 1e9, "GB/s", "higher",
-                "copy-engine contiguous local, cold destination",
-                bytes / c->t[M_CE_LOCAL_COLD] / 1e9);
-      if (c->t[M_CE_BATCH] > 0) {
-        snprintf(name, sizeof name, "ce_batch/%s/x%u", sz, c->n);
-        bench_row(b, name, bytes / c->t[M_CE_BATCH] / 1e9, "GB/s", "higher",
-                  "copy-engine contiguous peer", bytes / c->t[M_CE] / 1e9);
-      }
+      const char *peer = "copy-engine contiguous peer", *local = "copy-engine contiguous local";
+      const char *peer_cold = "copy-engine contiguous peer, cold destination";
+      const char *local_cold = "copy-engine contiguous local, cold destination";
+      cell_row(b, "fetch", sz, c->n, by, c->t[M_FETCH], peer, c->t[M_CE]);
+      cell_row(b, "fetch_vs_cold", sz, c->n, by, c->t[M_FETCH], peer_cold, c->t[M_CE_COLD]);
+      cell_row(b, "memcpy_loop", sz, c->n, by, c->t[M_LOOP], peer, c->t[M_CE]);
+      if (c->e2e_fetch > 0) /* fetch_e2e/64KiB/x1024 is printed below, whatever the flag */
+        cell_row(b, "fetch_e2e", sz, c->n, by, c->e2e_fetch,
+                 "cudaMemcpyAsync contiguous + sync, wall", c->e2e_ce);
+      cell_row(b, "fetch_local", sz, c->n, by, c->t[M_LOCAL], local, c->t[M_CE_LOCAL]);
+      cell_row(b, "ce_local_cold", sz, c->n, by, c->t[M_CE_LOCAL_COLD], local, c->t[M_CE_LOCAL]);
+      cell_row(b, "fetch_local_vs_cold", sz, c->n, by, c->t[M_LOCAL], local_cold,
+               c->t[M_CE_LOCAL_COLD]);
+      if (c->t[M_CE_BATCH] > 0)
+        cell_row(b, "ce_batch", sz, c->n, by, c->t[M_CE_BATCH], peer, c->t[M_CE]);
       if (c->t_pub > 0) {
-        snprintf(name, sizeof name, "publish/%s/x%u", sz, c->n);
-        bench_row(b, name, bytes / c->t_pub / 1e9, "GB/s", "higher", "copy-engine contiguous local",
-                  bytes / c->t[M_CE_LOCAL] / 1e9);
-        snprintf(name, sizeof name, "publish_vs_cold/%s/x%u", sz, c->n);
-        bench_row(b, name, bytes / c->t_pub / 1e9, "GB/s", "higher",
-                  "copy-engine contiguous local, cold destination",
-                  bytes / c->t[M_CE_LOCAL_COLD] / 1e9);
+        cell_row(b, "publish", sz, c->n, by, c->t_pub, local, c->t[M_CE_LOCAL]);
+        cell_row(b, "publish_vs_cold", sz, c->n, by, c->t_pub, local_cold, c->t[M_CE_LOCAL_COLD]);
       }
-      if (c->t_local_mapped > 0) {
-        snprintf(name, sizeof name, "fetch_local_mapped_args/%s/x%u", sz, c->n);
-        bench_row(b, name, bytes / c->t_local_mapped / 1e9, "GB/s", "higher",
-                  "fetch_local (arguments copied to the GPU first)", bytes / c->t[M_LOCAL] / 1e9);
-      }
-      if (c->t_pub_mapped > 0) {
-        snprintf(name, sizeof name, "publish_mapped_args/%s/x%u", sz, c->n);
-        bench_row(b, name, bytes / c->t_pub_mapped / 1e9, "GB/s", "higher",
-                  "publish (arguments copied to the GPU first)", bytes / c->t_pub / 1e9);
-      }
+      if (c->t_local_mapped > 0)
+        cell_row(b, "fetch_local_mapped_args", sz, c->n, by, c->t_local_mapped,
+                 "fetch_local (arguments copied to the GPU first)", c->t[M_LOCAL]);
+      if (c->t_pub_mapped > 0)
+        cell_row(b, "publish_mapped_args", sz, c->n, by, c->t_pub_mapped,
+                 "publish (arguments copied to the GPU first)", c->t_pub);
     }
     /* the latency target: 1 MiB of 64 KiB pages within 1.5 x bytes / CE bandwidth + 5 us */
     double ce_bw = 0;
