@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import threading
+import time
 import weakref
 
 import torch
@@ -401,6 +402,31 @@ def _raise(rc):
     raise _lib.error_from_code(rc, "skv_comm_allreduce")
 
 
+# A build of the op kernels takes a minute or two; a lock older than this was left by one that
+# was stopped (killed, out of memory) and is never removed.
+_BUILD_LOCK_STALE_S = 600
+
+
+def _build_lock_free(build_dir):
+    """Wait while another process builds the op kernels into build_dir (torch's lock file there);
+    False when the lock is older than _BUILD_LOCK_STALE_S, or becomes so: torch's own wait for it
+    has no end, so an import would hang for good."""
+    lock = os.path.join(build_dir, "lock")
+    while True:
+        try:
+            age = time.time() - os.stat(lock).st_mtime
+        except FileNotFoundError:
+            return True
+        if age > _BUILD_LOCK_STALE_S:
+            _log.warning("symkv.torch: the C++ op kernels were not built: %s is %.0f s old, left "
+                         "by a build that stopped (torch would wait for it forever); remove it "
+                         "and import again to build them. The Python kernels serve "
+                         "torch.ops.symkv.* meanwhile (SKV_TORCH_CPP=0 skips the build)",
+                         lock, age)
+            return False
+        time.sleep(0.2)
+
+
 def _load_cpp():
     """The op kernels in C++ (symkv/_torch_ops.cpp), built once per torch version with
     torch.utils.cpp_extension and cached (TORCH_EXTENSIONS_DIR); None where SKV_TORCH_CPP=0 or
@@ -431,7 +457,11 @@ def _load_cpp():
             except ImportError:
                 pass
         try:
+            build_dir = cpp_extension._get_build_directory(name, False)
+            if not _build_lock_free(build_dir):
+                return None
             mod = cpp_extension.load(name=name, sources=[src], with_cuda=cuda, verbose=False,
+                                     build_directory=build_dir,
                                      extra_cflags=["-O2"] + (["-DSYMKV_TORCH_CUDA"] if cuda
                                                              else []))
         finally:

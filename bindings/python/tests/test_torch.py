@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,6 +67,65 @@ def test_torch_op_kernels_python_when_disabled():
     out, err = _kernels({"SKV_TORCH_CPP": "0"})
     assert re.search(r"^CPU: registered at \S*symkv/torch\.py", out, re.M), out + err
     assert "_torch_ops.cpp" not in out, out
+
+
+def _locked_build_dirs(root, age_s):
+    """Torch's build lock in each directory symkv.torch may build its op kernels in under the
+    TORCH_EXTENSIONS_DIR root (with and without CUDA), age_s old; their paths."""
+    import torch
+    locks = []
+    for suffix in ("", "_cuda"):
+        d = root / ("symkv_torch_ops_%s%s" % (re.sub(r"\W", "_", torch.__version__), suffix))
+        d.mkdir()
+        lock = d / "lock"
+        lock.write_bytes(b"")
+        t = time.time() - age_s
+        os.utime(lock, (t, t))
+        locks.append(lock)
+    return locks
+
+
+def _import_with_locks(root):
+    code = ("import torch, symkv.torch\n"
+            "print(torch._C._dispatch_dump('symkv::all_reduce'))\n")
+    e = dict(os.environ, PYTHONPATH=PKG, TORCH_EXTENSIONS_DIR=str(root))
+    e.pop("SKV_TORCH_CPP", None)
+    return subprocess.Popen([sys.executable, "-c", code], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _python_kernels_after_stale_lock(p, locks):
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, out + err
+    assert re.search(r"^CPU: registered at \S*symkv/torch\.py", out, re.M), out + err
+    assert "left by a build that stopped" in err and any(str(k) in err for k in locks), err
+    for k in locks:  # not removed: another process may still be building there
+        assert k.exists() and not list(k.parent.glob("*.so")), k
+
+
+def test_torch_stale_build_lock_leaves_python_kernels(tmp_path):
+    # torch waits forever on a build's lock file; one an hour old was left by a build that was
+    # killed: the import goes on with the Python kernels and says which file to remove
+    _need()
+    locks = _locked_build_dirs(tmp_path, 3600)
+    _python_kernels_after_stale_lock(_import_with_locks(tmp_path), locks)
+
+
+def test_torch_build_lock_waited_for_until_stale(tmp_path):
+    # a young lock (another process building) is waited for; once it is old enough to be a
+    # stopped build's, the import goes on with the Python kernels
+    _need()
+    locks = _locked_build_dirs(tmp_path, 0)
+    p = _import_with_locks(tmp_path)
+    time.sleep(8)  # torch imported by now: waiting on the lock
+    assert p.poll() is None, p.communicate()
+    for k in locks:
+        t = time.time() - 3600
+        os.utime(k, (t, t))
+    _python_kernels_after_stale_lock(p, locks)
 
 
 def test_torch_ops_cuda_two_pes():
