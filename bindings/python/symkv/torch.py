@@ -429,9 +429,10 @@ def _build_lock_free(build_dir):
 
 def _load_cpp():
     """The op kernels in C++ (symkv/_torch_ops.cpp), built once per torch version with
-    torch.utils.cpp_extension and cached (TORCH_EXTENSIONS_DIR); None where SKV_TORCH_CPP=0 or
-    the build fails (no compiler, no ninja): the Python kernels then serve, about 5 us slower
-    per torch.ops call (docs/python.md, "Overhead")."""
+    torch.utils.cpp_extension and cached (TORCH_EXTENSIONS_DIR); None where SKV_TORCH_CPP=0, the
+    build fails (no compiler, no ninja) or a stopped build left its lock (_build_lock_free): the
+    Python kernels then serve, about 5 us slower per torch.ops call (docs/python.md,
+    "Overhead")."""
     if os.environ.get("SKV_TORCH_CPP", "1") == "0" or \
             isinstance(lib.skv_comm_allreduce, _lib._Missing):
         return None
