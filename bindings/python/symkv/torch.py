@@ -407,30 +407,42 @@ def _raise(rc):
 _BUILD_LOCK_STALE_S = 600
 
 
-def _build_lock_free(build_dir):
-    """Wait while another process builds the op kernels into build_dir (torch's lock file there);
-    False when the lock is older than _BUILD_LOCK_STALE_S, or becomes so: torch's own wait for it
-    has no end, so an import would hang for good."""
-    lock = os.path.join(build_dir, "lock")
+class _StaleBuildLock(Exception):
+    pass
+
+
+def _wait_build_lock(lock):
+    """Wait while another process builds the op kernels (torch's lock file `lock` there); raise
+    _StaleBuildLock (after a warning) when the lock is older than _BUILD_LOCK_STALE_S, or becomes
+    so: torch's own wait for it has no end, so an import would hang for good."""
     while True:
         try:
             age = time.time() - os.stat(lock).st_mtime
         except FileNotFoundError:
-            return True
+            return
         if age > _BUILD_LOCK_STALE_S:
             _log.warning("symkv.torch: the C++ op kernels were not built: %s is %.0f s old, left "
                          "by a build that stopped (torch would wait for it forever); remove it "
                          "and import again to build them. The Python kernels serve "
                          "torch.ops.symkv.* meanwhile (SKV_TORCH_CPP=0 skips the build)",
                          lock, age)
-            return False
+            raise _StaleBuildLock(lock)
         time.sleep(0.2)
+
+
+def _bounded_baton(baton):
+    """torch's FileBaton with _wait_build_lock's wait: a process that finds the lock taken (another
+    builds, or one that stopped left it) waits for it as long as it may be a live build's."""
+    class Baton(baton):
+        def wait(self):
+            _wait_build_lock(self.lock_file_path)
+    return Baton
 
 
 def _load_cpp():
     """The op kernels in C++ (symkv/_torch_ops.cpp), built once per torch version with
     torch.utils.cpp_extension and cached (TORCH_EXTENSIONS_DIR); None where SKV_TORCH_CPP=0, the
-    build fails (no compiler, no ninja) or a stopped build left its lock (_build_lock_free): the
+    build fails (no compiler, no ninja) or a stopped build left its lock (_wait_build_lock): the
     Python kernels then serve, about 5 us slower per torch.ops call (docs/python.md,
     "Overhead")."""
     if os.environ.get("SKV_TORCH_CPP", "1") == "0" or \
@@ -457,18 +469,27 @@ def _load_cpp():
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
             except ImportError:
                 pass
+        # torch takes the build's lock itself and waits for it without an end when another
+        # process holds it: a lock found there is waited for here first, and torch's wait is
+        # bounded the same way (another process may take the lock between the two)
+        baton = getattr(cpp_extension, "FileBaton", None)
+        if baton is not None:
+            cpp_extension.FileBaton = _bounded_baton(baton)
         try:
             build_dir = cpp_extension._get_build_directory(name, False)
-            if not _build_lock_free(build_dir):
-                return None
+            _wait_build_lock(os.path.join(build_dir, "lock"))
             mod = cpp_extension.load(name=name, sources=[src], with_cuda=cuda, verbose=False,
                                      build_directory=build_dir,
                                      extra_cflags=["-O2"] + (["-DSYMKV_TORCH_CUDA"] if cuda
                                                              else []))
         finally:
+            if baton is not None:
+                cpp_extension.FileBaton = baton
             os.environ["PATH"] = path
             if cuda and not arch:
                 os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+    except _StaleBuildLock:  # said so
+        return None
     except Exception as e:  # noqa: BLE001 - any failure leaves the Python kernels in place
         last = (str(e).strip().splitlines() or [""])[-1]
         _log.warning("symkv.torch: the C++ op kernels were not built (%s: %s); the Python "

@@ -5,6 +5,7 @@ CustomAllreduce. CPU tensors use the host backend (run in CI); CUDA ones skip wi
 run with 2 processes on one GPU (MPS) on the GPU hosts."""
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -69,25 +70,35 @@ def test_torch_op_kernels_python_when_disabled():
     assert "_torch_ops.cpp" not in out, out
 
 
-def _locked_build_dirs(root, age_s):
-    """Torch's build lock in each directory symkv.torch may build its op kernels in under the
-    TORCH_EXTENSIONS_DIR root (with and without CUDA), age_s old; their paths."""
+def _build_dirs(root):
+    """The directories symkv.torch may build its op kernels in under the TORCH_EXTENSIONS_DIR
+    root (with and without CUDA)."""
     import torch
+    name = "symkv_torch_ops_%s" % re.sub(r"\W", "_", torch.__version__)
+    return [root / name, root / (name + "_cuda")]
+
+
+def _age(path, age_s):
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+
+
+def _locked_build_dirs(root, age_s):
+    """Torch's build lock in each build directory, age_s old; their paths."""
     locks = []
-    for suffix in ("", "_cuda"):
-        d = root / ("symkv_torch_ops_%s%s" % (re.sub(r"\W", "_", torch.__version__), suffix))
+    for d in _build_dirs(root):
         d.mkdir()
-        lock = d / "lock"
-        lock.write_bytes(b"")
-        t = time.time() - age_s
-        os.utime(lock, (t, t))
-        locks.append(lock)
+        (d / "lock").write_bytes(b"")
+        _age(d / "lock", age_s)
+        locks.append(d / "lock")
     return locks
 
 
-def _import_with_locks(root):
-    code = ("import torch, symkv.torch\n"
-            "print(torch._C._dispatch_dump('symkv::all_reduce'))\n")
+def _import_torch_ops(root, prelude=""):
+    """A process that runs `prelude`, imports symkv.torch (its op kernels built under root) and
+    prints the dispatcher's kernels of symkv::all_reduce."""
+    code = prelude + ("import torch, symkv.torch\n"
+                      "print(torch._C._dispatch_dump('symkv::all_reduce'), flush=True)\n")
     e = dict(os.environ, PYTHONPATH=PKG, TORCH_EXTENSIONS_DIR=str(root))
     e.pop("SKV_TORCH_CPP", None)
     return subprocess.Popen([sys.executable, "-c", code], env=e, stdout=subprocess.PIPE,
@@ -99,6 +110,7 @@ def _python_kernels_after_stale_lock(p, locks):
         out, err = p.communicate(timeout=120)
     finally:
         p.kill()
+        p.wait()
     assert p.returncode == 0, out + err
     assert re.search(r"^CPU: registered at \S*symkv/torch\.py", out, re.M), out + err
     assert "left by a build that stopped" in err and any(str(k) in err for k in locks), err
@@ -111,21 +123,56 @@ def test_torch_stale_build_lock_leaves_python_kernels(tmp_path):
     # killed: the import goes on with the Python kernels and says which file to remove
     _need()
     locks = _locked_build_dirs(tmp_path, 3600)
-    _python_kernels_after_stale_lock(_import_with_locks(tmp_path), locks)
+    _python_kernels_after_stale_lock(_import_torch_ops(tmp_path), locks)
 
 
 def test_torch_build_lock_waited_for_until_stale(tmp_path):
     # a young lock (another process building) is waited for; once it is old enough to be a
-    # stopped build's, the import goes on with the Python kernels
+    # stopped build's, the import goes on with the Python kernels. The child says when it first
+    # sleeps after importing torch: symkv.torch's wait on the lock
     _need()
     locks = _locked_build_dirs(tmp_path, 0)
-    p = _import_with_locks(tmp_path)
-    time.sleep(8)  # torch imported by now: waiting on the lock
-    assert p.poll() is None, p.communicate()
+    prelude = ("import time, torch\n"
+               "_sleep = time.sleep\n"
+               "def _said(s, said=[]):\n"
+               "    if not said: said.append(print('waiting', flush=True))\n"
+               "    _sleep(s)\n"
+               "time.sleep = _said\n")
+    p = _import_torch_ops(tmp_path, prelude)
+    ready = select.select([p.stdout], [], [], 120)[0]
+    line = p.stdout.readline() if ready else ""
+    if line != "waiting\n":
+        p.kill()
+        assert False, (line, p.communicate())
     for k in locks:
-        t = time.time() - 3600
-        os.utime(k, (t, t))
+        _age(k, 3600)
     _python_kernels_after_stale_lock(p, locks)
+
+
+def test_torch_build_lock_taken_by_another_meanwhile(tmp_path):
+    # no lock when the import looks, then another process takes it before torch does and dies
+    # (simulated: the lock made an hour old just before torch's own attempt): torch's wait for
+    # it is bounded too
+    _need()
+    locks = [d / "lock" for d in _build_dirs(tmp_path)]
+    prelude = ("import os, time\n"
+               "from torch.utils import cpp_extension\n"
+               "_load = cpp_extension.load\n"
+               "def _taken(*a, **k):\n"
+               "    lock = os.path.join(k['build_directory'], 'lock')\n"
+               "    open(lock, 'w').close()\n"
+               "    os.utime(lock, (time.time() - 3600,) * 2)\n"
+               "    return _load(*a, **k)\n"
+               "cpp_extension.load = _taken\n")
+    p = _import_torch_ops(tmp_path, prelude)
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+        p.wait()
+    assert p.returncode == 0, out + err
+    assert re.search(r"^CPU: registered at \S*symkv/torch\.py", out, re.M), out + err
+    assert "left by a build that stopped" in err and any(str(k) in err for k in locks), err
 
 
 def test_torch_ops_cuda_two_pes():
