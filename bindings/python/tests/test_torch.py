@@ -115,7 +115,8 @@ def _python_kernels_after_stale_lock(p, locks):
     assert re.search(r"^CPU: registered at \S*symkv/torch\.py", out, re.M), out + err
     assert "left by a build that stopped" in err and any(str(k) in err for k in locks), err
     for k in locks:  # not removed: another process may still be building there
-        assert k.exists() and not list(k.parent.glob("*.so")), k
+        if k.parent.exists():
+            assert k.exists() and not list(k.parent.glob("*.so")), k
 
 
 def test_torch_stale_build_lock_leaves_python_kernels(tmp_path):
@@ -164,15 +165,7 @@ def test_torch_build_lock_taken_by_another_meanwhile(tmp_path):
                "    os.utime(lock, (time.time() - 3600,) * 2)\n"
                "    return _load(*a, **k)\n"
                "cpp_extension.load = _taken\n")
-    p = _import_torch_ops(tmp_path, prelude)
-    try:
-        out, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
-        p.wait()
-    assert p.returncode == 0, out + err
-    assert re.search(r"^CPU: registered at \S*symkv/torch\.py", out, re.M), out + err
-    assert "left by a build that stopped" in err and any(str(k) in err for k in locks), err
+    _python_kernels_after_stale_lock(_import_torch_ops(tmp_path, prelude), locks)
 
 
 def test_torch_ops_cuda_two_pes():
