@@ -469,17 +469,13 @@ def _load_cpp():
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
             except ImportError:
                 pass
-        # torch takes the build's lock itself and waits for it without an end when another
-        # process holds it: a lock found there is waited for here first, and torch's wait is
-        # bounded the same way (another process may take the lock between the two)
+        # torch takes the build's lock and, when another process holds it, waits for it
+        # without an end: its wait is bounded (_wait_build_lock) for this build
         baton = getattr(cpp_extension, "FileBaton", None)
         if baton is not None:
             cpp_extension.FileBaton = _bounded_baton(baton)
         try:
-            build_dir = cpp_extension._get_build_directory(name, False)
-            _wait_build_lock(os.path.join(build_dir, "lock"))
             mod = cpp_extension.load(name=name, sources=[src], with_cuda=cuda, verbose=False,
-                                     build_directory=build_dir,
                                      extra_cflags=["-O2"] + (["-DSYMKV_TORCH_CUDA"] if cuda
                                                              else []))
         finally:

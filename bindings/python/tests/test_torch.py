@@ -151,16 +151,16 @@ def test_torch_build_lock_waited_for_until_stale(tmp_path):
 
 
 def test_torch_build_lock_taken_by_another_meanwhile(tmp_path):
-    # no lock when the import looks, then another process takes it before torch does and dies
-    # (simulated: the lock made an hour old just before torch's own attempt): torch's wait for
-    # it is bounded too
+    # no lock when symkv.torch starts the build, then another process takes it before torch does
+    # and dies (simulated: the lock made an hour old just before torch's own attempt)
     _need()
     locks = [d / "lock" for d in _build_dirs(tmp_path)]
     prelude = ("import os, time\n"
                "from torch.utils import cpp_extension\n"
                "_load = cpp_extension.load\n"
                "def _taken(*a, **k):\n"
-               "    lock = os.path.join(k['build_directory'], 'lock')\n"
+               "    d = cpp_extension._get_build_directory(k['name'], False)\n"
+               "    lock = os.path.join(d, 'lock')\n"
                "    open(lock, 'w').close()\n"
                "    os.utime(lock, (time.time() - 3600,) * 2)\n"
                "    return _load(*a, **k)\n"
