@@ -292,6 +292,12 @@ static inline int skv__ms_left(uint64_t deadline) {
   uint64_t d = deadline - now;
   return d > INT32_MAX ? INT32_MAX : (int)d;
 }
+/* Write [p, p + len) back to memory and drop its lines from this core's caches (CLFLUSHOPT or
+ * CLFLUSH on x86-64, DC CIVAC on arm64, nothing elsewhere). For lines this thread only read and
+ * another thread writes next: its stores then find them in memory, where the hardware brings
+ * them in ahead (streamed), instead of each waiting for this core's copy to be invalidated
+ * first. The contents do not change. */
+void skv__lines_drop(const void *p, size_t len);
 /* Wait for poll() event `ev` on fd until the deadline: 0, SKV_ETIMEDOUT or -errno. */
 int skv__wait_fd(int fd, short ev, uint64_t deadline);
 /* Parse a decimal integer in [lo, hi] with an optional K/M/G/T (binary) suffix when
