@@ -196,6 +196,7 @@ void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
   XX(FETCH_GATE_PAGES, "256", "0..4096 (0: never)", "KV fetch into GPU blocks: a batch of this many pages or more starts its copy first and pins its pages while the copy waits for them (on SKV_ESTALE, blocks of references before the stale one may be written)") \
   XX(PUBLISH_HELPER, "1", "0 or 1", "KV publish of more than one window of pages (over 256): a helper thread claims the next window's index slots while the caller allocates and copies this one, and evicts a free reserve ahead (skv_kv_set_free_reserve); 0: the caller does it all, nothing is evicted ahead") \
   XX(PUBLISH_PDL, "1", "0 or 1", "KV publish into GPU pages: the launches of a batch after its first are programmatic dependent launches (each begins while the one before ends); 0 launches them one after the other")                                 \
+  XX(COMPLETION_DROP, "0", "0 or 1", "KV copies on GPUs: 1 has the completion thread drop from its core's caches the argument lines of a copy it completed (the next call writes them; not yet measured on a GPU host: bench/gpu/completion_drop_ab.sh)") \
   XX(PIN_LEASE_MS, "30000", "0..86400000 (0: pins never expire)",                                \
      "a pin's lease: a live PE that makes no KV call for this long loses pins others need")     \
   XX(HASH_SECRET, "none", "any bytes", "deployment secret mixed into every key (when the caller passes none)") \

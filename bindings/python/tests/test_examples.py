@@ -98,6 +98,7 @@ BLOCKS = {
     ("docs/benchmarks.md", "build/symkv-run -n 1 -- build/bench/symkv-publish-probe 3000 3072"):
         "test_publish_probe_command",
     ("docs/benchmarks.md", "build/bench/symkv-hnd-probe 3"): "test_hnd_probe_command",
+    ("docs/benchmarks.md", "build/bench/symkv-drop-probe 8"): "test_drop_probe_command",
     ("docs/reference.md", "echo advise | sudo tee /sys/kernel/mm/transparent_hugepage/shmem_enabled"):
         "test_shmem_thp_command",
     ("docs/benchmarks.md", "perf record -g -- build/symkv-run -n 1 -- build/bench/symkv-publish-probe 3000 8192 && perf report --no-children"):
@@ -479,6 +480,27 @@ def test_hnd_probe_command():
         for name in ("memcpy of the same bytes", "nhd", "hnd", "hnd, transposed in L1")], r.stdout
     assert all(float(gbps) > 0 and float(ratio) > 0 for _, _, gbps, ratio in rows), r.stdout
     assert all(float(ratio) == 1.0 for _, name, _, ratio in rows if name.startswith("memcpy"))
+
+
+def test_drop_probe_command():
+    need_build()
+    body, _ = block("docs/benchmarks.md", "build/bench/symkv-drop-probe 8")
+    r = sh(body, REPO)
+    if len(os.sched_getaffinity(0)) < 2:
+        assert r.returncode == 1 and "needs two CPUs" in r.stderr, r
+        return
+    assert r.returncode == 0, r
+    assert re.search(r"^symkv-drop-probe: 1024 pages a batch, 400 batches a round, CPUs \d+ and "
+                     r"\d+ of \d+; staging, median us$", r.stdout, re.M), r.stdout
+    rows = re.findall(r"^round (\d+): drop off ([0-9.]+) us, on ([0-9.]+) us, floor ([0-9.]+) us$",
+                      r.stdout, re.M)
+    assert [int(n) for n, _, _, _ in rows] == list(range(1, 9)), r.stdout
+    assert all(float(x) > 0 for row in rows for x in row[1:]), r.stdout
+    m = re.search(r"^median over 8 rounds: drop off ([0-9.]+) us, on ([0-9.]+) us, floor "
+                  r"([0-9.]+) us \(on/off ([0-9.]+)\)$", r.stdout, re.M)
+    assert m, r.stdout
+    off, on, floor, ratio = map(float, m.groups())
+    assert min(off, on, floor) > 0 and abs(ratio - on / off) < 0.01, r.stdout
 
 
 def test_shmem_thp_command():
