@@ -2,16 +2,19 @@
  * batch's arguments into a slot (a page reference of 8 bytes and a block id of 4 per page, as
  * skv__kvc_fill does), a completion thread later reads the references back (as a fetch's unpins
  * do), touching a page record per reference on the way, and hands the slot back to a LIFO ring
- * of 8, from which the caller takes it again. Timed: the caller's staging, with the completion
- * thread dropping the lines it read (skv__lines_drop, SKV_COMPLETION_DROP=1) and without, and
- * with the completion thread reading the references from the caller's own array instead (no
- * line of the slot crosses cores: the floor), alternated round by round (src/kv/kv_cuda_ring.c,
- * slot_complete, says why).
+ * of 8, from which the caller takes it again. Timed: the caller's staging, three ways: the
+ * completion thread leaves the lines it read in the caches (off), flushes them after reading
+ * (on: skv__lines_drop, what SKV_COMPLETION_DROP=1 does), or reads the references from the
+ * caller's own array instead, so that no line of the slot crosses cores (floor). The three take
+ * turns batch by batch, in a random order within each group of three, so that the host's
+ * drifts fall on all of them alike; a staging counts for the way the slot's previous completion
+ * went, since that is what it meets (src/kv/kv_cuda_ring.c, slot_complete, says why).
  *
- *   symkv-drop-probe [ROUNDS [PAGES]]      (8 rounds of 1024 pages; 400 batches a round)
+ *   symkv-drop-probe [ROUNDS [PAGES]]      (8 rounds of 1024 pages; 3 x 400 batches a round)
  *
- * Each thread is pinned to a CPU of its own (the first two it may run on). Prints each round's
- * median staging time in us (off, on, floor), then the medians over the rounds. */
+ * The two threads are pinned to the first two CPUs the process may run on (their cores and
+ * packages are printed: two hyperthreads of one core share its caches). Prints each round's
+ * median staging time in us per way and on/off, then the medians over the rounds. */
 #define _GNU_SOURCE
 #include "core/core.h"
 #include "probe.h"
@@ -32,13 +35,16 @@ typedef struct probe {
   uint8_t *slots;
   uint8_t *meta; /* a 64-byte record per page, as the pool's */
   uint32_t pages;
-  int drop;            /* 0 off, 1 on, 2 the floor (the slot is not read) */
-  const uint32_t *src; /* the floor's references: the caller's array */
+  /* the batch in flight (one at a time): its way (0 off, 1 on, 2 floor) and, for the floor,
+   * where the caller's array holds its references */
+  int way;
+  const uint32_t *src;
   uint64_t src_off;
   pthread_mutex_t mu;
-  int ring[SLOTS], nring;         /* free slots, LIFO (as the backend's free_ring) */
-  int pending[BATCHES], npending; /* staged, not completed yet */
-  int taken;                      /* how many of pending the completion thread took */
+  int ring[SLOTS], nring;             /* free slots, LIFO (as the backend's free_ring) */
+  int last_way[SLOTS];                /* the way its last completion handled each slot (-1) */
+  int pending[3 * BATCHES], npending; /* staged, not completed yet */
+  int taken;                          /* how many of pending the completion thread took */
   int stop;
 } probe_t;
 
@@ -65,6 +71,9 @@ static void *completion(void *arg) {
   for (;;) {
     pthread_mutex_lock(&p->mu);
     const int stop = p->stop, s = p->taken < p->npending ? p->pending[p->taken++] : -1;
+    const int way = p->way;
+    const uint32_t *src = p->src;
+    const uint64_t src_off = p->src_off;
     pthread_mutex_unlock(&p->mu);
     if (s < 0) {
       if (stop) return NULL;
@@ -72,63 +81,94 @@ static void *completion(void *arg) {
     }
     spin_us(GPU_US);
     const uint32_t *pp = (const uint32_t *)(p->slots + (size_t)s * SLOT_BYTES + 64);
-    const int drop = __atomic_load_n(&p->drop, __ATOMIC_RELAXED);
-    if (drop == 2) {
-      for (uint32_t q = 0; q < p->pages; q++)
-        __atomic_fetch_sub((uint32_t *)(p->meta + (size_t)p->src[p->src_off + q] * 64), 1,
-                           __ATOMIC_RELAXED);
-    } else {
-      for (uint32_t q = 0; q < p->pages; q++)
-        __atomic_fetch_sub((uint32_t *)(p->meta + (size_t)pp[2 * q + 1] * 64), 1, __ATOMIC_RELAXED);
+    for (uint32_t q = 0; q < p->pages; q++) {
+      const uint32_t pg = way == 2 ? src[src_off + q] : pp[2 * q + 1];
+      __atomic_fetch_sub((uint32_t *)(p->meta + (size_t)pg * 64), 1, __ATOMIC_RELAXED);
     }
-    if (drop == 1) skv__lines_drop(pp, 8 * (size_t)p->pages);
+    if (way == 1) skv__lines_drop(pp, 8 * (size_t)p->pages);
     pthread_mutex_lock(&p->mu);
+    p->last_way[s] = way;
     p->ring[p->nring++] = s;
     pthread_mutex_unlock(&p->mu);
   }
 }
 
-/* One round of BATCHES stagings; returns the median staging time in seconds. */
-static double round_of(probe_t *p, const uint32_t *page, const uint64_t *bids, uint64_t *rng) {
-  double t[BATCHES];
-  for (int b = 0; b < BATCHES; b++) {
-    const uint64_t off = probe_rand(rng) % 64 * p->pages; /* one of 64 batches of references */
-    for (uint32_t q = 0; q < p->pages; q++)               /* the pins, on this thread */
-      __atomic_fetch_add((uint32_t *)(p->meta + (size_t)page[off + q] * 64), 1, __ATOMIC_RELAXED);
-    int s = -1;
-    while (s < 0) {
+/* One round: BATCHES batches each way, the ways taking turns in a random order within each
+ * group of three; med[w]: the median time of the stagings into a slot whose last completion went
+ * way w (what a staging meets is what the completion before it left), in seconds. */
+static void round_of(probe_t *p, const uint32_t *page, const uint64_t *bids, uint64_t *rng,
+                     double med[3]) {
+  static double t[3][3 * BATCHES];
+  int nt[3] = {0, 0, 0};
+  for (int g = 0; g < BATCHES; g++) {
+    int order[3] = {0, 1, 2};
+    for (int k = 2; k > 0; k--) { /* Fisher-Yates */
+      const int j = (int)(probe_rand(rng) % (uint64_t)(k + 1)), x = order[k];
+      order[k] = order[j];
+      order[j] = x;
+    }
+    for (int k = 0; k < 3; k++) {
+      const int way = order[k];
+      const uint64_t off = probe_rand(rng) % 64 * p->pages; /* one of 64 batches of references */
+      for (uint32_t q = 0; q < p->pages; q++)               /* the pins, on this thread */
+        __atomic_fetch_add((uint32_t *)(p->meta + (size_t)page[off + q] * 64), 1, __ATOMIC_RELAXED);
+      int s = -1, was = -1;
+      while (s < 0) {
+        pthread_mutex_lock(&p->mu);
+        if (p->nring) s = p->ring[--p->nring], was = p->last_way[s];
+        pthread_mutex_unlock(&p->mu);
+      }
+      const double t0 = probe_now();
+      uint8_t *a = p->slots + (size_t)s * SLOT_BYTES;
+      for (int k2 = 0; k2 < 8; k2++) ((uint64_t *)a)[k2] = (uint64_t)k2; /* the layout's bases */
+      uint32_t *pp = (uint32_t *)(a + 64), *bp = (uint32_t *)(a + 64 + 8 * (size_t)p->pages);
+      for (uint32_t q = 0; q < p->pages; q++) {
+        pp[2 * q] = 0;
+        pp[2 * q + 1] = page[off + q];
+      }
+      for (uint32_t q = 0; q < p->pages; q++) bp[q] = (uint32_t)bids[off + q];
+      if (was >= 0) t[was][nt[was]++] = probe_now() - t0;
       pthread_mutex_lock(&p->mu);
-      if (p->nring) s = p->ring[--p->nring];
+      p->way = way;
+      p->src = page;
+      p->src_off = off;
+      p->pending[p->npending++] = s;
       pthread_mutex_unlock(&p->mu);
+      /* the caller waits for the copy (a stream synchronised), then comes back */
+      for (int done = 0; !done;) {
+        pthread_mutex_lock(&p->mu);
+        done = p->nring == SLOTS;
+        pthread_mutex_unlock(&p->mu);
+      }
+      spin_us(5);
     }
-    const double t0 = probe_now();
-    uint8_t *a = p->slots + (size_t)s * SLOT_BYTES;
-    for (int k = 0; k < 8; k++) ((uint64_t *)a)[k] = (uint64_t)k; /* the layout's bases */
-    uint32_t *pp = (uint32_t *)(a + 64), *bp = (uint32_t *)(a + 64 + 8 * (size_t)p->pages);
-    for (uint32_t q = 0; q < p->pages; q++) {
-      pp[2 * q] = 0;
-      pp[2 * q + 1] = page[off + q];
-    }
-    for (uint32_t q = 0; q < p->pages; q++) bp[q] = (uint32_t)bids[off + q];
-    t[b] = probe_now() - t0;
-    pthread_mutex_lock(&p->mu);
-    p->src = page;
-    p->src_off = off;
-    p->pending[p->npending++] = s;
-    pthread_mutex_unlock(&p->mu);
-    /* the caller waits for the copy (a stream synchronised), then comes back */
-    for (int done = 0; !done;) {
-      pthread_mutex_lock(&p->mu);
-      done = p->nring == SLOTS;
-      pthread_mutex_unlock(&p->mu);
-    }
-    spin_us(5);
   }
   pthread_mutex_lock(&p->mu);
   p->npending = p->taken = 0;
   pthread_mutex_unlock(&p->mu);
-  qsort(t, BATCHES, sizeof t[0], probe_cmp_double);
-  return t[BATCHES / 2];
+  for (int w = 0; w < 3; w++) {
+    qsort(t[w], (size_t)nt[w], sizeof t[w][0], probe_cmp_double);
+    med[w] = nt[w] ? t[w][nt[w] / 2] : 0;
+  }
+}
+
+/* "core C, package P" of a CPU, from sysfs ("?" where it cannot be read). */
+static void cpu_place(int cpu, char *buf, size_t cap) {
+  int v[2] = {-1, -1};
+  static const char *const what[2] = {"core_id", "physical_package_id"};
+  for (int k = 0; k < 2; k++) {
+    char path[128];
+    snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/%s", cpu, what[k]);
+    FILE *f = fopen(path, "r");
+    if (f) {
+      if (fscanf(f, "%d", &v[k]) != 1) v[k] = -1;
+      fclose(f);
+    }
+  }
+  if (v[0] < 0 || v[1] < 0)
+    snprintf(buf, cap, "core ?, package ?");
+  else
+    snprintf(buf, cap, "core %d, package %d", v[0], v[1]);
 }
 
 int main(int argc, char **argv) {
@@ -154,7 +194,7 @@ int main(int argc, char **argv) {
     page[i] = (uint32_t)(probe_rand(&rng) % META_PAGES);
     bids[i] = probe_rand(&rng);
   }
-  for (int i = 0; i < SLOTS; i++) p.ring[p.nring++] = i;
+  for (int i = 0; i < SLOTS; i++) p.ring[p.nring++] = i, p.last_way[i] = -1;
   cpu_set_t cs;
   CPU_ZERO(&cs);
   const int cpus = sched_getaffinity(0, sizeof cs, &cs) == 0 ? CPU_COUNT(&cs) : 1;
@@ -170,17 +210,19 @@ int main(int argc, char **argv) {
     return 1;
   }
   pin_to(cpu_writer);
-  printf("symkv-drop-probe: %ld pages a batch, %d batches a round, CPUs %d and %d of %d; staging, "
-         "median us\n",
-         pages, BATCHES, cpu_writer, cpu_completion, cpus);
+  char w0[48], w1[48];
+  cpu_place(cpu_writer, w0, sizeof w0);
+  cpu_place(cpu_completion, w1, sizeof w1);
+  printf("symkv-drop-probe: %ld pages a batch, %d batches a way a round; caller on CPU %d (%s), "
+         "completion on CPU %d (%s), of %d CPUs; staging, median us\n",
+         pages, BATCHES, cpu_writer, w0, cpu_completion, w1, cpus);
   double t[3][64];
   for (int r = 0; r < rounds; r++) {
-    for (int m = 0; m < 3; m++) {
-      __atomic_store_n(&p.drop, m, __ATOMIC_RELAXED);
-      t[m][r] = round_of(&p, page, bids, &rng);
-    }
-    printf("round %d: drop off %.2f us, on %.2f us, floor %.2f us\n", r + 1, t[0][r] * 1e6,
-           t[1][r] * 1e6, t[2][r] * 1e6);
+    double med[3];
+    round_of(&p, page, bids, &rng, med);
+    for (int w = 0; w < 3; w++) t[w][r] = med[w];
+    printf("round %d: drop off %.2f us, on %.2f us, floor %.2f us (on/off %.2f)\n", r + 1,
+           med[0] * 1e6, med[1] * 1e6, med[2] * 1e6, med[1] / med[0]);
   }
   pthread_mutex_lock(&p.mu);
   p.stop = 1;

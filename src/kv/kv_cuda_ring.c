@@ -83,14 +83,14 @@ void skv__kvc_slot_put(skv__kvc_t *kc, skv__kvc_slot_t *s) {
 /* A launch completed: the protocol's step on its batch (kc->mu not held: the slot is on no
  * list, so nothing else touches it). Returns 0 or the step's failure.
  * With `drop` (the completion thread) and SKV_COMPLETION_DROP=1, the slot's lines that the step
- * read then leave this core's caches: the next call to take the slot writes them on its own
- * thread, and a store to a line that another core holds waits for that copy to be invalidated.
- * Why: on one H100, staging the arguments of 1024 pages (12 KiB of stores) took 6.2 us of
- * fetch_e2e's 40.6 us call (bench/results/cold_dst_1_nvidia-h100-x1.json). symkv-drop-probe
- * plays the pattern on the 2-core VM: in half its runs the staging waited 1.6-4.0 us for the
- * other core's lines, and the drop took it to within 0.35 us of its cost with no reader; in the
- * others it changed little, or cost up to 0.3 us (completion_drop_probe_2core-vm.txt). Off until
- * a GPU host measures it (bench/gpu/completion_drop_ab.sh). */
+ * read are then flushed from the caches (skv__lines_drop): the next call to take the slot writes
+ * them on its own thread, and a store to a line that another core holds waits for that copy to
+ * be invalidated, where a flushed line is fetched from memory. Why: on one H100, staging the
+ * arguments of 1024 pages (12 KiB of stores) took 6.2 us of fetch_e2e's 40.6 us call
+ * (bench/results/cold_dst_1_nvidia-h100-x1.json; the cause is not measured there).
+ * symkv-drop-probe plays the pattern on the 2-core VM (completion_drop_probe_2core-vm.txt).
+ * Off until a GPU host measures it (bench/gpu/completion_drop_ab.sh). A WRITE's step reads
+ * nothing: its lines stay. */
 static int slot_complete(skv__kvc_t *kc, skv__kvc_slot_t *s, bool drop) {
   const uint32_t *pp = (const uint32_t *)(s->args + s->refs_off);
   skv__kv_batch_t b = {.dir = s->dir,
@@ -104,7 +104,8 @@ static int slot_complete(skv__kvc_t *kc, skv__kvc_slot_t *s, bool drop) {
                        .claims = s->has_claims ? s->claims : NULL};
   const uint64_t t = skv__kp_now(kc->p.prof);
   int r = kc->p.done(kc->p.done_arg, &b);
-  if (drop && skv__env_switch(SKV_ENV_COMPLETION_DROP, false, SKV_SUBSYS_KV)) {
+  if (drop && b.dir != SKV__KV_WRITE &&
+      skv__env_switch(SKV_ENV_COMPLETION_DROP, false, SKV_SUBSYS_KV)) {
     skv__lines_drop(pp, 2 * sizeof *pp * b.n);
     if (b.dir == SKV__KV_PUBLISH || b.dir == SKV__KV_COMMIT) { /* the keys were read too */
       skv__lines_drop(b.keys, sizeof *b.keys * b.n);

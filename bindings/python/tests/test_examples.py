@@ -490,17 +490,20 @@ def test_drop_probe_command():
         assert r.returncode == 1 and "needs two CPUs" in r.stderr, r
         return
     assert r.returncode == 0, r
-    assert re.search(r"^symkv-drop-probe: 1024 pages a batch, 400 batches a round, CPUs \d+ and "
-                     r"\d+ of \d+; staging, median us$", r.stdout, re.M), r.stdout
-    rows = re.findall(r"^round (\d+): drop off ([0-9.]+) us, on ([0-9.]+) us, floor ([0-9.]+) us$",
-                      r.stdout, re.M)
-    assert [int(n) for n, _, _, _ in rows] == list(range(1, 9)), r.stdout
+    assert re.search(r"^symkv-drop-probe: 1024 pages a batch, 400 batches a way a round; caller on "
+                     r"CPU \d+ \(core \S+, package \S+\), completion on CPU \d+ \(core \S+, "
+                     r"package \S+\), of \d+ CPUs; staging, median us$", r.stdout, re.M), r.stdout
+    num = r"([0-9.]+)"
+    rows = re.findall(r"^round (\d+): drop off %s us, on %s us, floor %s us \(on/off %s\)$"
+                      % (num, num, num, num), r.stdout, re.M)
+    assert [int(row[0]) for row in rows] == list(range(1, 9)), r.stdout
     assert all(float(x) > 0 for row in rows for x in row[1:]), r.stdout
-    m = re.search(r"^median over 8 rounds: drop off ([0-9.]+) us, on ([0-9.]+) us, floor "
-                  r"([0-9.]+) us \(on/off ([0-9.]+)\)$", r.stdout, re.M)
+    m = re.search(r"^median over 8 rounds: drop off %s us, on %s us, floor %s us \(on/off %s\)$"
+                  % (num, num, num, num), r.stdout, re.M)
     assert m, r.stdout
     off, on, floor, ratio = map(float, m.groups())
-    assert min(off, on, floor) > 0 and abs(ratio - on / off) < 0.01, r.stdout
+    # the ratio is of the unrounded medians: within the rounding of the printed ones
+    assert min(off, on, floor) > 0 and abs(ratio - on / off) <= 0.01 + 0.02 * on / off, r.stdout
 
 
 def test_shmem_thp_command():
