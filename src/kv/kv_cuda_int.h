@@ -97,7 +97,8 @@ void skv__kvc_slot_done(skv__kvc_slot_t *s);
  * step's pins go now rather than at the completion thread's next look). */
 void skv__kvc_reap(skv__kvc_t *kc);
 /* The same with kc->mu held (it drops it around the event queries); returns how many. `reaper`:
- * called by the completion thread (which drops the slots' lines it read: slot_complete). */
+ * called by the completion thread (which, with SKV_COMPLETION_DROP=1, flushes the slots' lines
+ * it read from the caches: slot_complete). */
 int skv__kvc_reap_locked(skv__kvc_t *kc, bool reaper);
 
 /* ---- kv_cuda_launch.c: launch plans -------------------------------------------------------- */
