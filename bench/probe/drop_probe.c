@@ -35,16 +35,15 @@ typedef struct probe {
   uint8_t *slots;
   uint8_t *meta; /* a 64-byte record per page, as the pool's */
   uint32_t pages;
-  /* the batch in flight (one at a time): its way (0 off, 1 on, 2 floor) and, for the floor,
-   * where the caller's array holds its references */
-  int way;
-  const uint32_t *src;
-  uint64_t src_off;
+  const uint32_t *page; /* the caller's references: 64 batches of `pages` page numbers */
+  const uint64_t *bids; /* and their block ids */
   pthread_mutex_t mu;
-  int ring[SLOTS], nring;             /* free slots, LIFO (as the backend's free_ring) */
-  int last_way[SLOTS];                /* the way its last completion handled each slot (-1) */
-  int pending[3 * BATCHES], npending; /* staged, not completed yet */
-  int taken;                          /* how many of pending the completion thread took */
+  /* the batch in flight (one at a time): its slot (-1 once the completion thread took it), its
+   * way (0 off, 1 on, 2 floor) and where in `page` its references are */
+  int pending, way;
+  uint64_t off;
+  int ring[SLOTS], nring; /* free slots, LIFO (as the backend's free_ring) */
+  int last_way[SLOTS];    /* the way its last completion handled each slot (-1) */
   int stop;
 } probe_t;
 
@@ -70,10 +69,9 @@ static void *completion(void *arg) {
   pin_to(cpu_completion);
   for (;;) {
     pthread_mutex_lock(&p->mu);
-    const int stop = p->stop, s = p->taken < p->npending ? p->pending[p->taken++] : -1;
-    const int way = p->way;
-    const uint32_t *src = p->src;
-    const uint64_t src_off = p->src_off;
+    const int stop = p->stop, s = p->pending, way = p->way;
+    const uint64_t off = p->off;
+    p->pending = -1;
     pthread_mutex_unlock(&p->mu);
     if (s < 0) {
       if (stop) return NULL;
@@ -82,7 +80,7 @@ static void *completion(void *arg) {
     spin_us(GPU_US);
     const uint32_t *pp = (const uint32_t *)(p->slots + (size_t)s * SLOT_BYTES + 64);
     for (uint32_t q = 0; q < p->pages; q++) {
-      const uint32_t pg = way == 2 ? src[src_off + q] : pp[2 * q + 1];
+      const uint32_t pg = way == 2 ? p->page[off + q] : pp[2 * q + 1];
       __atomic_fetch_sub((uint32_t *)(p->meta + (size_t)pg * 64), 1, __ATOMIC_RELAXED);
     }
     if (way == 1) skv__lines_drop(pp, 8 * (size_t)p->pages);
@@ -96,8 +94,8 @@ static void *completion(void *arg) {
 /* One round: BATCHES batches each way, the ways taking turns in a random order within each
  * group of three; med[w]: the median time of the stagings into a slot whose last completion went
  * way w (what a staging meets is what the completion before it left), in seconds. */
-static void round_of(probe_t *p, const uint32_t *page, const uint64_t *bids, uint64_t *rng,
-                     double med[3]) {
+static void round_of(probe_t *p, uint64_t *rng, double med[3]) {
+  const uint32_t *page = p->page;
   static double t[3][3 * BATCHES];
   int nt[3] = {0, 0, 0};
   for (int g = 0; g < BATCHES; g++) {
@@ -126,13 +124,12 @@ static void round_of(probe_t *p, const uint32_t *page, const uint64_t *bids, uin
         pp[2 * q] = 0;
         pp[2 * q + 1] = page[off + q];
       }
-      for (uint32_t q = 0; q < p->pages; q++) bp[q] = (uint32_t)bids[off + q];
+      for (uint32_t q = 0; q < p->pages; q++) bp[q] = (uint32_t)p->bids[off + q];
       if (was >= 0) t[was][nt[was]++] = probe_now() - t0;
       pthread_mutex_lock(&p->mu);
       p->way = way;
-      p->src = page;
-      p->src_off = off;
-      p->pending[p->npending++] = s;
+      p->off = off;
+      p->pending = s;
       pthread_mutex_unlock(&p->mu);
       /* the caller waits for the copy (a stream synchronised), then comes back */
       for (int done = 0; !done;) {
@@ -143,9 +140,6 @@ static void round_of(probe_t *p, const uint32_t *page, const uint64_t *bids, uin
       spin_us(5);
     }
   }
-  pthread_mutex_lock(&p->mu);
-  p->npending = p->taken = 0;
-  pthread_mutex_unlock(&p->mu);
   for (int w = 0; w < 3; w++) {
     qsort(t[w], (size_t)nt[w], sizeof t[w][0], probe_cmp_double);
     med[w] = nt[w] ? t[w][nt[w] / 2] : 0;
@@ -178,7 +172,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: symkv-drop-probe [ROUNDS (1..64) [PAGES (1..16384)]]\n");
     return 2;
   }
-  probe_t p = {.pages = (uint32_t)pages, .mu = PTHREAD_MUTEX_INITIALIZER};
+  probe_t p = {.pages = (uint32_t)pages, .mu = PTHREAD_MUTEX_INITIALIZER, .pending = -1};
   p.slots = aligned_alloc(4096, (size_t)SLOTS * SLOT_BYTES);
   p.meta = aligned_alloc(4096, (size_t)META_PAGES * 64);
   uint32_t *page = malloc(64 * (size_t)pages * sizeof *page);
@@ -194,6 +188,8 @@ int main(int argc, char **argv) {
     page[i] = (uint32_t)(probe_rand(&rng) % META_PAGES);
     bids[i] = probe_rand(&rng);
   }
+  p.page = page;
+  p.bids = bids;
   for (int i = 0; i < SLOTS; i++) p.ring[p.nring++] = i, p.last_way[i] = -1;
   cpu_set_t cs;
   CPU_ZERO(&cs);
@@ -219,7 +215,7 @@ int main(int argc, char **argv) {
   double t[3][64];
   for (int r = 0; r < rounds; r++) {
     double med[3];
-    round_of(&p, page, bids, &rng, med);
+    round_of(&p, &rng, med);
     for (int w = 0; w < 3; w++) t[w][r] = med[w];
     printf("round %d: drop off %.2f us, on %.2f us, floor %.2f us (on/off %.2f)\n", r + 1,
            med[0] * 1e6, med[1] * 1e6, med[2] * 1e6, med[1] / med[0]);
