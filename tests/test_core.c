@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -522,31 +521,6 @@ Test(core, helper_is_not_used_by_a_thread_pinned_to_one_cpu) {
   cr_assert_eq((uintptr_t)r, 0, "pinned to one CPU: %s", r == (void *)2 ? "no affinity" : "usable");
   cr_assert_not(skv__helper_usable(NULL));
   skv__helper_destroy(h);
-}
-
-/* ---- cache lines ---- */
-
-/* skv__lines_drop writes lines back and drops them: the bytes stay what they were, on memory
- * that may only be read too (a flush needs a load's permission, not a store's), for ranges that
- * start and end inside a line. */
-Test(core, lines_drop_keeps_the_bytes_and_needs_only_read_access) {
-  const size_t len = 3 * 4096;
-  uint8_t *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  cr_assert_neq(m, MAP_FAILED);
-  uint8_t *want = malloc(len);
-  cr_assert_not_null(want);
-  cr_assert_eq(skv__random_bytes(want, len), 0);
-  memcpy(m, want, len);
-  skv__lines_drop(m + 3, 1000); /* within lines, unaligned at both ends */
-  skv__lines_drop(m + 4095, 2); /* across a page boundary */
-  skv__lines_drop(m, 0);        /* nothing */
-  skv__lines_drop(NULL, 64);    /* nothing */
-  cr_assert_eq(memcmp(m, want, len), 0, "the bytes changed");
-  cr_assert_eq(mprotect(m, len, PROT_READ), 0);
-  skv__lines_drop(m, len); /* a fault here: the drop wrote */
-  cr_assert_eq(memcmp(m, want, len), 0, "the bytes changed");
-  munmap(m, len);
-  free(want);
 }
 
 #pragma GCC diagnostic push

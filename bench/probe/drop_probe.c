@@ -4,11 +4,12 @@
  * do), touching a page record per reference on the way, and hands the slot back to a LIFO ring
  * of 8, from which the caller takes it again. Timed: the caller's staging, three ways: the
  * completion thread leaves the lines it read in the caches (off), flushes them after reading
- * (on: skv__lines_drop, what SKV_COMPLETION_DROP=1 does), or reads the references from the
+ * (on: lines_drop below; SKV_COMPLETION_DROP=1 did this in the library until the GPU host showed
+ * no gain, bench/results/completion_drop_nvidia-h100-x1.txt), or reads the references from the
  * caller's own array instead, so that no line of the slot crosses cores (floor). The three take
  * turns batch by batch, in a random order within each group of three, so that the host's
  * drifts fall on all of them alike; a staging counts for the way the slot's previous completion
- * went, since that is what it meets (src/kv/kv_cuda_ring.c, slot_complete, says why).
+ * went, since that is what it meets.
  *
  *   symkv-drop-probe [ROUNDS [PAGES]]      (8 rounds of 1024 pages; 3 x 400 batches a round)
  *
@@ -24,6 +25,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 #define SLOTS      8
 #define SLOT_BYTES (512u << 10)
@@ -62,6 +66,31 @@ static void spin_us(double us) {
   }
 }
 
+/* Write [p, p + len) back to memory and drop its lines from every cache of the machine:
+ * CLFLUSHOPT (CPUID.(EAX=7,ECX=0):EBX bit 23) or CLFLUSH on x86-64, DC CIVAC on arm64, nothing
+ * elsewhere. The bytes do not change. */
+static void lines_drop(const void *p, size_t len) {
+  const uintptr_t end = (uintptr_t)p + len;
+#if defined(__x86_64__)
+  static int opt; /* 1 CLFLUSHOPT, -1 CLFLUSH, 0 not looked yet (one thread calls this) */
+  if (opt == 0) {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    opt = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (ebx & (1u << 23)) ? 1 : -1;
+  }
+  for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64) {
+    if (opt > 0)
+      __asm__ __volatile__("clflushopt %0" : "+m"(*(volatile char *)a));
+    else
+      __asm__ __volatile__("clflush %0" : "+m"(*(volatile char *)a));
+  }
+#elif defined(__aarch64__)
+  for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64)
+    __asm__ __volatile__("dc civac, %0" ::"r"(a) : "memory");
+#else
+  (void)end;
+#endif
+}
+
 /* The completion thread: for each staged slot, the copy's time, the references read (a page
  * record touched per reference), the lines dropped when asked, the slot back on the ring. */
 static void *completion(void *arg) {
@@ -83,7 +112,7 @@ static void *completion(void *arg) {
       const uint32_t pg = way == 2 ? p->page[off + q] : pp[2 * q + 1];
       __atomic_fetch_sub((uint32_t *)(p->meta + (size_t)pg * 64), 1, __ATOMIC_RELAXED);
     }
-    if (way == 1) skv__lines_drop(pp, 8 * (size_t)p->pages);
+    if (way == 1) lines_drop(pp, 8 * (size_t)p->pages);
     pthread_mutex_lock(&p->mu);
     p->last_way[s] = way;
     p->ring[p->nring++] = s;

@@ -196,7 +196,6 @@ void skv__log_suppressed(int level, unsigned subsys, uint64_t n);
   XX(FETCH_GATE_PAGES, "256", "0..4096 (0: never)", "KV fetch into GPU blocks: a batch of this many pages or more starts its copy first and pins its pages while the copy waits for them (on SKV_ESTALE, blocks of references before the stale one may be written)") \
   XX(PUBLISH_HELPER, "1", "0 or 1", "KV publish of more than one window of pages (over 256): a helper thread claims the next window's index slots while the caller allocates and copies this one, and evicts a free reserve ahead (skv_kv_set_free_reserve); 0: the caller does it all, nothing is evicted ahead") \
   XX(PUBLISH_PDL, "1", "0 or 1", "KV publish into GPU pages: the launches of a batch after its first are programmatic dependent launches (each begins while the one before ends); 0 launches them one after the other")                                 \
-  XX(COMPLETION_DROP, "0", "0 or 1", "KV copies on GPUs: 1 has the completion thread flush from every cache (CLFLUSHOPT, CLFLUSH or DC CIVAC) the argument lines of a copy it completed, which the next call writes from its own thread (not yet measured on a GPU host: bench/gpu/completion_drop_ab.sh)") \
   XX(PIN_LEASE_MS, "30000", "0..86400000 (0: pins never expire)",                                \
      "a pin's lease: a live PE that makes no KV call for this long loses pins others need")     \
   XX(HASH_SECRET, "none", "any bytes", "deployment secret mixed into every key (when the caller passes none)") \
@@ -293,13 +292,6 @@ static inline int skv__ms_left(uint64_t deadline) {
   uint64_t d = deadline - now;
   return d > INT32_MAX ? INT32_MAX : (int)d;
 }
-/* Write [p, p + len) back to memory and drop its lines from every cache of the machine (CLFLUSHOPT
- * or CLFLUSH on x86-64, DC CIVAC on arm64, nothing elsewhere; the shared last-level cache and
- * the other cores' caches included). For lines this thread only read and another thread writes
- * next: its stores then fetch them from memory instead of waiting for this core's copy of each
- * to be invalidated (which of the two costs less is for a measurement to say). The contents do
- * not change. */
-void skv__lines_drop(const void *p, size_t len);
 /* Wait for poll() event `ev` on fd until the deadline: 0, SKV_ETIMEDOUT or -errno. */
 int skv__wait_fd(int fd, short ev, uint64_t deadline);
 /* Parse a decimal integer in [lo, hi] with an optional K/M/G/T (binary) suffix when

@@ -14,9 +14,6 @@
 #include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__x86_64__)
-#include <cpuid.h>
-#endif
 
 int skv__thread_start(pthread_t *t, void *(*fn)(void *), void *arg) {
   sigset_t all, old;
@@ -25,35 +22,6 @@ int skv__thread_start(pthread_t *t, void *(*fn)(void *), void *arg) {
   const int te = pthread_create(t, NULL, fn, arg);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   return te;
-}
-
-#if defined(__x86_64__)
-/* CLFLUSHOPT (CPUID.(EAX=7,ECX=0):EBX bit 23): 1 yes, -1 no, 0 not looked yet */
-static int has_clflushopt;
-#endif
-
-void skv__lines_drop(const void *p, size_t len) {
-  if (!p || !len) return;
-  const uintptr_t end = (uintptr_t)p + len;
-#if defined(__x86_64__)
-  int opt = __atomic_load_n(&has_clflushopt, __ATOMIC_RELAXED);
-  if (opt == 0) {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    opt = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (ebx & (1u << 23)) ? 1 : -1;
-    __atomic_store_n(&has_clflushopt, opt, __ATOMIC_RELAXED);
-  }
-  for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64) {
-    if (opt > 0)
-      __asm__ __volatile__("clflushopt %0" : "+m"(*(volatile char *)a));
-    else
-      __asm__ __volatile__("clflush %0" : "+m"(*(volatile char *)a));
-  }
-#elif defined(__aarch64__)
-  for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64)
-    __asm__ __volatile__("dc civac, %0" ::"r"(a) : "memory");
-#else
-  (void)end;
-#endif
 }
 
 uint64_t skv__now_ns(void) {

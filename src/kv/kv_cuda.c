@@ -586,7 +586,7 @@ int skv__kvc_sync(skv__kvc_t *kc) {
   const uint64_t dl = skv__now_ns() + (uint64_t)ms * 1000000u;
   pthread_mutex_lock(&kc->mu);
   /* look at the events every 20 us (the completion thread may be napping longer) */
-  while (kc->inflight > 0 && (skv__kvc_reap_locked(kc, false), kc->inflight > 0)) {
+  while (kc->inflight > 0 && (skv__kvc_reap_locked(kc), kc->inflight > 0)) {
     const uint64_t now = skv__now_ns();
     if (now >= dl) break;
     const struct timespec t = skv__ts_at(SKV_MIN(now + 20000u, dl));

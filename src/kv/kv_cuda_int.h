@@ -96,10 +96,8 @@ void skv__kvc_slot_done(skv__kvc_slot_t *s);
 /* Complete the launches that have completed (a caller's first step, so that the previous
  * step's pins go now rather than at the completion thread's next look). */
 void skv__kvc_reap(skv__kvc_t *kc);
-/* The same with kc->mu held (it drops it around the event queries); returns how many. `reaper`:
- * called by the completion thread (which, with SKV_COMPLETION_DROP=1, flushes the slots' lines
- * it read from the caches: slot_complete). */
-int skv__kvc_reap_locked(skv__kvc_t *kc, bool reaper);
+/* The same with kc->mu held (it drops it around the event queries); returns how many. */
+int skv__kvc_reap_locked(skv__kvc_t *kc);
 
 /* ---- kv_cuda_launch.c: launch plans -------------------------------------------------------- */
 

@@ -46,7 +46,7 @@ int skv__kvc_slot_get(skv__kvc_t *kc, skv__kvc_slot_t **out, const char *fn) {
   int ms = kc->p.ctx->cfg.timeout_ms;
   const struct timespec dl = skv__ts_at(skv__now_ns() + (uint64_t)ms * 1000000u);
   pthread_mutex_lock(&kc->mu);
-  if (!kc->free_ring) (void)skv__kvc_reap_locked(kc, false);
+  if (!kc->free_ring) (void)skv__kvc_reap_locked(kc);
   while (!kc->free_ring) {
     if (pthread_cond_timedwait(&kc->cv, &kc->mu, &dl) == ETIMEDOUT && !kc->free_ring) {
       pthread_mutex_unlock(&kc->mu);
@@ -81,17 +81,8 @@ void skv__kvc_slot_put(skv__kvc_t *kc, skv__kvc_slot_t *s) {
 }
 
 /* A launch completed: the protocol's step on its batch (kc->mu not held: the slot is on no
- * list, so nothing else touches it). Returns 0 or the step's failure.
- * With `drop` (the completion thread) and SKV_COMPLETION_DROP=1, the slot's lines that the step
- * read are then flushed from the caches (skv__lines_drop): the next call to take the slot writes
- * them on its own thread, and a store to a line that another core holds waits for that copy to
- * be invalidated, where a flushed line is fetched from memory. Why: on one H100, staging the
- * arguments of 1024 pages (12 KiB of stores) took 6.2 us of fetch_e2e's 40.6 us call
- * (bench/results/cold_dst_1_nvidia-h100-x1.json; the cause is not measured there).
- * symkv-drop-probe plays the pattern on the 2-core VM (completion_drop_probe_2core-vm.txt).
- * Off until a GPU host measures it (bench/gpu/completion_drop_ab.sh). A WRITE's step reads
- * nothing: its lines stay. */
-static int slot_complete(skv__kvc_t *kc, skv__kvc_slot_t *s, bool drop) {
+ * list, so nothing else touches it). Returns 0 or the step's failure. */
+static int slot_complete(skv__kvc_t *kc, skv__kvc_slot_t *s) {
   const uint32_t *pp = (const uint32_t *)(s->args + s->refs_off);
   skv__kv_batch_t b = {.dir = s->dir,
                        .n = s->n,
@@ -104,14 +95,6 @@ static int slot_complete(skv__kvc_t *kc, skv__kvc_slot_t *s, bool drop) {
                        .claims = s->has_claims ? s->claims : NULL};
   const uint64_t t = skv__kp_now(kc->p.prof);
   int r = kc->p.done(kc->p.done_arg, &b);
-  if (drop && b.dir != SKV__KV_WRITE &&
-      skv__env_switch(SKV_ENV_COMPLETION_DROP, false, SKV_SUBSYS_KV)) {
-    skv__lines_drop(pp, 2 * sizeof *pp * b.n);
-    if (b.dir == SKV__KV_PUBLISH || b.dir == SKV__KV_COMMIT) { /* the keys were read too */
-      skv__lines_drop(b.keys, sizeof *b.keys * b.n);
-      if (b.claims) skv__lines_drop(b.claims, sizeof *b.claims * b.n);
-    }
-  }
   (void)skv__kp_lap(kc->p.prof, SKV__KP_COMPLETE, t);
   return r;
 }
@@ -121,8 +104,7 @@ void skv__kvc_slot_done(skv__kvc_slot_t *s) {
   pthread_mutex_lock(&kc->mu);
   const bool closed = kc->closed;
   pthread_mutex_unlock(&kc->mu);
-  /* closed: the cache is gone, nothing to update */
-  int r = closed ? 0 : slot_complete(kc, s, false);
+  int r = closed ? 0 : slot_complete(kc, s); /* closed: the cache is gone, nothing to update */
   pthread_mutex_lock(&kc->mu);
   if (r) note_err_locked(kc, r);
   slot_put_locked(kc, s);
@@ -141,7 +123,7 @@ void skv__kvc_slot_pending(skv__kvc_t *kc, skv__kvc_slot_t *s) {
 /* Complete the pending launches whose events have completed (in any order: they may be on
  * different streams). A launch whose slot left the list or was used again meanwhile (another
  * thread completed it) is left alone: each use of a slot has its own sequence number. */
-int skv__kvc_reap_locked(skv__kvc_t *kc, bool reaper) {
+int skv__kvc_reap_locked(skv__kvc_t *kc) {
   skv__kvc_slot_t *snap[SKV__KVC_RING_SLOTS];
   uint64_t seq[SKV__KVC_RING_SLOTS];
   int n = 0;
@@ -184,7 +166,7 @@ int skv__kvc_reap_locked(skv__kvc_t *kc, bool reaper) {
   const bool closed = kc->closed;
   pthread_mutex_unlock(&kc->mu);
   int r[SKV__KVC_RING_SLOTS];
-  for (int i = 0; i < done; i++) r[i] = closed ? 0 : slot_complete(kc, mine[i], reaper);
+  for (int i = 0; i < done; i++) r[i] = closed ? 0 : slot_complete(kc, mine[i]);
   pthread_mutex_lock(&kc->mu);
   for (int i = 0; i < done; i++) {
     if (r[i]) note_err_locked(kc, r[i]);
@@ -195,7 +177,7 @@ int skv__kvc_reap_locked(skv__kvc_t *kc, bool reaper) {
 
 void skv__kvc_reap(skv__kvc_t *kc) {
   pthread_mutex_lock(&kc->mu);
-  if (kc->pending) (void)skv__kvc_reap_locked(kc, false);
+  if (kc->pending) (void)skv__kvc_reap_locked(kc);
   pthread_mutex_unlock(&kc->mu);
 }
 
@@ -235,7 +217,7 @@ static void *reaper_main(void *arg) {
       continue;
     }
     if (idle_since) idle_since = 0, nap_ns = 2000;
-    if (skv__kvc_reap_locked(kc, true) > 0) {
+    if (skv__kvc_reap_locked(kc) > 0) {
       nap_ns = 2000;
       continue;
     }
