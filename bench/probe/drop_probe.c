@@ -17,7 +17,6 @@
  * packages are printed: two hyperthreads of one core share its caches). Prints each round's
  * median staging time in us per way and on/off, then the medians over the rounds. */
 #define _GNU_SOURCE
-#include "core/core.h"
 #include "probe.h"
 
 #include <pthread.h>
